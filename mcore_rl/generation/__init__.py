@@ -1,0 +1,1 @@
+"""mcore-rl: generation."""

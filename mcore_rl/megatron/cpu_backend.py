@@ -1,0 +1,166 @@
+"""Run Megatron-Core on CPU processes (gloo) by redirecting its CUDA assumptions.
+
+Megatron-Core is written for CUDA: tensor factories name ``device="cuda"`` or
+``torch.cuda.current_device()``, the RNG tracker reads CUDA generator state, pipeline p2p
+calls ``torch.cuda.synchronize()``, and the optimizer's grad clipping asserts CUDA tensor
+types. None of that is needed for the maths, so when no GPU is used this module redirects
+those spots to the CPU, and the product's worker code stays the same on CPU and GPU.
+
+What is redirected (measured on megatron-core 0.16.1, see ``shared/notes/megatron-on-cpu.md``):
+
+=============================================  ================================================
+Megatron assumption                            Redirect while :func:`activate` is in effect
+=============================================  ================================================
+``torch.cuda.current_device()``                returns 0; ``device=0`` is then rewritten below
+factories with ``device="cuda"`` / an int      a ``TorchFunctionMode`` rewrites the device to CPU
+``Tensor.cuda()`` / ``.to("cuda")``            the same mode makes them CPU no-ops
+CUDA RNG state (tensor-parallel RNG tracker)   the CPU default generator, so ``torch.cuda.
+                                               manual_seed(s)`` seeds it (a no-op seed would
+                                               leave TP-replicated params different per rank)
+``torch.cuda.synchronize`` / streams / events  no-ops / a null stream
+``clip_grad_by_total_norm_fp32`` type assert   our own clip (:func:`_clip_grads_cpu`), same maths
+=============================================  ================================================
+
+The distributed optimizer is a GPU path (its param-group builder checks CUDA type strings)
+and is refused by the config validation on CPU.
+
+:func:`activate` is idempotent and process-global; it must run before Megatron builds a
+model. :func:`is_active` lets tests assert a GPU run never activated it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE = False
+_LOCK = threading.Lock()
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of torch calls to the CPU (see the module table)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = torch.device("cpu")
+        if func in (torch.Tensor.cuda,):
+            return args[0]
+        if func in (torch.Tensor.to,) and args:
+            rest = list(args[1:])
+            if rest and _is_cuda_device(rest[0]):
+                rest[0] = torch.device("cpu")
+            args = (args[0], *rest)
+        if kwargs.pop("pin_memory", False):
+            pass
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for ``torch.cuda.Stream`` on CPU: every operation is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def record_event(self, *args, **kwargs):
+        return _NullEvent()
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        return None
+
+    def wait(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+
+def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _seed_cpu_generator(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False, **kwargs):
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA type assert: scale every
+    grad in place by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (same formula)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def activate() -> None:
+    """Install the CPU redirects for this process (idempotent).
+
+    Call before building any Megatron model; never call it in a process that uses a GPU.
+    """
+    global _ACTIVE
+    with _LOCK:
+        if _ACTIVE:
+            return
+        import megatron.core.tensor_parallel.random as mrandom
+        import megatron.core.optimizer.clip_grads as mclip
+        import megatron.core.optimizer.optimizer as mopt
+
+        torch.cuda.current_device = lambda: 0
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.Stream = _NullStream
+        torch.cuda.Event = _NullEvent
+        torch.cuda.current_stream = lambda *a, **k: _NullStream()
+        torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+        torch.cuda.manual_seed = _seed_cpu_generator
+        torch.cuda.manual_seed_all = lambda seed: None  # torch.manual_seed already seeds the CPU
+        torch.cuda.get_rng_state = _cpu_rng_state
+        torch.cuda.set_rng_state = _set_cpu_rng_state
+        torch.cuda.random.get_rng_state = _cpu_rng_state
+        torch.cuda.random.set_rng_state = _set_cpu_rng_state
+        mrandom._get_cuda_rng_state = _cpu_rng_state
+        mrandom._set_cuda_rng_state = _set_cpu_rng_state
+        mclip.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
+        mopt.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
+        _CudaToCpuMode().__enter__()
+        _ACTIVE = True
+
+
+def is_active() -> bool:
+    """True when :func:`activate` ran in this process."""
+    return _ACTIVE

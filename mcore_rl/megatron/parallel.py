@@ -1,0 +1,90 @@
+"""Process groups: ``torch.distributed`` and Megatron's ``parallel_state`` from the config.
+
+One call, :func:`initialize`, per worker process. The device decides the backend: NCCL on a
+GPU, gloo plus the CPU redirects of :mod:`mcore_rl.megatron.cpu_backend` on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_device(device: str) -> str:
+    """``"auto"`` -> ``"cuda"`` when a GPU is visible, else ``"cpu"``. Raises ``ValueError``
+    for ``"cuda"`` without a GPU (config key ``cluster.device``)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("cluster.device=cuda but no CUDA GPU is visible to this process")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"cluster.device must be auto, cpu or cuda, got {device!r}")
+    return device
+
+
+def initialize(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: str,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    seed: int = 1234,
+) -> torch.device:
+    """Join the process group and build Megatron's TP/PP/DP groups; seed Megatron's
+    model-parallel RNG tracker. Returns the torch device of this rank.
+
+    Raises ``ValueError`` when ``world_size`` is not divisible by TP x PP.
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
+            f"pipeline_model_parallel_size ({pp})"
+        )
+    device = resolve_device(device)
+    if device == "cpu":
+        from mcore_rl.megatron import cpu_backend
+
+        cpu_backend.activate()
+        torch_device = torch.device("cpu")
+        backend = "gloo"
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local_rank)
+        torch_device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(minutes=30),
+        )
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        )
+    model_parallel_cuda_manual_seed(seed)
+    return torch_device
+
+
+def destroy() -> None:
+    """Tear down Megatron's groups and the process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
