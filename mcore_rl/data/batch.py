@@ -8,6 +8,9 @@ key                      shape      dtype    meaning
 ``input_ids``            [B, S]     int64    prompt + response tokens, pad after the end
 ``input_lengths``        [B]        int64    valid tokens per row (prompt + response)
 ``prompt_lengths``       [B]        int64    prompt tokens per row
+``response_lengths``     [B]        int64    response tokens per row (eos included)
+``truncated``            [B]        float32  1 when the response hit the length limit
+                                             without eos
 ``token_mask``           [B, S]     float32  1 on response tokens, 0 on prompt and padding
 ``sample_mask``          [B]        float32  0 drops a sample from the loss
 ``generation_logprobs``  [B, S]     float32  log pi_gen(x_t | x_<t) from the rollout engine

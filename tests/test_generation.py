@@ -1,0 +1,189 @@
+"""The hf generation backend against a reference transformers model run another way
+(full forward passes without KV cache, one unpadded row at a time)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from mcore_rl.config.schema import GenerationConfig
+from mcore_rl.generation import get_backend
+from mcore_rl.generation.hf import HFGenerationBackend
+
+VOCAB = 50
+PAD = 0
+# Different lengths in one chunk exercise left padding; 5 prompts with batch_size 3 two chunks.
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [20], [3, 4, 30, 31, 32, 33], [44, 45]]
+
+
+def _hf_config(tied: bool) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+
+
+def _reference(tied: bool = False) -> Qwen2ForCausalLM:
+    """Seeded random weights, larger than HF's init so the next-token distributions are peaked."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(_hf_config(tied)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference() -> Qwen2ForCausalLM:
+    return _reference()
+
+
+def _backend(reference, eos=VOCAB - 1, max_total_length=24, refit=True, **gen) -> HFGenerationBackend:
+    cfg = GenerationConfig(**{"max_new_tokens": 10, "batch_size": 3, **gen})
+    backend = HFGenerationBackend(reference.config, cfg, eos_token_id=eos, pad_token_id=PAD,
+                                  max_total_length=max_total_length)
+    if refit:
+        backend.update_weights(reference.state_dict().items())
+    return backend
+
+
+@torch.no_grad()
+def _reference_greedy(model, prompt, eos, budget):
+    """Argmax decoding with a full forward over the whole prefix each step (no KV cache)."""
+    seq = list(prompt)
+    for _ in range(budget):
+        token = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+        seq.append(token)
+        if token == eos:
+            break
+    return seq
+
+
+@torch.no_grad()
+def _reference_logprobs(model, batch, temperature):
+    """log_softmax(logits / T) of a full forward over each final sequence, at the response
+    positions, in the [B, S] layout of ``generation_logprobs``."""
+    out = torch.zeros_like(batch["generation_logprobs"])
+    for i in range(batch["input_ids"].shape[0]):
+        n, p = int(batch["input_lengths"][i]), int(batch["prompt_lengths"][i])
+        ids = batch["input_ids"][i, :n]
+        logp = torch.log_softmax(model(ids[None]).logits[0].float() / temperature, -1)
+        out[i, p:n] = logp[p - 1:n - 1].gather(-1, ids[p:n, None]).squeeze(-1)
+    return out
+
+
+def _check_layout(batch, prompts, eos, budgets):
+    """Right padding, masks and lengths consistent with the prompts, eos and budgets."""
+    for i, prompt in enumerate(prompts):
+        p, n = len(prompt), int(batch["input_lengths"][i])
+        r = int(batch["response_lengths"][i])
+        assert int(batch["prompt_lengths"][i]) == p and n == p + r and 1 <= r <= budgets[i]
+        assert batch["input_ids"][i, :p].tolist() == prompt
+        assert (batch["input_ids"][i, n:] == PAD).all()
+        assert batch["token_mask"][i].tolist() == [0.0] * p + [1.0] * r + [0.0] * (batch["input_ids"].shape[1] - n)
+        assert (batch["generation_logprobs"][i][batch["token_mask"][i] == 0] == 0).all()
+        response = batch["input_ids"][i, p:n].tolist()
+        assert eos not in response[:-1]
+        if response[-1] == eos:
+            assert batch["truncated"][i] == 0
+        else:
+            assert batch["truncated"][i] == 1 and r == budgets[i]
+    assert batch["input_ids"].shape[1] == int(batch["input_lengths"].max())
+
+
+def test_greedy_matches_full_forward_argmax_and_eos_stops(reference):
+    # Pick as eos a token the unconstrained greedy decode emits mid-response in row 0,
+    # so at least one row stops at eos and others (likely) run to the budget.
+    free = _reference_greedy(reference, PROMPTS[0], eos=-1, budget=10)
+    eos = free[len(PROMPTS[0]) + 2]
+    backend = _backend(reference, eos=eos)
+    batch = backend.generate(PROMPTS, seed=0, greedy=True)
+    budgets = [10] * len(PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        expected = _reference_greedy(reference, prompt, eos, budget=10)
+        assert batch["input_ids"][i, : int(batch["input_lengths"][i])].tolist() == expected
+    assert batch["truncated"][0] == 0 and batch["input_ids"][0, int(batch["input_lengths"][0]) - 1] == eos
+    _check_layout(batch, PROMPTS, eos, budgets)
+    expected_lp = _reference_logprobs(reference, batch, temperature=1.0)
+    assert (batch["generation_logprobs"] - expected_lp).abs().max() < 1e-5
+
+
+def test_sampled_logprobs_match_full_forward_and_seed_reproduces(reference):
+    backend = _backend(reference, temperature=0.7)
+    batch = backend.generate(PROMPTS, seed=1)
+    _check_layout(batch, PROMPTS, VOCAB - 1, [10] * len(PROMPTS))
+    expected = _reference_logprobs(reference, batch, temperature=0.7)
+    assert (batch["generation_logprobs"] - expected).abs().max() < 1e-5
+    again = backend.generate(PROMPTS, seed=1)
+    for key in batch:
+        assert torch.equal(batch[key], again[key]), key
+    other = backend.generate(PROMPTS, seed=2)
+    assert other["input_ids"].shape != batch["input_ids"].shape or not torch.equal(other["input_ids"], batch["input_ids"])
+
+
+def test_tiny_top_p_gives_greedy_tokens_with_unfiltered_logprobs(reference):
+    greedy = _backend(reference).generate(PROMPTS, seed=0, greedy=True)
+    nucleus = _backend(reference, top_p=1e-3).generate(PROMPTS, seed=3)
+    assert torch.equal(greedy["input_ids"], nucleus["input_ids"])
+    # temperature 1 and logprobs taken before the top-p filter: equal to greedy's.
+    assert (greedy["generation_logprobs"] - nucleus["generation_logprobs"]).abs().max() < 1e-6
+
+
+def test_length_limits(reference):
+    max_total = 12
+    backend = _backend(reference, max_new_tokens=5, max_total_length=max_total)
+    batch = backend.generate(PROMPTS, seed=4)
+    budgets = [min(5, max_total - len(p)) for p in PROMPTS]
+    _check_layout(batch, PROMPTS, VOCAB - 1, budgets)
+    assert int(batch["input_lengths"].max()) <= max_total
+    # The 8-token prompt has a budget of 4: the total cap binds, not max_new_tokens.
+    assert int(batch["response_lengths"][1]) <= 4
+    with pytest.raises(ValueError, match="prompt 1 .*max_total_length"):
+        _backend(reference, max_total_length=8).generate(PROMPTS, seed=0)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        backend.generate([[]], seed=0)
+
+
+def test_refit_errors_and_bytes(reference):
+    backend = _backend(reference, refit=False)
+    with pytest.raises(RuntimeError, match="no weights were loaded"):
+        backend.generate(PROMPTS, seed=0)
+    state = reference.state_dict()
+    with pytest.raises(ValueError, match="unknown names \\['decoder.bogus'\\]"):
+        backend.update_weights(list(state.items()) + [("decoder.bogus", torch.zeros(1))])
+    partial = [(k, v) for k, v in state.items() if k != "model.norm.weight"]
+    with pytest.raises(ValueError, match="left unwritten \\['model.norm.weight'\\]"):
+        backend.update_weights(partial)
+    with pytest.raises(ValueError, match="lm_head.weight.*shape"):
+        backend.update_weights([("lm_head.weight", torch.zeros(3, 3))])
+    with pytest.raises(RuntimeError, match="no weights were loaded"):
+        backend.generate(PROMPTS, seed=0)  # a failed refit leaves the backend unusable
+    backend.update_weights(state.items())
+    assert backend.last_refit_bytes == sum(v.numel() * 4 for v in state.values())
+    assert backend.last_refit_seconds > 0
+
+
+def test_tied_embeddings_refit_without_lm_head():
+    tied = _reference(tied=True)
+    backend = _backend(tied, refit=False)
+    backend.update_weights((k, v) for k, v in tied.state_dict().items() if k != "lm_head.weight")
+    batch = backend.generate(PROMPTS, seed=0, greedy=True)
+    for i, prompt in enumerate(PROMPTS):
+        expected = _reference_greedy(tied, prompt, VOCAB - 1, budget=10)
+        assert batch["input_ids"][i, : int(batch["input_lengths"][i])].tolist() == expected
+
+
+def test_config_errors(reference):
+    with pytest.raises(ValueError, match="generation.backend"):
+        get_backend("vllm-typo")
+    with pytest.raises(ValueError, match="generation.temperature"):
+        _backend(reference, refit=False, temperature=0.0)
+    with pytest.raises(ValueError, match="generation.top_p"):
+        _backend(reference, refit=False, top_p=1.5)
+    backend = get_backend("hf", hf_config=reference.config, eos_token_id=1, pad_token_id=PAD,
+                          max_total_length=16, cfg=dataclasses.replace(GenerationConfig(), batch_size=2))
+    assert isinstance(backend, HFGenerationBackend)
