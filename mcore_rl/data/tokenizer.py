@@ -1,0 +1,62 @@
+"""Tokenizer loading: a Hugging Face tokenizer directory, or the built-in character tokenizer.
+
+The character tokenizer is a real Hugging Face fast tokenizer (built with the ``tokenizers``
+library: a ``WordLevel`` model over :data:`CHARSET`, one token per character, ``Fuse``
+decoder), so it saves with ``save_pretrained`` into run directories and HF exports and loads
+back with ``AutoTokenizer.from_pretrained``. Ids: ``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2 (any
+character outside the charset), then the charset in order. It has no bos token: prompts are
+encoded without a prefix, and generation stops at ``<eos>``.
+"""
+
+from __future__ import annotations
+
+import string
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from mcore_rl.config.schema import ModelConfig
+
+CHAR_TOKENIZER = "char"
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+# Digits, ASCII letters and punctuation (+ - * = . , $ % ...), space and newline.
+CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """The built-in character tokenizer: ``len(SPECIAL_TOKENS) + len(CHARSET)`` = 99 tokens;
+    ``"23+45="`` encodes to 6 ids and decodes back to the same text."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARSET))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>",
+                                   eos_token="<eos>", unk_token="<unk>")
+
+
+def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The run's tokenizer, with ``pad_token_id`` and ``eos_token_id`` set.
+
+    Source, in order: the character tokenizer when ``model.tokenizer == "char"``, or when both
+    ``model.tokenizer`` and ``model.hf_path`` are null; else the directory (or hub id)
+    ``model.tokenizer``; else ``model.hf_path``. A loaded tokenizer without a pad token gets
+    its eos token as pad (padding is masked out, so sharing the id is safe).
+
+    Raises:
+        OSError: the tokenizer cannot be loaded (the message names the config key and path).
+        ValueError: the loaded tokenizer has no eos token.
+    """
+    if model_cfg.tokenizer == CHAR_TOKENIZER or (model_cfg.tokenizer is None
+                                                 and model_cfg.hf_path is None):
+        return build_char_tokenizer()
+    key, path = (("model.tokenizer", model_cfg.tokenizer) if model_cfg.tokenizer is not None
+                 else ("model.hf_path", model_cfg.hf_path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise OSError(f"{key}={path!r}: cannot load a tokenizer: {e}") from e
+    if tokenizer.eos_token is None:
+        raise ValueError(f"{key}={path!r}: the tokenizer has no eos token; generation cannot stop")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

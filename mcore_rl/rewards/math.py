@@ -1,0 +1,38 @@
+"""Math answer verifier (GSM8K and similar) on top of Hugging Face ``math-verify``."""
+
+from __future__ import annotations
+
+import threading
+
+from math_verify import parse, verify
+
+from mcore_rl.data.example import Example
+
+# Seconds math-verify may spend parsing or comparing one answer.
+TIMEOUT_SECONDS = 5
+
+
+def math_reward(response: str, example: Example) -> float:
+    """1.0 when the response's final answer equals ``example.answer`` mathematically, else 0.0.
+
+    The final answer is the text after the response's first ``####`` up to the end of that
+    line (the GSM8K format; anything the model wrote after it is ignored) when there is one;
+    otherwise math-verify extracts it from the whole response (``The answer is N``,
+    ``\\boxed{N}``, else the last number). ``verify`` compares numbers, fractions and
+    expressions ("1,000" equals "1000"; "0.5" equals "1/2").
+
+    math-verify enforces its timeouts with ``signal.alarm``, which only works in the main
+    thread; in any other thread (a threaded Ray actor, a thread pool) the timeouts are off.
+
+    Raises:
+        ValueError: ``example.answer`` cannot be parsed (names ``example.source``).
+    """
+    timeout = TIMEOUT_SECONDS if threading.current_thread() is threading.main_thread() else None
+    gold = parse(example.answer, parsing_timeout=timeout)
+    if not gold:
+        raise ValueError(f"{example.source}: cannot parse the ground-truth answer "
+                         f"{example.answer!r}")
+    _, sep, after = response.partition("####")
+    candidate = after.split("\n", 1)[0] if sep else response
+    prediction = parse(candidate, parsing_timeout=timeout)
+    return float(verify(gold, prediction, timeout_seconds=timeout))
