@@ -1,0 +1,33 @@
+# mcore-rl: the two entry points of README.md.
+#   make train   create .venv, install, run the default GRPO config (CPU)
+#   make test    create .venv, install with test extras, run the test suite
+# On this CPU machine torch is pinned to the local CPU wheel (an unpinned torch pulls CUDA).
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_PIN ?= torch==2.13.0
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup train test test-fast docs clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+train: setup
+	$(VENV)/bin/mcore-rl train $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q tests $(ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs outputs

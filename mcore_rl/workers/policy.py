@@ -1,0 +1,201 @@
+"""The policy worker: a Megatron GPT language model trained with a policy-gradient loss.
+
+Adds to :class:`~mcore_rl.workers.megatron_worker.MegatronTrainWorker`: weights from a Hugging
+Face checkpoint (or a seeded Hugging Face initialisation of a config, so every layout starts
+from the same weights), per-token logprobs from vocab-parallel logits, a frozen reference
+policy for the KL term, and the refit exporter that yields Hugging Face-named tensors.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.data.batch import Batch, batch_size
+from mcore_rl.workers.megatron_worker import LossOutput, MegatronTrainWorker
+
+
+def initial_hf_state_dict(hf_config, seed: int) -> Dict[str, torch.Tensor]:
+    """Weights of a freshly initialised Hugging Face model for ``hf_config`` (fp32), seeded,
+    so that the same seed gives the same starting policy in every parallel layout."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    return model.state_dict()
+
+
+class PolicyWorker(MegatronTrainWorker):
+    """Policy on Megatron-Core.
+
+    Args (beyond :class:`MegatronTrainWorker`'s):
+        hf_path: Hugging Face checkpoint directory to load, or None to initialise from
+            ``hf_config`` with ``seed``.
+        hf_config: the transformers config of the policy (a dict from ``to_dict()``).
+        vocab_size: real vocabulary size (the model may pad it for TP).
+        temperature: logits are divided by it before logprobs (the rollout's sampling
+            temperature, so trainer and rollout logprobs describe the same distribution).
+        use_reference: keep a frozen copy of the initial weights for reference logprobs.
+    """
+
+    def __init__(self, *, hf_path: Optional[str], hf_config: Dict[str, Any], vocab_size: int,
+                 temperature: float = 1.0, use_reference: bool = False, **kwargs):
+        self.hf_path = hf_path
+        self.hf_config_dict = hf_config
+        self.vocab_size = vocab_size
+        self.temperature = temperature
+        self._use_reference = use_reference
+        self._seed = kwargs["seed"]
+        super().__init__(**kwargs)
+        self._reference: Optional[List[torch.Tensor]] = None
+        if use_reference:
+            self.set_reference_to_current()
+
+    # ------------------------------------------------------------------ construction
+    def _hf_config(self):
+        from transformers import AutoConfig
+
+        cfg = dict(self.hf_config_dict)
+        return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+    def _build_output_model(self):
+        from mcore_rl.megatron import conversion
+        from mcore_rl.megatron.model import build_model
+
+        chunks = build_model(self.arch, self.megatron_cfg, self.vocab_size, self.device)
+        if self.hf_path:
+            _, state = conversion.load_hf_checkpoint(self.hf_path)
+        else:
+            state = initial_hf_state_dict(self._hf_config(), self._seed)
+        conversion.load_hf_weights(chunks, state, self.arch)
+        return chunks
+
+    # ------------------------------------------------------------------ logprobs
+    def _token_logprobs(self, output: torch.Tensor, mb: Batch) -> torch.Tensor:
+        """``logprobs[b, t] = log pi(x_t | x_<t)`` from vocab-parallel logits, ``[:, 0] = 0``.
+
+        Args:
+            output: logits ``[b, s, V_pad / TP]`` of this TP rank's vocabulary shard.
+            mb: micro-batch with ``input_ids`` ``[b, s]``.
+        Returns:
+            float32 ``[b, s]``. Uses Megatron's ``vocab_parallel_cross_entropy`` (max and
+            sum-exp reduced across TP, target gathered on its owning shard, its own backward);
+            padded vocabulary rows are masked out of the softmax.
+        """
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = output.float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        shard = logits.shape[-1]
+        start = self.ps.get_tensor_model_parallel_rank() * shard
+        if start + shard > self.vocab_size:
+            pad = torch.arange(start, start + shard, device=logits.device) >= self.vocab_size
+            logits = logits.masked_fill(pad, float("-inf"))
+        ids = mb["input_ids"]
+        target = torch.roll(ids, shifts=-1, dims=1)
+        next_lp = -vocab_parallel_cross_entropy(logits, target)
+        return torch.cat([torch.zeros_like(next_lp[:, :1]), next_lp[:, :-1]], dim=1)
+
+    def _loss_output(self, output: torch.Tensor, mb: Batch, loss_fn) -> LossOutput:
+        logprobs = self._token_logprobs(output, mb)
+        loss_sum, count, metrics = loss_fn(logprobs, mb)
+        return loss_sum, count.detach().to(torch.int64), metrics
+
+    def get_logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        """Per-token logprobs of ``batch["input_ids"]`` under the current policy.
+
+        Returns a float32 CPU tensor ``[B, S]`` (S of the input; 0 at t=0 and past each row's
+        length), identical on every rank. Collective over the worker world.
+        """
+        n, width = batch_size(batch), batch["input_ids"].shape[1]
+        with torch.no_grad():
+            outputs = self._run_schedule(
+                batch, micro_batch_size, forward_only=True,
+                output_fn=lambda out, mb: (out.new_zeros(()), {"logprobs": self._token_logprobs(out, mb)}),
+            )
+        lp = None
+        if self._is_last_stage():
+            lp = torch.cat([o["logprobs"] for o in outputs], dim=0)[:n].contiguous()
+        trimmed = int(batch["input_lengths"].max())
+        lp = self._broadcast_from_last_stage(lp, (n, trimmed), torch.float32)
+        lp = lp.cpu()
+        mask = torch.arange(trimmed)[None, :] < batch["input_lengths"][:, None]
+        lp = lp * mask
+        return torch.nn.functional.pad(lp, (0, width - trimmed))
+
+    # ------------------------------------------------------------------ reference policy
+    def _params(self) -> List[torch.Tensor]:
+        return [p for m in self.model for p in m.module.parameters()]
+
+    def set_reference_to_current(self) -> None:
+        """Freeze a copy of the current weights as the reference policy (for example after a
+        supervised warm start)."""
+        self._reference = [p.detach().clone() for p in self._params()]
+
+    @contextmanager
+    def _reference_weights(self):
+        if self._reference is None:
+            raise RuntimeError("get_reference_logprobs: the policy was built without a reference "
+                               "model (use_reference=False; set loss.kl_coef > 0)")
+        current = [p.detach().clone() for p in self._params()]
+        try:
+            with torch.no_grad():
+                for p, r in zip(self._params(), self._reference):
+                    p.copy_(r)
+            yield
+        finally:
+            with torch.no_grad():
+                for p, c in zip(self._params(), current):
+                    p.copy_(c)
+
+    def get_reference_logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        """Like :meth:`get_logprobs`, under the frozen reference weights (swapped in and back,
+        so no second model is kept on the device). Raises ``RuntimeError`` without one."""
+        with self._reference_weights():
+            return self.get_logprobs(batch, micro_batch_size)
+
+    def _extra_sharded_state(self) -> Dict[str, Any]:
+        if self._reference is None:
+            return {}
+        # The reference shares the model's sharding: reuse its sharded tensors' metadata.
+        import dataclasses as dc
+
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        model_state = {}
+        for i, m in enumerate(self.model):
+            model_state.update({f"{i}.{k}": v for k, v in m.module.sharded_state_dict().items()})
+        by_param = {id(p): r for p, r in zip(self._params(), self._reference)}
+        ref = {}
+        for k, sh in model_state.items():
+            if isinstance(sh, ShardedTensor) and id(sh.data) in by_param:
+                ref[k] = dc.replace(sh, key="reference." + sh.key, data=by_param[id(sh.data)].clone())
+        return {"reference": ref}
+
+    def _load_extra_state(self, loaded: Dict[str, Any]) -> None:
+        if self._reference is None or "reference" not in loaded:
+            return
+        model_state = {}
+        for i, m in enumerate(self.model):
+            model_state.update({f"{i}.{k}": v for k, v in m.module.sharded_state_dict().items()})
+        index = {id(p): j for j, p in enumerate(self._params())}
+        for k, t in loaded["reference"].items():
+            j = index[id(model_state[k].data)]
+            self._reference[j].copy_(t)
+
+    # ------------------------------------------------------------------ refit / export
+    def get_hf_weights(self) -> Optional[Dict[str, torch.Tensor]]:
+        """Full Hugging Face-named weights (gathered across TP and PP) as CPU tensors on rank 0,
+        None on other ranks. Collective: every rank calls it."""
+        from mcore_rl.megatron.conversion import export_hf_weights
+
+        out = {}
+        for name, t in export_hf_weights([m.module for m in self.model], self.arch, self.vocab_size):
+            if dist.get_rank() == 0:
+                out[name] = t.detach().to("cpu", copy=True)
+        return out if dist.get_rank() == 0 else None
