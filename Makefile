@@ -24,10 +24,13 @@ train: setup
 	$(VENV)/bin/mcore-rl train $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q tests $(ARGS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q tests $(ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" tests $(ARGS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q -m "not slow" tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs outputs
+
+docs: setup
+	$(PY) -m mcore_rl.config.docs --output docs/config-reference.md

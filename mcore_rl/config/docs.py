@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import io
 import sys
@@ -82,6 +83,7 @@ class SectionDoc:
     keys: tuple[KeyDoc, ...]
 
 
+@functools.cache
 def _source_notes(module: types.ModuleType) -> tuple[dict[tuple[str, str], str], dict[str, str]]:
     """Comments of every dataclass field and docstrings of every class in ``module``.
 
@@ -218,7 +220,8 @@ def render_reference() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: print the page, or write it to ``--output``. Returns the exit status."""
+    """Command line: print the page, or write it to ``--output``; name on stderr the keys that
+    have no comment in ``schema.py`` (their meaning cell is empty). Returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m mcore_rl.config.docs",
                                      description="Write the config reference page (Markdown).")
     parser.add_argument("--output", type=Path, default=None,
@@ -230,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(page, encoding="utf-8")
+    undocumented = [k.key for section in iter_sections() for k in section.keys if not k.meaning]
+    if undocumented:
+        print(f"{len(undocumented)} config keys have no comment in mcore_rl/config/schema.py: "
+              + ", ".join(undocumented), file=sys.stderr)
     return 0
 
 
