@@ -3,6 +3,8 @@
 YAML files in ``configs/`` are composed over these dataclasses by Hydra (see
 :mod:`mcore_rl.config.loader`), so an unknown key or a wrong type is refused before any work.
 Units: learning rates per optimizer step, lengths in tokens, intervals in RL steps.
+Each field's meaning is the comment directly above it (or at the end of its line);
+:mod:`mcore_rl.config.docs` writes them into ``docs/config-reference.md``.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ from typing import Optional
 
 @dataclass
 class RunConfig:
+    # Run name; the default run.output_dir is `runs/<name>`.
     name: str = "grpo_synthetic"
     # Run directory: metrics.jsonl, TensorBoard events, checkpoints, summary.json.
     output_dir: str = "runs/${run.name}"
+    # Seeds the synthetic split, prompt order, random init (no hf_path) and each step's rollouts.
     seed: int = 42
 
 
 @dataclass
 class ClusterConfig:
+    """Processes and devices of the run."""
+
     # Processes for the policy's Megatron world (= TP x PP x DP).
     num_workers: int = 1
     # "cpu" (gloo + the CPU redirects), "cuda" (NCCL), or "auto" (cuda when a GPU is visible).
@@ -29,7 +35,7 @@ class ClusterConfig:
     ray_address: Optional[str] = None
     # False runs workers as plain processes (torch.multiprocessing), without Ray.
     use_ray: bool = True
-    # CPU threads per worker process (torch.set_num_threads); 0 leaves torch's default.
+    # Torch CPU threads per worker on the cpu device (set_num_threads); 0: CPU cores / workers.
     threads_per_worker: int = 0
 
 
@@ -38,15 +44,25 @@ class ModelArchConfig:
     """Llama/Qwen2-family decoder shape, used when ``model.hf_path`` is null."""
 
     family: str = "qwen2"  # "llama" or "qwen2"
+    # Transformer layers; divisible by PP x VPP.
     num_layers: int = 2
+    # Hidden (model) dimension; divisible by num_attention_heads.
     hidden_size: int = 64
+    # Query heads; divisible by num_query_groups and by TP.
     num_attention_heads: int = 4
+    # Key/value heads (grouped-query attention; = num_attention_heads for MHA); divisible by TP.
     num_query_groups: int = 2
+    # Inner size of the SwiGLU MLP (HF intermediate_size).
     ffn_hidden_size: int = 128
+    # Longest sequence in tokens the model declares (HF max_position_embeddings).
     max_position_embeddings: int = 128
+    # RoPE base frequency.
     rope_theta: float = 10000.0
+    # Epsilon of the RMSNorm layers.
     rms_norm_eps: float = 1.0e-6
+    # Bias on the q/k/v projections: must be true for qwen2 and false for llama.
     qkv_bias: bool = True
+    # Share the input embedding matrix with the output layer.
     tie_word_embeddings: bool = True
     # null: the tokenizer's vocabulary size.
     vocab_size: Optional[int] = None
@@ -54,29 +70,46 @@ class ModelArchConfig:
 
 @dataclass
 class ModelConfig:
+    """The policy's weights and tokenizer."""
+
     # A Hugging Face checkpoint directory (config.json + safetensors + tokenizer files).
     hf_path: Optional[str] = None
-    # Tokenizer directory or "char" (the built-in character tokenizer); null: hf_path's.
+    # Tokenizer directory or "char" (built-in); null: hf_path's, or "char" if hf_path is null.
     tokenizer: Optional[str] = None
     arch: ModelArchConfig = field(default_factory=ModelArchConfig)
 
 
 @dataclass
 class DDPConfig:
+    """Megatron-Core ``DistributedDataParallelConfig`` fields of the same names."""
+
+    # Overlap the gradient reduction over DP with the backward pass, bucket by bucket.
     overlap_grad_reduce: bool = False
+    # Parameters per gradient bucket with overlap_grad_reduce; null: max(4e7, 1e6 x DP size).
     bucket_size: Optional[int] = None
+    # Keep gradient buffers and their DP reduction in fp32 (matters with precision bf16).
     grad_reduce_in_fp32: bool = True
+    # Average over DP in the collective; must stay false: Megatron refuses it with per-token loss.
     average_in_collective: bool = False
+    # Shard optimizer state and fp32 main params over DP (Megatron distributed optimizer); GPU only.
     use_distributed_optimizer: bool = False
+    # Overlap the parameter all-gather with the forward; needs use_distributed_optimizer; GPU only.
     overlap_param_gather: bool = False
+    # Stop with an error when a gradient holds NaN or Inf (checked before the DP reduction).
     check_for_nan_in_grad: bool = False
 
 
 @dataclass
 class MegatronConfig:
+    """The policy's Megatron-Core parallel layout, precision and layers."""
+
+    # TP size: ranks each layer's weights are split over; divides attention heads and query groups.
     tensor_model_parallel_size: int = 1
+    # PP size: pipeline stages (layers split evenly); TP x PP divides cluster.num_workers.
     pipeline_model_parallel_size: int = 1
+    # Model chunks per pipeline stage (interleaved schedule); null: off; needs PP > 1.
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    # Megatron sequence parallelism (activations split over TP ranks); needs TP > 1.
     sequence_parallel: bool = False
     # "fp32" or "bf16" (bf16 params with fp32 main params and grads in the optimizer).
     precision: str = "fp32"
@@ -87,15 +120,25 @@ class MegatronConfig:
 
 @dataclass
 class OptimizerConfig:
+    """The policy's Megatron-Core optimizer and learning-rate schedule."""
+
+    # "adam" (AdamW: decoupled weight decay) or "sgd" (momentum 0.9).
     name: str = "adam"
+    # Peak learning rate, reached after warmup.
     lr: float = 1.0e-3
+    # Learning rate at the end of linear or cosine decay.
     min_lr: float = 0.0
+    # Weight decay coefficient; biases and 1-D (norm) weights get none.
     weight_decay: float = 0.0
+    # Adam beta1: decay of the gradient's running mean.
     adam_beta1: float = 0.9
+    # Adam beta2: decay of the squared gradient's running mean.
     adam_beta2: float = 0.999
+    # Adam epsilon, added to the denominator.
     adam_eps: float = 1.0e-8
     # Max global grad norm; 0 disables clipping (the norm is still reported).
     clip_grad: float = 1.0
+    # Optimizer steps of linear warmup from 0 to lr; 0: start at lr.
     lr_warmup_steps: int = 0
     # "constant", "linear" or "cosine" decay over the run's optimizer steps.
     lr_decay_style: str = "constant"
@@ -103,20 +146,29 @@ class OptimizerConfig:
 
 @dataclass
 class PolicyConfig:
+    """The trained policy: Megatron layout, optimizer and micro-batch sizes."""
+
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    # Sequences per micro-batch for training and for logprob inference.
+    # Sequences per training forward/backward on each DP rank (RL and warm-start steps).
     micro_batch_size: int = 16
+    # Sequences per forward-only pass on each DP rank for old and reference logprobs.
     logprob_micro_batch_size: int = 32
 
 
 @dataclass
 class GenerationConfig:
+    """The rollout engine and its decoding."""
+
+    # Rollout engine: "hf" (a transformers model with our own decoding loop).
     backend: str = "hf"
+    # Sampling temperature, > 0; the policy's logprobs use the same temperature.
     temperature: float = 1.0
+    # Nucleus sampling mass in (0, 1]; 1 disables (logprobs are taken before the filter).
     top_p: float = 1.0
+    # Max response tokens; also capped at data.max_total_length minus the prompt length.
     max_new_tokens: int = 16
-    # Sequences per generate call (memory bound); the step's rollouts are split into these.
+    # Sequences per generate chunk (memory bound); a step's rollouts are decoded in chunks.
     batch_size: int = 256
     # Validation decoding: greedy when true.
     greedy_validation: bool = True
@@ -126,40 +178,54 @@ class GenerationConfig:
 class SyntheticTaskConfig:
     """Integer arithmetic ``a op b`` with exact-answer reward (seeded, disjoint held-out split)."""
 
+    # Operators drawn from, distinct characters of "+-*" (e.g. "+-").
     operations: str = "+"
+    # Smallest operand (inclusive).
     min_value: int = 0
+    # Largest operand (inclusive).
     max_value: int = 99
+    # Training prompts, >= 1; with num_test at most the count of distinct prompts.
     num_train: int = 20000
+    # Held-out prompts for validation; 0: no validation.
     num_test: int = 500
 
 
 @dataclass
 class DataConfig:
+    """The prompt data set and how prompts are rendered."""
+
     # "synthetic" or "gsm8k".
     task: str = "synthetic"
     # JSONL files (GSM8K schema: question, answer with "#### N"); null for synthetic.
     train_path: Optional[str] = None
+    # Held-out GSM8K JSONL for validation; null: no validation (must be null for synthetic).
     test_path: Optional[str] = None
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
     # Prompt text around the question; "{question}" is replaced.
     prompt_template: str = "{question}"
     # Apply the tokenizer's chat template (when it has one) to the prompt.
     use_chat_template: bool = False
-    # Tokens: prompt (a longer prompt is an error naming the sample) and prompt + response.
+    # Max prompt tokens; a longer prompt is an error naming the sample.
     max_prompt_length: int = 32
+    # Max prompt + response tokens; >= max_prompt_length + generation.max_new_tokens.
     max_total_length: int = 64
 
 
 @dataclass
 class RewardConfig:
-    # "exact" (synthetic: the integer after the prompt) or "math" (GSM8K verifier).
+    """The verifier that scores responses."""
+
+    # "exact" (synthetic: first line is the integer answer) or "math" (GSM8K, math-verify).
     name: str = "exact"
 
 
 @dataclass
 class LossConfig:
-    # Clipped PG (Schulman et al. 2017, eq. 7) with asymmetric clip (DAPO, Yu et al. 2025).
+    """The clipped policy-gradient loss (:class:`mcore_rl.algorithms.losses.ClippedPGLoss`)."""
+
+    # Ratio clipped below at 1 - this (Schulman et al. 2017, eq. 7); in [0, 1).
     ratio_clip_low: float = 0.2
+    # Ratio clipped above at 1 + this; above ratio_clip_low is DAPO's clip-higher (Yu et al. 2025).
     ratio_clip_high: float = 0.2
     # Dual clip constant c > 1 for negative advantages (Ye et al. 2020); null disables.
     dual_clip: Optional[float] = None
@@ -176,8 +242,13 @@ class LossConfig:
 
 @dataclass
 class GRPOConfig:
+    """The GRPO loop (Shao et al. 2024, "DeepSeekMath", sec. 4.1)."""
+
+    # Prompts sampled per RL step.
     num_prompts_per_step: int = 32
+    # Responses per prompt (the GRPO group size), >= 2.
     num_generations: int = 8
+    # RL steps to run: each is one rollout, its optimizer steps and a refit.
     max_steps: int = 100
     # Divide by the group std (Shao et al. 2024); false gives Dr. GRPO's mean-centering.
     normalize_std: bool = True
@@ -185,8 +256,11 @@ class GRPOConfig:
     leave_one_out: bool = False
     # Optimizer steps per RL step (the rollout batch split into this many global batches).
     optimizer_steps_per_rollout: int = 1
+    # Validate every k RL steps and after the last one; 0: never during training.
     val_every: int = 10
+    # Held-out prompts per validation (the first ones of the test split).
     val_num_prompts: int = 200
+    # Validate once before the first RL step (not on a resumed run).
     val_at_start: bool = True
 
 
@@ -194,24 +268,35 @@ class GRPOConfig:
 class SFTConfig:
     """Optional supervised warm start on the task's reference answers before RL."""
 
+    # Supervised (NLL) optimizer steps before RL; the KL reference is taken after them; 0: none.
     steps: int = 0
+    # Prompts with their reference answers per supervised step (all DP ranks together).
     batch_size: int = 64
+    # Constant learning rate of the warm start; RL then starts a fresh policy.optimizer.
     lr: float = 1.0e-3
 
 
 @dataclass
 class LoggingConfig:
+    """Where per-step metrics go (all under ``run.output_dir``)."""
+
+    # Console progress bar (tqdm) with the latest reward, loss and step time.
     progress: bool = True
+    # TensorBoard scalars under `<output_dir>/tensorboard`.
     tensorboard: bool = True
+    # One JSON line of metrics per RL step in `<output_dir>/metrics.jsonl`.
     jsonl: bool = True
 
 
 @dataclass
 class CheckpointConfig:
-    # Save every k RL steps (0: never) under <output_dir>/checkpoints/step_<k>.
+    """Saving and resuming (policy, optimizer, LR schedule, prompt sampler, step)."""
+
+    # Save every k RL steps (0: never) under `<output_dir>/checkpoints/step_<k>`.
     every: int = 0
     # Resume from a checkpoint directory, or "latest" for the run directory's newest.
     resume: Optional[str] = None
+    # Newest checkpoints kept, older ones deleted after each save; 0: keep all.
     keep_last: int = 2
 
 

@@ -50,7 +50,10 @@ def _process_main(conn, worker_cls, kwargs):
         conn.send(("error", traceback.format_exc()))
         return
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the controller is gone
+            break
         if msg is None:
             break
         method, args, kw = msg
@@ -73,7 +76,9 @@ class ProcessWorkerGroup:
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             kw = dict(kwargs, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
-            p = ctx.Process(target=_process_main, args=(child, worker_cls, kw), daemon=True)
+            # Not daemonic: Megatron's checkpoint writer starts processes of its own. A worker
+            # exits when its pipe closes, so it does not outlive the controller.
+            p = ctx.Process(target=_process_main, args=(child, worker_cls, kw), daemon=False)
             p.start()
             self._conns.append(parent)
             self._procs.append(p)

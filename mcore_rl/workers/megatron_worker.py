@@ -337,14 +337,15 @@ class MegatronTrainWorker:
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state_dict(self) -> Dict[str, Any]:
+    def _sharded_state_dict(self, is_loading: bool) -> Dict[str, Any]:
         """Model chunks (``model`` or ``model0..k`` with virtual stages, Megatron's naming) and
-        the optimizer state mapped onto them."""
+        the optimizer state mapped onto them. ``is_loading`` makes Megatron create the
+        optimizer state a fresh optimizer does not have yet, so it can be loaded into."""
         if len(self.model) == 1:
             state = {"model": self.model[0].module.sharded_state_dict()}
         else:
             state = {f"model{i}": m.module.sharded_state_dict() for i, m in enumerate(self.model)}
-        state["optimizer"] = self.optimizer.sharded_state_dict(state)
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
         return state
 
     def save_checkpoint(self, path: str, extra_common: Optional[Dict[str, Any]] = None) -> None:
@@ -353,7 +354,7 @@ class MegatronTrainWorker:
         from megatron.core import dist_checkpointing
 
         os.makedirs(path, exist_ok=True)
-        state = self._sharded_state_dict()
+        state = self._sharded_state_dict(is_loading=False)
         state.update(self._extra_sharded_state())
         state["scheduler"] = self.scheduler.state_dict()
         state["trainer_version"] = self.trainer_version
@@ -367,7 +368,7 @@ class MegatronTrainWorker:
 
         if not os.path.isdir(path):
             raise FileNotFoundError(f"no checkpoint directory at {path}")
-        state = self._sharded_state_dict()
+        state = self._sharded_state_dict(is_loading=True)
         state.update(self._extra_sharded_state())
         loaded = dist_checkpointing.load(state, path)
         for key in [k for k in loaded if k.startswith("model")]:

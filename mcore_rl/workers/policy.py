@@ -165,7 +165,7 @@ class PolicyWorker(MegatronTrainWorker):
         # The reference shares the model's sharding: reuse its sharded tensors' metadata.
         import dataclasses as dc
 
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
         model_state = {}
         for i, m in enumerate(self.model):
@@ -173,7 +173,7 @@ class PolicyWorker(MegatronTrainWorker):
         by_param = {id(p): r for p, r in zip(self._params(), self._reference)}
         ref = {}
         for k, sh in model_state.items():
-            if isinstance(sh, ShardedTensor) and id(sh.data) in by_param:
+            if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and id(sh.data) in by_param:
                 ref[k] = dc.replace(sh, key="reference." + sh.key, data=by_param[id(sh.data)].clone())
         return {"reference": ref}
 
