@@ -1,6 +1,7 @@
 """The ``mcore-rl`` command: ``mcore-rl COMMAND [--config-name NAME] [--config-path DIR] [--cfg]
 [overrides...]``, e.g. ``mcore-rl train --config-name grpo_gsm8k model.hf_path=/m
 grpo.num_generations=16``. Overrides use Hydra's grammar (``key=value``, ``+key=value``, ``~key``).
+``mcore-rl export --checkpoint <run_dir>/checkpoints/step_<k> --output DIR`` takes no config.
 """
 
 from __future__ import annotations
@@ -16,23 +17,52 @@ from mcore_rl.config.schema import TrainConfig
 
 
 def _train(cfg: TrainConfig) -> None:
-    """GRPO training (the controller prints its summary)."""
-    from mcore_rl.controller.grpo import run  # deferred: heavy imports (torch, megatron, ray)
-
+    """GRPO or PPO training, by ``algorithm`` (the controller prints its summary)."""
+    # deferred: heavy imports (torch, megatron, ray)
+    if cfg.algorithm == "ppo":
+        from mcore_rl.controller.ppo import run
+    else:
+        from mcore_rl.controller.grpo import run
     run(cfg)
 
 
 # Subcommand -> (help, default config name, function of the composed and validated config).
 COMMANDS: dict[str, tuple[str, str, Callable[[TrainConfig], None]]] = {
-    "train": ("GRPO training", "grpo_synthetic", _train),
+    "train": ("GRPO or PPO training (config key algorithm)", "grpo_synthetic", _train),
 }
+
+EXPORT_HELP = "a run's checkpoint (any TP/PP) to a Hugging Face model directory"
+
+
+def _add_export_parser(commands) -> None:
+    """``mcore-rl export --checkpoint DIR --output DIR``: no config composition; the run
+    directory holds what the exporter needs (:mod:`mcore_rl.export`)."""
+    sub = commands.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP)
+    sub.add_argument("--checkpoint", required=True,
+                     help="a checkpoint step directory, <run_dir>/checkpoints/step_<k>")
+    sub.add_argument("--output", required=True, help="Hugging Face directory to create")
+    sub.add_argument("--max-shard-size", default="5GB",
+                     help="largest safetensors shard: bytes or e.g. 500MB (default: 5GB)")
+    sub.add_argument("--hf-config", default=None,
+                     help="the policy's config.json (default: <run_dir>/hf_config.json)")
+    sub.add_argument("--tokenizer", default=None,
+                     help="tokenizer directory to copy (default: <run_dir>/tokenizer)")
+
+
+def _export(args: argparse.Namespace) -> None:
+    from mcore_rl.export import export_checkpoint  # deferred: heavy imports (megatron)
+
+    out = export_checkpoint(args.checkpoint, args.output, hf_config=args.hf_config,
+                            tokenizer=args.tokenizer, max_shard_size=args.max_shard_size)
+    print(f"Hugging Face model written to {out}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), compose the config and run the subcommand.
 
     Returns 0 on success. Exits with status 2 (message on stderr, no traceback) on a usage error
-    or a :class:`~mcore_rl.config.loader.ConfigError`.
+    or a :class:`~mcore_rl.config.loader.ConfigError`; for ``export``, also on a missing or
+    mismatched input path (see :func:`mcore_rl.export.export_checkpoint`).
     """
     parser = argparse.ArgumentParser(prog="mcore-rl", description=mcore_rl.__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -46,8 +76,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub.add_argument("--cfg", action="store_true",
                          help="print the composed config as YAML and exit")
         sub.add_argument("overrides", nargs="*", help="key=value, +key=value, ~key")
+    _add_export_parser(commands)
     # parse_known_args: overrides may also follow the options (argparse stops '*' at an option).
     args, rest = parser.parse_known_args(argv)
+    if args.command == "export":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        try:
+            _export(args)
+        except (FileNotFoundError, FileExistsError, ValueError) as e:
+            parser.exit(2, f"mcore-rl export: error: {e}\n")
+        return 0
     if any(a.startswith("-") for a in rest):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
@@ -57,5 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cfg:
         print(OmegaConf.to_yaml(cfg), end="")
         return 0
-    COMMANDS[args.command][2](cfg)
+    try:
+        COMMANDS[args.command][2](cfg)
+    except (FileNotFoundError, FileExistsError) as e:  # a path the user gave: no traceback
+        parser.exit(2, f"mcore-rl {args.command}: error: {e}\n")
     return 0

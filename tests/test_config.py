@@ -68,7 +68,7 @@ def test_plus_on_a_new_key_is_unknown():
 @pytest.mark.parametrize("override, expected", [
     ("grpo.num_generation=4", "unknown config key 'grpo.num_generation' (from override "
      "'grpo.num_generation=4'); did you mean 'grpo.num_generations'?"),
-    ("num_generations=4", "did you mean 'grpo.num_generations'?"),  # misplaced: found in the tree
+    ("num_generations=4", "did you mean 'grpo.num_generations'"),  # misplaced: found in the tree
     ("loss.kl_coeff=0.1", "did you mean 'loss.kl_coef'?"),
     ("model={arch: {hiden_size: 8}}", "'model.arch.hiden_size'"),  # inside a dict value
 ])
@@ -132,11 +132,11 @@ PAR = "policy.megatron."
      "policy.megatron.tensor_model_parallel_size (4)"),
     ([PAR + "virtual_pipeline_model_parallel_size=2"],
      "virtual_pipeline_model_parallel_size (2) needs policy.megatron.pipeline_model_parallel_size > 1"),
-    (["cluster.num_workers=2", PAR + "pipeline_model_parallel_size=2",
+    (["model.arch.num_layers=2", "cluster.num_workers=2", PAR + "pipeline_model_parallel_size=2",
       PAR + "virtual_pipeline_model_parallel_size=2"],
      "model.arch.num_layers (2) must be divisible by policy.megatron.pipeline_model_parallel_size"
      " x virtual_pipeline_model_parallel_size (2 x 2)"),
-    (["cluster.num_workers=4", PAR + "pipeline_model_parallel_size=4"],
+    (["model.arch.num_layers=2", "cluster.num_workers=4", PAR + "pipeline_model_parallel_size=4"],
      "model.arch.num_layers (2) must be divisible by policy.megatron.pipeline_model_parallel_size"
      " x virtual_pipeline_model_parallel_size (4 x 1)"),
     ([PAR + "virtual_pipeline_model_parallel_size=0"],
@@ -157,8 +157,8 @@ PAR = "policy.megatron."
     (["generation.top_p=0"], "generation.top_p must be in (0, 1]"),
     (["generation.top_p=1.5"], "generation.top_p must be in (0, 1]"),
     (["generation.max_new_tokens=0"], "generation.max_new_tokens must be >= 1"),
-    (["data.max_prompt_length=60"], "data.max_prompt_length + generation.max_new_tokens (60 + 16)"
-     " must be <= data.max_total_length (64)"),
+    (["data.max_prompt_length=60"], "data.max_prompt_length + generation.max_new_tokens (60 + 5)"
+     " must be <= data.max_total_length (13)"),
     (["data.task=math"], "data.task must be one of synthetic, gsm8k"),
     (["data.task=gsm8k"], "data.task 'gsm8k' needs data.train_path"),
     (["data.test_path=/no/such.jsonl"], "data.test_path: no such file /no/such.jsonl"),

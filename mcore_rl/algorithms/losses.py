@@ -1,6 +1,7 @@
-"""Policy losses: clipped policy gradient with asymmetric and dual clip, truncated importance
-weights and a KL penalty; and the token negative log-likelihood for supervised warm starts.
-Both return raw sums so the worker can form the exact global mean.
+"""Training losses: clipped policy gradient with asymmetric and dual clip, truncated importance
+weights and a KL penalty; the token negative log-likelihood for supervised warm starts; the
+clipped value (critic) loss of PPO. All return raw sums so the worker can form the exact global
+mean.
 
 Normalization contract with the Megatron worker (``DESIGN.md``, "Normalization"): a loss
 returns, per microbatch, ``loss_sum`` (NOT divided by anything) and ``count`` (valid tokens
@@ -16,7 +17,7 @@ from typing import Dict, Tuple
 import torch
 
 from mcore_rl.algorithms.kl import KL_ESTIMATORS, kl_estimate
-from mcore_rl.config.schema import LossConfig
+from mcore_rl.config.schema import LossConfig, ValueLossConfig
 
 LOSS_TYPES = ("token", "sequence")
 
@@ -241,4 +242,93 @@ class NLLLoss:
         num_tokens = mask.sum()
         metrics = {"loss": loss_sum.detach(), "num_valid_tokens": num_tokens,
                    "num_valid_sequences": valid.any(dim=1).float().sum()}
+        return loss_sum, num_tokens, metrics
+
+
+class ClippedValueLoss:
+    """Clipped squared-error value loss of PPO, per token on response tokens.
+
+    With the critic's values ``V`` (being trained), the rollout's values ``V_old`` and the GAE
+    returns ``R`` (computed before advantage whitening), over the valid tokens ``m``::
+
+        Vc  = clamp(V, V_old - eps, V_old + eps)
+        L_V = coef * 0.5 * sum(m * max((V - R)^2, (Vc - R)^2)) / N
+
+    (value clipping of the PPO reference implementation, OpenAI baselines ``ppo2``; Schulman et
+    al. 2017, arXiv:1707.06347, use the unclipped ``(V - R)^2`` of eq. 9, which
+    ``cliprange = None`` gives). ``N``, the valid tokens of the global batch, is applied by the
+    worker: this returns the raw sum.
+
+    Attributes:
+        loss_type: ``"token"``.
+        metric_kinds: ``loss``, ``vf_clipfrac`` (fraction of tokens where the clipped error is
+            the larger, so the gradient is cut) and ``value_mean`` (mean ``V``) per token;
+            ``num_valid_tokens``/``num_valid_sequences`` raw.
+
+    Raises:
+        ValueError at construction: ``value.loss.cliprange`` not null and <= 0, or
+        ``value.loss.coef`` <= 0.
+    """
+
+    loss_type = "token"
+    metric_kinds = {"loss": "tokens", "vf_clipfrac": "tokens", "value_mean": "tokens",
+                    "num_valid_tokens": "none", "num_valid_sequences": "none"}
+
+    def __init__(self, config: ValueLossConfig):
+        if config.cliprange is not None and config.cliprange <= 0:
+            raise ValueError(f"value.loss.cliprange: must be > 0 (or null), got {config.cliprange}")
+        if config.coef <= 0:
+            raise ValueError(f"value.loss.coef: must be > 0, got {config.coef}")
+        self.config = config
+
+    def __call__(self, values: torch.Tensor, batch: Dict[str, torch.Tensor]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+        """Loss of one microbatch as a raw sum, its count, and raw metric sums.
+
+        Args:
+            values: ``[B, S]`` float32 right-shifted values of the critic being trained
+                (differentiable), ``values[:, t] = V(x_<t)``.
+            batch: ``token_mask [B, S]``, ``sample_mask [B]``, ``returns [B, S]`` (GAE
+                returns), ``prev_values [B, S]`` (the rollout's values, ``V_old``).
+
+        Returns:
+            ``(loss_sum, count, metrics)`` as :class:`ClippedPGLoss` with ``loss_type ==
+            "token"``: the summed per-token loss (differentiable), the valid tokens, detached
+            raw metric sums keyed as in ``metric_kinds``.
+
+        Raises:
+            ValueError: a batch key is missing or its shape differs from ``values``'s.
+        """
+        mask = valid_token_mask(batch)
+        tensors = {"token_mask": mask,
+                   "returns": _require(batch, "returns", "value-loss targets"),
+                   "prev_values": _require(batch, "prev_values", "rollout values of the value clip")}
+        for key, value in tensors.items():
+            if value.shape != values.shape:
+                raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}, values "
+                                 f"{tuple(values.shape)}")
+        valid = mask > 0
+        zero = torch.zeros_like(mask)
+
+        def masked(x: torch.Tensor) -> torch.Tensor:
+            return torch.where(valid, x.float(), zero)
+
+        v, ret, old = masked(values), masked(tensors["returns"]), masked(tensors["prev_values"])
+        error = (v - ret).square()
+        if self.config.cliprange is not None:
+            eps = self.config.cliprange
+            clipped = (torch.clamp(v, old - eps, old + eps) - ret).square()
+            clip_active = clipped > error
+            error = torch.maximum(error, clipped)
+        else:
+            clip_active = torch.zeros_like(valid)
+        loss_sum = self.config.coef * 0.5 * (error * mask).sum()
+        num_tokens = mask.sum()
+        metrics = {
+            "loss": loss_sum.detach(),
+            "vf_clipfrac": (clip_active.float() * mask).sum(),
+            "value_mean": (v * mask).sum().detach(),
+            "num_valid_tokens": num_tokens,
+            "num_valid_sequences": valid.any(dim=1).float().sum(),
+        }
         return loss_sum, num_tokens, metrics

@@ -76,8 +76,9 @@ def _type_name(hint: Any) -> str:
 
 def _closest_keys(key: str) -> list[str]:
     """Up to 3 valid keys closest to the unknown dotted ``key``, by difflib similarity of the
-    last part over the whole tree (so a key put in the wrong section is found too); on a tie,
-    keys of the same section first."""
+    last part over the whole tree (so a key put in the wrong section is found too); when some
+    of them are in the key's own section, only those (``grpo.max_step`` suggests
+    ``grpo.max_steps``, not also ``ppo.max_steps``)."""
     parent, _, leaf = key.rpartition(".")
 
     def score(k: str) -> float:
@@ -86,7 +87,8 @@ def _closest_keys(key: str) -> list[str]:
 
     ranked = sorted(SCHEMA_TYPES, key=score, reverse=True)[:3]
     cutoff = max(0.75, score(ranked[0]) - 0.1)
-    return [k for k in ranked if score(k) >= cutoff]
+    close = [k for k in ranked if score(k) >= cutoff]
+    return [k for k in close if k.rpartition(".")[0] == parent] or close
 
 
 def _unknown_key(key: str, where: str) -> str:
@@ -228,10 +230,11 @@ def load_config(config_name: str, overrides: Sequence[str] = (),
 
 
 _CHOICES = {
+    "algorithm": ("grpo", "ppo"),
     "cluster.device": ("cpu", "cuda", "auto"),
     "model.arch.family": ("llama", "qwen2"),
     "policy.megatron.precision": ("fp32", "bf16"),
-    "policy.megatron.layer_spec": ("local",),
+    "policy.megatron.layer_spec": ("local", "torch", "transformer_engine"),
     "policy.optimizer.name": ("adam", "sgd"),
     "policy.optimizer.lr_decay_style": ("constant", "linear", "cosine"),
     "generation.backend": ("hf",),
@@ -239,6 +242,11 @@ _CHOICES = {
     "reward.name": ("exact", "math"),
     "loss.kl_estimator": ("k1", "k2", "k3"),
     "loss.normalization": ("token", "sequence"),
+    "ppo.reward_kl_estimator": ("k1", "k2", "k3"),
+    "value.megatron.precision": ("fp32", "bf16"),
+    "value.megatron.layer_spec": ("local", "torch", "transformer_engine"),
+    "value.optimizer.name": ("adam", "sgd"),
+    "value.optimizer.lr_decay_style": ("constant", "linear", "cosine"),
 }
 _AT_LEAST = {  # key -> smallest valid value
     "cluster.num_workers": 1,
@@ -256,13 +264,23 @@ _AT_LEAST = {  # key -> smallest valid value
     "grpo.num_prompts_per_step": 1,
     "grpo.optimizer_steps_per_rollout": 1,
     "checkpoint.every": 0,
+    "ppo.num_prompts_per_step": 1,
+    "ppo.num_generations": 1,
+    "ppo.ppo_epochs": 1,
+    "ppo.num_mini_batches": 1,
+    "ppo.critic_warmup_steps": 0,
+    "ppo.reward_kl_coef": 0,
+    "value.megatron.tensor_model_parallel_size": 1,
+    "value.megatron.pipeline_model_parallel_size": 1,
+    "value.micro_batch_size": 1,
+    "value.values_micro_batch_size": 1,
 }
 
 
 def validate(cfg: TrainConfig) -> None:
     """Check the combinations that no run can satisfy (parallel layout vs model shape and
-    workers, device-only features, sampling ranges, lengths, task/reward choices, loss and GRPO
-    batch arithmetic).
+    workers (the policy's and, with ``algorithm: ppo``, the critic's), device-only features,
+    sampling ranges, lengths, task/reward choices, loss, GRPO and PPO batch arithmetic).
 
     Raises:
         ConfigError: listing every violation, one per line, each naming its keys.
@@ -278,46 +296,58 @@ def validate(cfg: TrainConfig) -> None:
         if not ok:
             errors.append(message)
 
-    arch, mg, ddp = cfg.model.arch, cfg.policy.megatron, cfg.policy.megatron.ddp
-    tp, pp, vpp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, \
-        mg.virtual_pipeline_model_parallel_size
-    if tp >= 1 and pp >= 1:
-        check(cfg.cluster.num_workers % (tp * pp) == 0,
-              f"cluster.num_workers ({cfg.cluster.num_workers}) must be divisible by "
-              f"policy.megatron.tensor_model_parallel_size x pipeline_model_parallel_size "
-              f"({tp} x {pp})")
-    if arch.num_query_groups >= 1 and arch.num_attention_heads >= 1:
+    arch, device = cfg.model.arch, cfg.cluster.device
+    heads_ok = arch.num_query_groups >= 1 and arch.num_attention_heads >= 1
+    if heads_ok:
         check(arch.num_attention_heads % arch.num_query_groups == 0,
               f"model.arch.num_attention_heads ({arch.num_attention_heads}) must be divisible by "
               f"model.arch.num_query_groups ({arch.num_query_groups})")
         check(arch.hidden_size % arch.num_attention_heads == 0,
               f"model.arch.hidden_size ({arch.hidden_size}) must be divisible by "
               f"model.arch.num_attention_heads ({arch.num_attention_heads})")
-        for name in ("num_attention_heads", "num_query_groups"):
-            check(tp < 1 or getattr(arch, name) % tp == 0,
-                  f"model.arch.{name} ({getattr(arch, name)}) must be divisible by "
-                  f"policy.megatron.tensor_model_parallel_size ({tp})")
-    if vpp is not None:
-        check(vpp >= 1, f"policy.megatron.virtual_pipeline_model_parallel_size must be null or "
-                        f">= 1 (got {vpp})")
-        check(pp > 1, f"policy.megatron.virtual_pipeline_model_parallel_size ({vpp}) needs "
-                      f"policy.megatron.pipeline_model_parallel_size > 1 (got {pp})")
-    if pp >= 1 and (vpp or 1) >= 1:
-        check(arch.num_layers % (pp * (vpp or 1)) == 0,
-              f"model.arch.num_layers ({arch.num_layers}) must be divisible by policy.megatron."
-              f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
-              f"({pp} x {vpp or 1})")
-    check(not mg.sequence_parallel or tp > 1, "policy.megatron.sequence_parallel needs "
-          f"policy.megatron.tensor_model_parallel_size > 1 (got {tp})")
-    check(not ddp.overlap_param_gather or ddp.use_distributed_optimizer,
-          "policy.megatron.ddp.overlap_param_gather needs "
-          "policy.megatron.ddp.use_distributed_optimizer")
-    device = cfg.cluster.device
-    gpu_only = [n for n in ("use_distributed_optimizer", "overlap_param_gather") if getattr(ddp, n)]
-    if gpu_only and (device == "cpu" or device == "auto" and not _cuda_available()):
-        seen = " and torch sees no GPU" if device == "auto" else ""
-        errors += [f"policy.megatron.ddp.{n} needs a GPU: cluster.device is '{device}'{seen}"
-                   for n in gpu_only]
+    # The PPO critic has a Megatron layout of its own over cluster.num_workers processes.
+    for section in ("policy", "value") if cfg.algorithm == "ppo" else ("policy",):
+        mg = getattr(cfg, section).megatron
+        ddp, key = mg.ddp, f"{section}.megatron"
+        tp, pp, vpp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, \
+            mg.virtual_pipeline_model_parallel_size
+        if tp >= 1 and pp >= 1:
+            check(cfg.cluster.num_workers % (tp * pp) == 0,
+                  f"cluster.num_workers ({cfg.cluster.num_workers}) must be divisible by "
+                  f"{key}.tensor_model_parallel_size x pipeline_model_parallel_size "
+                  f"({tp} x {pp})")
+        if heads_ok:
+            for name in ("num_attention_heads", "num_query_groups"):
+                check(tp < 1 or getattr(arch, name) % tp == 0,
+                      f"model.arch.{name} ({getattr(arch, name)}) must be divisible by "
+                      f"{key}.tensor_model_parallel_size ({tp})")
+        if vpp is not None:
+            check(vpp >= 1, f"{key}.virtual_pipeline_model_parallel_size must be null or "
+                            f">= 1 (got {vpp})")
+            check(pp > 1, f"{key}.virtual_pipeline_model_parallel_size ({vpp}) needs "
+                          f"{key}.pipeline_model_parallel_size > 1 (got {pp})")
+        if pp >= 1 and (vpp or 1) >= 1:
+            check(arch.num_layers % (pp * (vpp or 1)) == 0,
+                  f"model.arch.num_layers ({arch.num_layers}) must be divisible by {key}."
+                  f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
+                  f"({pp} x {vpp or 1})")
+        check(not mg.sequence_parallel or tp > 1, f"{key}.sequence_parallel needs "
+              f"{key}.tensor_model_parallel_size > 1 (got {tp})")
+        check(not mg.compile_layers or device != "cpu",
+              f"{key}.compile_layers needs a GPU: cluster.device is 'cpu'")
+        check(not ddp.overlap_param_gather or ddp.use_distributed_optimizer,
+              f"{key}.ddp.overlap_param_gather needs {key}.ddp.use_distributed_optimizer")
+        check(not ddp.average_in_collective,
+              f"{key}.ddp.average_in_collective must be false: the losses are normalized by the "
+              f"global token/sequence count (Megatron's calculate_per_token_loss), which "
+              f"Megatron's DDP refuses to combine with averaging over DP")
+        check(ddp.bucket_size is None or ddp.bucket_size >= 1,
+              f"{key}.ddp.bucket_size must be null or >= 1 (got {ddp.bucket_size})")
+        gpu_only = [n for n in ("use_distributed_optimizer", "overlap_param_gather") if getattr(ddp, n)]
+        if gpu_only and (device == "cpu" or device == "auto" and not _cuda_available()):
+            seen = " and torch sees no GPU" if device == "auto" else ""
+            errors += [f"{key}.ddp.{n} needs a GPU: cluster.device is '{device}'{seen}"
+                       for n in gpu_only]
 
     gen, data, loss, grpo = cfg.generation, cfg.data, cfg.loss, cfg.grpo
     check(gen.temperature > 0, f"generation.temperature must be > 0 (got {gen.temperature})")
@@ -325,6 +355,13 @@ def validate(cfg: TrainConfig) -> None:
     check(data.max_prompt_length + gen.max_new_tokens <= data.max_total_length,
           f"data.max_prompt_length + generation.max_new_tokens ({data.max_prompt_length} + "
           f"{gen.max_new_tokens}) must be <= data.max_total_length ({data.max_total_length})")
+    budget, mg = cfg.policy.max_tokens_per_microbatch, cfg.policy.megatron
+    tp = max(1, mg.tensor_model_parallel_size) if mg.sequence_parallel else 1
+    longest = -(-data.max_total_length // tp) * tp  # sequence parallelism pads widths to TP
+    check(budget is None or budget >= longest,
+          f"policy.max_tokens_per_microbatch ({budget}) must be null or >= data.max_total_length "
+          f"({data.max_total_length}{f', rounded up to a multiple of TP={tp}' if tp > 1 else ''})"
+          f": a micro-batch holds at least one whole sequence")
     check(data.task != "gsm8k" or data.train_path is not None,
           "data.task 'gsm8k' needs data.train_path (a GSM8K jsonl file)")
     for name in ("train_path", "test_path"):
@@ -339,6 +376,17 @@ def validate(cfg: TrainConfig) -> None:
           f"grpo.num_prompts_per_step x grpo.num_generations ({grpo.num_prompts_per_step} x "
           f"{grpo.num_generations} = {rollouts}) must be divisible by "
           f"grpo.optimizer_steps_per_rollout ({grpo.optimizer_steps_per_rollout})")
+    ppo = cfg.ppo
+    for name in ("gamma", "lam"):
+        check(0 <= getattr(ppo, name) <= 1, f"ppo.{name} must be in [0, 1] (got {getattr(ppo, name)})")
+    samples = ppo.num_prompts_per_step * ppo.num_generations
+    check(ppo.num_mini_batches < 1 or samples % ppo.num_mini_batches == 0,
+          f"ppo.num_prompts_per_step x ppo.num_generations ({ppo.num_prompts_per_step} x "
+          f"{ppo.num_generations} = {samples}) must be divisible by ppo.num_mini_batches "
+          f"({ppo.num_mini_batches})")
+    check(cfg.value.loss.cliprange is None or cfg.value.loss.cliprange > 0,
+          f"value.loss.cliprange must be null or > 0 (got {cfg.value.loss.cliprange})")
+    check(cfg.value.loss.coef > 0, f"value.loss.coef must be > 0 (got {cfg.value.loss.coef})")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 

@@ -25,7 +25,7 @@ Logprob convention: ``logprobs[b, t] = log pi(x_t | x_<t)`` and ``logprobs[:, 0]
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -72,21 +72,6 @@ def shard(batch: Batch, num_shards: int) -> List[Batch]:
     n = batch_size(batch)
     bounds = [round(i * n / num_shards) for i in range(num_shards + 1)]
     return [select(batch, slice(bounds[i], bounds[i + 1])) for i in range(num_shards)]
-
-
-def microbatches(batch: Batch, micro_batch_size: int) -> Iterator[Batch]:
-    """Consecutive slices of at most ``micro_batch_size`` rows (the last may be shorter)."""
-    if micro_batch_size <= 0:
-        raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
-    n = batch_size(batch)
-    for start in range(0, n, micro_batch_size):
-        yield select(batch, slice(start, start + micro_batch_size))
-
-
-def trim_padding(batch: Batch) -> Batch:
-    """Cut dimension 1 of 2-D tensors to the longest row (``input_lengths``)."""
-    width = int(batch["input_lengths"].max())
-    return {k: (v[:, :width] if v.dim() >= 2 else v) for k, v in batch.items()}
 
 
 def to_device(batch: Batch, device: torch.device | str) -> Batch:

@@ -11,7 +11,9 @@ What is redirected (measured on megatron-core 0.16.1, see ``shared/notes/megatro
 =============================================  ================================================
 Megatron assumption                            Redirect while :func:`activate` is in effect
 =============================================  ================================================
-``torch.cuda.current_device()``                returns 0; ``device=0`` is then rewritten below
+``torch.cuda.current_device()``                returns the CPU device (not 0: the mode below is
+                                               off inside autograd ``Function.backward``, where
+                                               sequence parallelism allocates with it)
 factories with ``device="cuda"`` / an int      a ``TorchFunctionMode`` rewrites the device to CPU
 ``Tensor.cuda()`` / ``.to("cuda")``            the same mode makes them CPU no-ops
 CUDA RNG state (tensor-parallel RNG tracker)   the CPU default generator, so ``torch.cuda.
@@ -141,7 +143,7 @@ def activate() -> None:
         import megatron.core.optimizer.clip_grads as mclip
         import megatron.core.optimizer.optimizer as mopt
 
-        torch.cuda.current_device = lambda: 0
+        torch.cuda.current_device = lambda: torch.device("cpu")
         torch.cuda.synchronize = lambda *a, **k: None
         torch.cuda.Stream = _NullStream
         torch.cuda.Event = _NullEvent

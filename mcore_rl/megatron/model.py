@@ -10,8 +10,9 @@ model is built with :func:`padded_vocab_size` rows. The pad rows (ids ``>= vocab
 zero after :func:`mcore_rl.megatron.conversion.load_hf_weights`; their logits are not
 meaningful and callers must never sample or score them (mask columns ``>= vocab_size``).
 
-Inputs: Megatron's default attention mask is allocated on CUDA, so callers pass
-:func:`causal_attention_mask` explicitly (it is also what the GPU path uses).
+Inputs: callers pass :func:`attention_mask` for the configured layer spec: the explicit
+:func:`causal_attention_mask` for ``local`` (Megatron's default mask is allocated on CUDA),
+None for ``torch`` and ``transformer_engine`` (their kernels mask causally themselves).
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_rl.config.schema import MegatronConfig, ModelArchConfig
 
 _PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Values of ``megatron.layer_spec`` (see :func:`layer_spec`).
+LAYER_SPECS = ("local", "torch", "transformer_engine")
 
 
 def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
@@ -66,16 +70,17 @@ def transformer_config(
     the loss over microbatches and DP and ``finalize_model_grads`` divides the grads by the
     all-reduced token count.
 
-    Raises ``ValueError`` naming the config key for an unknown precision, a layer spec other
-    than ``local``, or a non-positive vocabulary.
+    Raises ``ValueError`` naming the config key for an unknown precision, an unknown layer
+    spec (:data:`LAYER_SPECS`), or a non-positive vocabulary.
     """
     if megatron.precision not in _PARAMS_DTYPES:
         raise ValueError(
             f"megatron.precision must be one of {sorted(_PARAMS_DTYPES)}, "
             f"got {megatron.precision!r}"
         )
-    if megatron.layer_spec != "local":
-        raise ValueError(f"megatron.layer_spec must be 'local', got {megatron.layer_spec!r}")
+    if megatron.layer_spec not in LAYER_SPECS:
+        raise ValueError(f"megatron.layer_spec must be one of {LAYER_SPECS}, "
+                         f"got {megatron.layer_spec!r}")
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     on_cpu = torch.device(device).type == "cpu"
@@ -112,6 +117,88 @@ def transformer_config(
     )
 
 
+def layer_spec(name: str) -> ModuleSpec:
+    """The ``TransformerLayer`` spec of ``megatron.layer_spec`` (all RMSNorm, SwiGLU, RoPE):
+
+    - ``"local"``: Megatron's own modules (``get_gpt_layer_local_spec``), whose core attention
+      (``DotProductAttention``) materializes the ``[b, heads, s, s]`` scores; norms are
+      :class:`RMSNorm` (sequence-parallel aware).
+    - ``"torch"``: the local spec with its core attention replaced by
+      :class:`~mcore_rl.megatron.attention.TorchSDPAttention` (torch's fused SDPA kernels).
+      Same parameters and names as ``"local"``, so conversion and checkpoints are shared.
+    - ``"transformer_engine"``: Megatron's TE spec (``get_gpt_layer_with_transformer_engine_spec``;
+      norms fused into the next linear, so its parameter names differ from ``"local"``).
+
+    Raises:
+        ValueError: an unknown name (config key ``megatron.layer_spec``), or
+            ``"transformer_engine"`` when ``transformer_engine`` does not import.
+    """
+    if name not in LAYER_SPECS:
+        raise ValueError(f"megatron.layer_spec must be one of {LAYER_SPECS}, got {name!r}")
+    if name == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as e:
+            raise ValueError(
+                "megatron.layer_spec=transformer_engine needs Transformer Engine, which does not "
+                f"import here ({e}); use megatron.layer_spec=torch (torch SDPA attention)"
+            ) from None
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    if name == "torch":
+        from mcore_rl.megatron.attention import TorchSDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = TorchSDPAttention
+    return spec
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (Zhang & Sennrich 2019) built from Megatron's norm arguments, the
+    norm of the ``local`` and ``torch`` specs (layers and final norm).
+
+    With sequence parallelism each TP rank normalizes only its ``s / TP`` positions, so the
+    weight's gradient is a partial sum: the weight carries Megatron's ``sequence_parallel``
+    flag, and ``finalize_model_grads`` all-reduces the flagged gradients over TP (Megatron's
+    Apex ``FusedLayerNorm`` and TE norms do the same; its torch fallback ``WrappedTorchNorm``,
+    used without Apex, refuses sequence parallelism instead).
+
+    Args: ``config`` (``normalization`` must be ``"RMSNorm"``), ``hidden_size``, ``eps``; the
+    other Megatron norm arguments are ignored. Forward: ``[..., hidden]`` -> same shape and
+    dtype. Raises ``ValueError`` for another ``config.normalization``.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                 **unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"RMSNorm built for config.normalization={config.normalization!r}")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _decoder_spec(name: str, config: TransformerConfig, vp_stage: int | None) -> ModuleSpec:
+    """The decoder spec of one chunk: for ``local``/``torch`` a ``TransformerBlock`` spec whose
+    final norm is :class:`RMSNorm` too (Megatron would pick ``WrappedTorchNorm`` without
+    Apex), built as ``get_gpt_decoder_block_spec`` does; the TE layer spec as it is."""
+    spec = layer_spec(name)
+    if name == "transformer_engine":
+        return spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[spec] * layers, layer_norm=RMSNorm))
+
+
 def build_model(
     arch: ModelArchConfig,
     megatron: MegatronConfig,
@@ -126,12 +213,16 @@ def build_model(
     Weights are Megatron's random init; load real ones with
     :func:`mcore_rl.megatron.conversion.load_hf_weights`.
 
-    Forward: ``chunk(input_ids [b,s] int64, position_ids [b,s], attention_mask [b,1,s,s]
-    bool)`` returns logits ``[b, s, padded_vocab/tp]`` on the last stage (hidden states
+    Layers follow :func:`layer_spec` (``megatron.layer_spec``). Forward: ``chunk(input_ids
+    [b,s] int64, position_ids [b,s], attention_mask)`` (the mask from :func:`attention_mask`:
+    ``[b,1,s,s]`` bool, or None for the torch/TE specs) returns logits ``[b, s, padded_vocab/tp]`` on the last stage (hidden states
     ``[s, b, h]`` elsewhere).
 
-    Raises ``ValueError`` as :func:`transformer_config`, or when Megatron's parallel state
-    disagrees with the config's TP/PP/VPP sizes.
+    ``megatron.compile_layers`` compiles each ``TransformerLayer`` in place
+    (``nn.Module.compile``: torch.compile with the module's names kept).
+
+    Raises ``ValueError`` as :func:`transformer_config`, when Megatron's parallel state
+    disagrees with the config's TP/PP/VPP sizes, or for ``compile_layers`` off CUDA.
     """
     config = transformer_config(arch, megatron, vocab_size, device)
     state = (
@@ -149,6 +240,8 @@ def build_model(
             f"megatron (tensor, pipeline, virtual pipeline) sizes {wanted} differ from the "
             f"initialized parallel state {state}"
         )
+    if megatron.compile_layers and torch.device(device).type != "cuda":
+        raise ValueError(f"megatron.compile_layers needs a CUDA device, got {device!r}")
     vpp = megatron.virtual_pipeline_model_parallel_size
     stages = [None] if vpp is None else list(range(vpp))
     padded = padded_vocab_size(vocab_size, megatron.tensor_model_parallel_size)
@@ -157,7 +250,7 @@ def build_model(
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                transformer_layer_spec=_decoder_spec(megatron.layer_spec, config, vp_stage),
                 vocab_size=padded,
                 max_sequence_length=arch.max_position_embeddings,
                 pre_process=parallel_state.is_pipeline_first_stage(
@@ -170,9 +263,44 @@ def build_model(
                 position_embedding_type="rope",
                 rotary_base=arch.rope_theta,
                 vp_stage=vp_stage,
-            )
+            ).to(device)  # as Megatron-LM's get_model: the local spec's torch norms start on the CPU
         )
+        if megatron.compile_layers:  # in place: parameter names (conversion, checkpoints) stay
+            for layer in chunks[-1].decoder.layers:
+                layer.compile()
     return chunks
+
+
+def wrap_float16(chunks: list[torch.nn.Module], precision: str) -> list[torch.nn.Module]:
+    """Wrap each chunk in Megatron's ``Float16Module`` when ``precision`` is ``"bf16"``, as
+    Megatron-LM's ``get_model`` does (``fp32`` returns the chunks as they are).
+
+    The wrapper casts the chunk to bf16, casts float inputs of the first stage to bf16 and
+    the last stage's output to fp32 (``fp32_output=True``); Megatron's optimizer then keeps
+    fp32 main params and DDP fp32 grads (``ddp.grad_reduce_in_fp32``). Load weights before
+    the optimizer is built, so its fp32 main copies start from them. Every parameter becomes
+    bf16 (the local spec's torch norms are built fp32 whatever ``params_dtype`` says) except
+    the fp32 ones marked ``param.keep_fp32 = True`` (a value head kept in fp32 on purpose),
+    which keep their exact values. ``megatron.core.utils.unwrap_model`` sees through the
+    wrapper (the HF conversion uses it).
+
+    Raises ``ValueError`` for an unknown precision (config key ``megatron.precision``).
+    """
+    if precision not in _PARAMS_DTYPES:
+        raise ValueError(f"megatron.precision must be one of {sorted(_PARAMS_DTYPES)}, "
+                         f"got {precision!r}")
+    if precision == "fp32":
+        return chunks
+    from megatron.core.transformer.module import Float16Module
+
+    wrapped = []
+    for chunk in chunks:
+        kept = [(p, p.data) for p in chunk.parameters()
+                if p.dtype == torch.float32 and getattr(p, "keep_fp32", False)]
+        wrapped.append(Float16Module(chunk.config, chunk))
+        for p, data in kept:
+            p.data = data
+    return wrapped
 
 
 def causal_attention_mask(batch: int, seq: int, device: torch.device | str) -> torch.Tensor:
@@ -182,6 +310,25 @@ def causal_attention_mask(batch: int, seq: int, device: torch.device | str) -> t
     """
     mask = torch.ones(seq, seq, dtype=torch.bool, device=device).triu_(1)
     return mask.view(1, 1, seq, seq).expand(batch, 1, seq, seq)
+
+
+def attention_mask(layer_spec_name: str, batch: int, seq: int,
+                   device: torch.device | str) -> torch.Tensor | None:
+    """The ``attention_mask`` forward argument for right-padded rows of one micro-batch.
+
+    Right padding needs only the causal mask (a valid token never sees a later pad). The
+    ``torch`` and ``transformer_engine`` specs apply causal masking themselves when the mask is
+    None (their attention's ``attn_mask_type`` is causal), which lets the fused kernels skip
+    the masked half instead of reading a mask: None for them, :func:`causal_attention_mask`
+    for ``local`` (whose own default causal mask is allocated on CUDA).
+
+    Raises ``ValueError`` for an unknown spec name (:data:`LAYER_SPECS`).
+    """
+    if layer_spec_name not in LAYER_SPECS:
+        raise ValueError(f"megatron.layer_spec must be one of {LAYER_SPECS}, got {layer_spec_name!r}")
+    if layer_spec_name == "local":
+        return causal_attention_mask(batch, seq, device)
+    return None
 
 
 def position_ids(batch: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:

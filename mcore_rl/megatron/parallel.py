@@ -39,6 +39,12 @@ def initialize(
     """Join the process group and build Megatron's TP/PP/DP groups; seed Megatron's
     model-parallel RNG tracker. Returns the torch device of this rank.
 
+    RNG (dropout), as Megatron-LM's ``_set_random_seed``: pipeline stage ``p`` uses
+    ``seed + 100 p`` (layers of different stages draw different masks), and
+    ``model_parallel_cuda_manual_seed`` makes the default generator equal on the TP ranks of a
+    stage (dropout of replicated activations agrees) and the tracker's ``model-parallel-rng``
+    differ per TP rank (dropout inside TP-split regions is independent per shard).
+
     Raises ``ValueError`` when ``world_size`` is not divisible by TP x PP.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
@@ -76,7 +82,7 @@ def initialize(
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         )
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     return torch_device
 
 

@@ -16,7 +16,9 @@ gradients. Metrics are reduced the same way (:meth:`MegatronTrainWorker._reduce_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -24,27 +26,69 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config.schema import ModelArchConfig, MegatronConfig, OptimizerConfig
-from mcore_rl.data.batch import Batch, microbatches, select, trim_padding
+from mcore_rl.data.batch import Batch, select
+from mcore_rl.data.microbatching import ROW_INDEX, gather_rows, make_microbatches, shapes_vary
 from mcore_rl.megatron import parallel
+from mcore_rl.megatron.offload import StorageOffloader
 
 # What a loss function returns per micro-batch: (loss_sum, count, raw metric sums).
 LossOutput = Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]
 
 
-def _pad_rows(batch: Batch, multiple: int) -> Batch:
-    """Append all-zero rows (masked out: token_mask = sample_mask = 0) so the row count is a
-    multiple of ``multiple``: pipeline schedules need equal micro-batch shapes."""
-    n = next(iter(batch.values())).shape[0]
-    extra = (-n) % multiple
-    if extra == 0:
-        return batch
-    out = {}
-    for k, v in batch.items():
-        pad = torch.zeros((extra, *v.shape[1:]), dtype=v.dtype, device=v.device)
-        if k == "input_lengths":
-            pad.fill_(1)
-        out[k] = torch.cat([v, pad], dim=0)
-    return out
+@dataclasses.dataclass
+class _SplitStep:
+    """An open split train step (:meth:`MegatronTrainWorker.begin_train_step`).
+
+    ``hooks``: the model config's saved ``(grad_sync_func, no_sync_func,
+    finalize_model_grads_func)``. ``num_tokens``: scalar ``torch.int`` (the dtype of Megatron's
+    own ``total_num_tokens``), this rank's sum of the loss function's counts (valid tokens or
+    sequences; non-zero on the last pipeline stage only). ``outputs``: the raw metric dicts of
+    every micro-batch (last stage), in order, for :meth:`MegatronTrainWorker._reduce_metrics`.
+    """
+
+    loss_fn: Any
+    global_batch_size: int
+    micro_batch_size: int
+    hooks: Tuple[Any, Any, Any]
+    num_tokens: torch.Tensor
+    outputs: List[Dict[str, torch.Tensor]]
+
+
+def _use_fused_torch_adam(optimizer) -> None:
+    """Switch a fresh Megatron optimizer's torch Adam/AdamW to torch's single-kernel CUDA
+    implementation (``fused=True``). Megatron uses Transformer Engine's or Apex's FusedAdam
+    when importable and otherwise torch's optimizer with its default multi-tensor ``foreach``
+    path, several kernels per step over every fp32 main param and state tensor. Same update
+    rule (Loshchilov & Hutter 2019, AdamW, Algorithm 2); state must not exist yet (fused keeps
+    the step count on the device)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam) and not inner.state:
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = True, False
+
+
+def requires_device_state(training: bool):
+    """Decorator of a GPU-bound public worker method (the offload guard).
+
+    Before the method runs, :meth:`MegatronTrainWorker._check_device_state` raises
+    ``RuntimeError`` naming the method and the prepare step the caller skipped when what the
+    method needs is offloaded (:meth:`MegatronTrainWorker.offload_after_refit`,
+    :meth:`MegatronTrainWorker.offload_before_refit`): the weights for inference
+    (``training=False``: ``prepare_for_lp_inference()``), the weights, gradient buffers and
+    optimizer state for training (``training=True``: ``prepare_for_training()``). The call then
+    never reaches the model, instead of failing inside CUDA on freed memory.
+    """
+
+    def decorate(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            self._check_device_state(method.__name__, training)
+            return method(self, *args, **kwargs)
+
+        return guarded
+
+    return decorate
 
 
 class MegatronTrainWorker:
@@ -60,6 +104,17 @@ class MegatronTrainWorker:
         total_optimizer_steps: for the LR decay.
         global_batch_size: sequences per optimizer step (the scheduler counts samples).
         threads: CPU threads for torch in this process (0: cores / local workers).
+        max_tokens_per_microbatch: None: micro-batches of the ``micro_batch_size`` rows each
+            call names; else a token budget (config ``policy.max_tokens_per_microbatch``) that
+            replaces it in every call (:mod:`mcore_rl.data.microbatching`).
+
+    Attributes:
+        trainer_version: optimizer steps taken (int, starts at 0, saved in checkpoints). Bumped
+            by exactly 1 when :meth:`train` or :meth:`finish_train_step` has stepped the
+            optimizer and the LR schedule (also when the optimizer skipped a non-finite update:
+            it counts steps as the schedule does), never by ``begin_train_step``,
+            ``train_microbatch`` or ``abort_train_step``. Rollouts tagged with it name the
+            weights that produced them.
     """
 
     def __init__(
@@ -76,12 +131,14 @@ class MegatronTrainWorker:
         total_optimizer_steps: int,
         global_batch_size: int,
         threads: int = 0,
+        max_tokens_per_microbatch: Optional[int] = None,
     ):
         if device == "cpu":
             torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(1, world_size)))
         self.arch = arch
         self.megatron_cfg = megatron
         self.optimizer_cfg = optimizer
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.rank = rank
         self.device = parallel.initialize(
             rank,
@@ -108,9 +165,13 @@ class MegatronTrainWorker:
         raise NotImplementedError
 
     def _build_model(self):
+        """The subclass's chunks (weights loaded), in Megatron's ``Float16Module`` for bf16
+        (:func:`~mcore_rl.megatron.model.wrap_float16`), each in Megatron DDP."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        chunks = self._build_output_model()
+        from mcore_rl.megatron.model import wrap_float16
+
+        chunks = wrap_float16(self._build_output_model(), self.megatron_cfg.precision)
         ddp = self.megatron_cfg.ddp
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=ddp.grad_reduce_in_fp32,
@@ -128,10 +189,13 @@ class MegatronTrainWorker:
         ]
         return model
 
+    @requires_device_state(training=True)
     def rebuild_optimizer(self, lr: Optional[float] = None) -> None:
         """(Re)create the Megatron optimizer and LR schedule over the current weights: fresh
         optimizer state. ``lr`` given: a constant learning rate (a warm-start phase); None:
-        the configured optimizer and schedule (``policy.optimizer``)."""
+        the configured optimizer and schedule (``policy.optimizer``). Raises ``RuntimeError``
+        while a split train step is open (it would reinstall the hooks that step nulled)."""
+        self._refuse_during_split_step("rebuild_optimizer")
         o = self.optimizer_cfg
         if lr is not None:
             o = dataclasses.replace(o, lr=lr, min_lr=lr, lr_warmup_steps=0, lr_decay_style="constant")
@@ -161,6 +225,8 @@ class MegatronTrainWorker:
             ),
             self.model,
         )
+        if self.device.type == "cuda":
+            _use_fused_torch_adam(self.optimizer)
         gbs = max(1, global_batch_size)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
@@ -215,14 +281,18 @@ class MegatronTrainWorker:
     # ------------------------------------------------------------------ forward plumbing
     def _model_forward(self, model, mb: Batch) -> torch.Tensor:
         """Run one model chunk on a micro-batch; returns its output tensor."""
-        from mcore_rl.megatron.model import causal_attention_mask, position_ids
+        from mcore_rl.megatron.model import attention_mask, position_ids
 
         ids = mb["input_ids"]
         b, s = ids.shape
+        # bf16: the last stage returns bf16 (Float16Module would upcast the whole output, a
+        # full-vocabulary fp32 copy of the logits); consumers compute in fp32 themselves.
+        half = {"fp32_output": False} if self.megatron_cfg.precision == "bf16" else {}
         return model(
             ids,
             position_ids(b, s, ids.device),
-            causal_attention_mask(b, s, ids.device),
+            attention_mask(self.megatron_cfg.layer_spec, b, s, ids.device),
+            **half,
         )
 
     def _run_schedule(
@@ -237,15 +307,30 @@ class MegatronTrainWorker:
         ``output_fn(model_output, microbatch)`` runs on the last stage and returns what Megatron
         calls the loss function's outputs (a 3-tuple when training). Returns the list of the
         per-micro-batch values Megatron stores (last stage; empty on other stages).
+
+        Micro-batches (:func:`~mcore_rl.data.microbatching.make_microbatches`): of
+        ``micro_batch_size`` rows, or under :attr:`max_tokens_per_microbatch` when set; each
+        carries ``row_index`` (input row, -1 for padding rows). Layout needs met here: widths
+        are a multiple of TP under sequence parallelism (Megatron splits the sequence evenly);
+        the micro-batch count is a multiple of PP with virtual stages (the interleaved
+        schedule runs them in groups of PP); micro-batches of different shapes (token budget)
+        turn on Megatron's ``variable_seq_lengths`` so pipeline stages exchange each shape,
+        except with virtual stages, where the budget makes equal shapes (``uniform_shapes``:
+        the interleaved schedule's shape exchange deadlocks).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batch = trim_padding(batch)
-        batch = _pad_rows(batch, micro_batch_size)
-        mbs = [{k: v.to(self.device) for k, v in mb.items()}
-               for mb in microbatches(batch, micro_batch_size)]
+        mg = self.megatron_cfg
+        interleaved = mg.virtual_pipeline_model_parallel_size is not None
+        mbs = make_microbatches(
+            batch, micro_batch_size, self.max_tokens_per_microbatch,
+            width_multiple=mg.tensor_model_parallel_size if mg.sequence_parallel else 1,
+            count_multiple=mg.pipeline_model_parallel_size if interleaved else 1,
+            uniform_shapes=interleaved)
+        mbs = [{k: v.to(self.device) for k, v in mb.items()} for mb in mbs]
         num_mb = len(mbs)
-        seq_len = batch["input_ids"].shape[1]
+        seq_len, rows = mbs[0]["input_ids"].shape[1], mbs[0]["input_ids"].shape[0]
+        self.model_config.variable_seq_lengths = shapes_vary(mbs)
 
         def data_iter() -> Iterator[Batch]:
             return iter(mbs)
@@ -263,15 +348,40 @@ class MegatronTrainWorker:
             model=self.model,
             num_microbatches=num_mb,
             seq_length=seq_len,
-            micro_batch_size=micro_batch_size,
+            micro_batch_size=rows,
             forward_only=forward_only,
         )
+
+    def _per_token_forward(self, batch: Batch, micro_batch_size: int,
+                           per_token: Callable[[torch.Tensor, Batch], torch.Tensor]) -> torch.Tensor:
+        """Forward-only pass of ``batch`` that returns ``per_token(model_output, microbatch)``
+        (float32 ``[b, s]``, computed on the last stage) for all rows.
+
+        Returns a float32 CPU tensor ``[B, S]`` (S of the input), 0 past each row's length,
+        identical on every rank (broadcast from the last pipeline stage). Collective.
+        """
+        n, width = batch["input_ids"].shape
+        with torch.no_grad():
+            outputs = self._run_schedule(
+                batch, micro_batch_size, forward_only=True,
+                output_fn=lambda out, mb: (out.new_zeros(()), {"per_token": per_token(out, mb),
+                                                               ROW_INDEX: mb[ROW_INDEX]}),
+            )
+        values = None
+        trimmed = int(batch["input_lengths"].max())
+        if self._is_last_stage():
+            values = gather_rows([o["per_token"] for o in outputs], [o[ROW_INDEX] for o in outputs],
+                                 n, trimmed).float().contiguous()
+        values = self._broadcast_from_last_stage(values, (n, trimmed), torch.float32).cpu()
+        values = values * (torch.arange(trimmed)[None, :] < batch["input_lengths"][:, None])
+        return torch.nn.functional.pad(values, (0, width - trimmed))
 
     # ------------------------------------------------------------------ training
     def _loss_output(self, output: torch.Tensor, mb: Batch, loss_fn) -> LossOutput:
         """Turn the model output of a micro-batch into ``(loss_sum, count, metrics)``."""
         raise NotImplementedError
 
+    @requires_device_state(training=True)
     def train(self, batch: Batch, loss_fn, global_batch_size: int, micro_batch_size: int) -> Dict[str, float]:
         """One optimizer step on this DP rank's share of a global batch.
 
@@ -288,15 +398,43 @@ class MegatronTrainWorker:
             (raw sum over all micro-batches and DP ranks / global count of its kind), plus
             ``grad_norm`` (after scaling, before clipping), ``lr`` (used by this step),
             ``num_valid_tokens``/``num_valid_sequences`` (global sums).
+
+        Raises:
+            RuntimeError: a split train step is open (:meth:`begin_train_step`).
         """
-        for m in self.model:
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        self._refuse_during_split_step("train")
+        self._zero_grads()
         outputs = self._run_schedule(
             batch, micro_batch_size, forward_only=False,
             output_fn=lambda out, mb: self._loss_output(out, mb, loss_fn),
         )
+        return self._optimizer_step(outputs, loss_fn, global_batch_size)
+
+    def _zero_grads(self) -> None:
+        """Zero the DDP grad buffers and the optimizer's grads. Megatron's
+        ``DistributedDataParallel.zero_grad_buffer`` also resets each bucket group
+        (``per_param_grad_ready_counts``, ``is_last_microbatch``) and each parameter's
+        ``grad_added_to_main_grad``, so no grad-ready state of one step leaks into the next."""
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _optimizer_step(self, outputs: List[Dict[str, torch.Tensor]], loss_fn,
+                        global_batch_size: int) -> Dict[str, float]:
+        """``optimizer.step()`` on finalized gradients (reduced, scaled by ``1/N``), then the
+        LR schedule, the ``trainer_version`` bump and the metrics; shared by :meth:`train` and
+        :meth:`finish_train_step` so both return the same names and meanings. The lr is read
+        after ``optimizer.step()`` and before ``scheduler.step(increment=global_batch_size)``:
+        the lr this step used. Metrics: :meth:`_reduce_metrics` plus ``grad_norm``, ``lr``,
+        ``update_successful`` (1.0 or 0.0)."""
         success, grad_norm, _ = self.optimizer.step()
+        if self.megatron_cfg.ddp.overlap_param_gather:
+            # The distributed optimizer leaves the all-gather of the updated params to the next
+            # forward's pre-hooks; refit export, the reference copy and checkpoints read the
+            # params before any forward, so gather them now (Megatron-LM does the same before
+            # evaluation and saving: disable_forward_pre_hook(param_sync=True)).
+            for m in self.model:
+                m.start_param_sync(force_sync=True)
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=global_batch_size)
         self.trainer_version += 1
@@ -336,6 +474,286 @@ class MegatronTrainWorker:
             out[n] = raw[n] / d if d else 0.0
         return out
 
+    # ------------------------------------------------------------------ split train step
+    # One optimizer step fed one micro-batch at a time (a controller that trains while
+    # rollouts still arrive), with exactly the gradient and metrics of :meth:`train` on the
+    # same rows: begin_train_step, train_microbatch (any number of times, and a different
+    # number on each DP rank), finish_train_step; abort_train_step drops an open step.
+    _split_step: Optional[_SplitStep] = None  # the open split step, if any
+
+    @requires_device_state(training=True)
+    def begin_train_step(self, loss_fn, global_batch_size: int, micro_batch_size: int) -> None:
+        """Open a split train step.
+
+        Args:
+            loss_fn: as in :meth:`train` (``loss_type``, ``metric_kinds``, ``__call__``
+                returning ``(loss_sum, count, metrics)``).
+            global_batch_size: sequences of the whole step over all DP ranks; the LR schedule
+                advances by it in :meth:`finish_train_step`.
+            micro_batch_size: rows per forward/backward inside :meth:`train_microbatch`.
+
+        What it does, and why:
+
+        * zeroes the DDP grad buffers (resetting Megatron's per-parameter grad-ready state)
+          and the optimizer's grads: the step's gradient is the raw sum of its micro-batches;
+        * saves and nulls ``config.grad_sync_func``: the pipeline schedules call it on the
+          last micro-batch of every call (the PP>1 "last microbatch" bypass) and would start
+          the DP reduction of a partial gradient;
+        * saves ``config.no_sync_func`` and sets it to a null context:
+          :meth:`train_microbatch` holds ``model.no_sync()`` itself, and DDP's ``no_sync`` is
+          not reentrant (leaving it sets ``is_last_microbatch = True``), while the PP=1
+          schedule runs its last micro-batch outside its own ``no_sync`` on purpose, to
+          trigger the gradient all-reduce;
+        * saves and nulls ``config.finalize_model_grads_func``: the schedule calls it after
+          every ``forward_backward`` call (DP reduce and ``1/N`` scaling), here it must run
+          once, in :meth:`finish_train_step`.
+
+        Raises:
+            RuntimeError: a split step is already open (finish or abort it first).
+            ValueError: ``global_batch_size`` or ``micro_batch_size`` is below 1.
+        """
+        self._refuse_during_split_step("begin_train_step")
+        if global_batch_size < 1 or micro_batch_size < 1:
+            raise ValueError(f"begin_train_step: global_batch_size ({global_batch_size}) and "
+                             f"micro_batch_size ({micro_batch_size}) must be >= 1")
+        self._zero_grads()
+        config = self.model_config
+        hooks = (config.grad_sync_func, config.no_sync_func, config.finalize_model_grads_func)
+        config.grad_sync_func = None
+        config.no_sync_func = contextlib.nullcontext
+        config.finalize_model_grads_func = None
+        self._split_step = _SplitStep(
+            loss_fn=loss_fn,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            hooks=hooks,
+            num_tokens=torch.zeros((), dtype=torch.int, device=self.device),
+            outputs=[],
+        )
+
+    @requires_device_state(training=True)
+    def train_microbatch(self, data: Batch) -> None:
+        """Forward and backward ``data`` (this DP rank's rows; every TP/PP rank of one DP
+        group gets the same rows) and add its raw gradient to the open step.
+
+        One call of Megatron's pipeline schedule over the rows of ``data`` cut into
+        micro-batches of the step's ``micro_batch_size`` (padded with masked rows like
+        :meth:`train`), inside ``model.no_sync()`` of every model chunk so no DP reduction
+        starts. The count handed to Megatron is a placeholder 1: with
+        ``calculate_per_token_loss=True`` (set by the model builder) the schedule then leaves
+        the loss unscaled, so the gradients are raw sums; the real count (valid tokens or
+        sequences, by the loss type) and the raw metrics are kept by the worker for
+        :meth:`finish_train_step`. No collective over DP: DP ranks may call it different
+        numbers of times (zero included). :meth:`get_logprobs` (forward only, no grads) may
+        run between calls: it leaves the accumulated gradients as they are.
+
+        Raises:
+            RuntimeError: no step is open.
+            Any exception of the forward, the loss function or the backward, re-raised after
+            the step is aborted (:meth:`abort_train_step`: hooks restored, grads zeroed): a
+            partial backward cannot be told apart from the earlier micro-batches' gradients.
+            With PP > 1 an exception on one stage leaves the other stages waiting in the
+            schedule's point-to-point calls.
+        """
+        step = self._open_split_step("train_microbatch")
+
+        def output_fn(out: torch.Tensor, mb: Batch) -> LossOutput:
+            loss_sum, count, metrics = self._loss_output(out, mb, step.loss_fn)
+            step.num_tokens += count
+            return loss_sum, torch.ones_like(count), metrics
+
+        try:
+            with contextlib.ExitStack() as no_sync:
+                for m in self.model:
+                    no_sync.enter_context(m.no_sync())
+                outputs = self._run_schedule(data, step.micro_batch_size, forward_only=False,
+                                             output_fn=output_fn)
+        except BaseException:
+            self._close_split_step(zero_grads=True)
+            raise
+        step.outputs.extend(outputs)
+
+    @requires_device_state(training=True)
+    def finish_train_step(self) -> Dict[str, float]:
+        """Reduce and scale the step's gradient once, step the optimizer, close the step.
+
+        Order, and why:
+
+        1. ``start_grad_sync()`` on every chunk only with ``overlap_grad_reduce``: no backward
+           hook dispatched the reduction (all ran under ``no_sync``), and ``finish_grad_sync``
+           then only waits for it. Without overlap ``finish_grad_sync`` dispatches the
+           (synchronous) reduction itself: calling both would reduce twice and scale the
+           gradients by the DP size.
+        2. The saved ``finalize_model_grads_func`` (Megatron's ``finalize_model_grads``) with
+           this rank's count: it reduces the grads over DP, all-reduces the layer-norm grads of
+           sequence parallelism and the shared embedding grads of the first and last stages,
+           then broadcasts the count from the last pipeline stage, all-reduces it over DP into
+           N (valid tokens or sequences of the whole step, by the loss type) and scales the
+           gradients by ``1/N`` (``scale_gradients``). That is the call, order and argument of
+           :meth:`train`'s schedule, so the gradient equals :meth:`train`'s (scaling before the
+           reduction would round differently), and it is scaled before the optimizer, so
+           clipping sees the real gradient.
+        3. ``optimizer.step()``, the lr read before ``scheduler.step(increment=
+           global_batch_size)``, ``trainer_version`` + 1 (:meth:`_optimizer_step`).
+        4. The hooks restored and the step closed (also when a step above raised).
+
+        Returns:
+            the metrics of :meth:`train` (same names and meanings, the same on every rank),
+            each raw metric summed over all micro-batches and DP ranks and divided by the
+            global count of its kind from ``loss_fn.metric_kinds`` (tokens, sequences, none;
+            the loss type for names it does not list): :meth:`_reduce_metrics`.
+
+        Raises:
+            RuntimeError: no step is open (never begun, already finished, or aborted by an
+            exception); any exception of the steps above is re-raised after the step is
+            aborted (hooks restored, grads zeroed).
+        """
+        step = self._open_split_step("finish_train_step")
+        try:
+            for m in self.model:
+                if m.ddp_config.overlap_grad_reduce:
+                    m.start_grad_sync()
+            finalize_model_grads = step.hooks[2]
+            finalize_model_grads(self.model, step.num_tokens)
+            metrics = self._optimizer_step(step.outputs, step.loss_fn, step.global_batch_size)
+        except BaseException:
+            self._close_split_step(zero_grads=True)
+            raise
+        self._close_split_step(zero_grads=False)
+        return metrics
+
+    def abort_train_step(self) -> None:
+        """Drop the open split step: restore the saved hooks, zero the grad buffers (and the
+        grad-ready state, :meth:`_zero_grads`) and the optimizer's grads, forget the counts
+        and metrics. The weights, optimizer state, LR schedule and ``trainer_version`` are
+        untouched, and the worker is ready for :meth:`train` or a new step at once.
+        Idempotent: without an open step it does nothing."""
+        if self._split_step is not None:
+            self._close_split_step(zero_grads=True)
+
+    def _open_split_step(self, method: str) -> _SplitStep:
+        if self._split_step is None:
+            raise RuntimeError(
+                f"{method}: no split train step is open; call begin_train_step(loss_fn, "
+                f"global_batch_size, micro_batch_size) first (a step is closed by "
+                f"finish_train_step, abort_train_step, or an exception in train_microbatch or "
+                f"finish_train_step)")
+        return self._split_step
+
+    def _refuse_during_split_step(self, method: str) -> None:
+        if self._split_step is not None:
+            raise RuntimeError(f"{method}: a split train step is open (begin_train_step was "
+                               f"called); call finish_train_step or abort_train_step first")
+
+    def _close_split_step(self, zero_grads: bool) -> None:
+        """Restore the hooks saved by :meth:`begin_train_step` and forget the step."""
+        step, self._split_step = self._split_step, None
+        config = self.model_config
+        config.grad_sync_func, config.no_sync_func, config.finalize_model_grads_func = step.hooks
+        if zero_grads:
+            self._zero_grads()
+
+    # ------------------------------------------------------------------ offload lifecycle
+    # Colocated generation (the rollout engine on the same GPUs): between two training phases
+    # the worker's GPU memory is handed to the engine. Order per RL step, by the controller:
+    # offload_before_refit -> (refit: get_hf_weights) -> offload_after_refit -> (generation)
+    # -> prepare_for_lp_inference -> (get_logprobs ...) -> prepare_for_training -> (train).
+    _weights_offloaded: bool = False  # weights off the device (offload_after_refit)
+    _train_state_offloaded: bool = False  # grad buffers and optimizer state off the device
+    _weights_host: Optional[StorageOffloader] = None
+    _optimizer_host: Optional[StorageOffloader] = None
+
+    def _offload_extra_tensors(self) -> List[torch.Tensor]:
+        """Device tensors of a subclass that go and come with the weights (a reference copy)."""
+        return []
+
+    def _weight_tensors(self) -> List[torch.Tensor]:
+        return [p for m in self.model for p in m.parameters()] + self._offload_extra_tensors()
+
+    def _optimizer_tensors(self) -> List[torch.Tensor]:
+        """The optimizer's parameters (fp32 main params; the model's own with fp32 precision,
+        which then move with the weights instead) and its state tensors on this device."""
+        weights = {t.untyped_storage().data_ptr() for t in self._weight_tensors()}
+        out = []
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            out += [p for g in inner.param_groups for p in g["params"]]
+            out += [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
+        return [t for t in out if t.device == self.device
+                and t.untyped_storage().data_ptr() not in weights]
+
+    def _check_device_state(self, method: str, training: bool) -> None:
+        """The guard of :func:`requires_device_state`; raises ``RuntimeError`` (see there)."""
+        if self._weights_offloaded or (training and self._train_state_offloaded):
+            what = "weights" if self._weights_offloaded else "gradient buffers and optimizer state"
+            prepare = "prepare_for_training()" if training else "prepare_for_lp_inference()"
+            raise RuntimeError(f"{method}: the worker's {what} are offloaded from the device "
+                               f"(offload_before_refit/offload_after_refit); call {prepare} "
+                               f"first")
+
+    def _empty_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def offload_before_refit(self) -> None:
+        """Free the training state before the refit: the DDP gradient buffers (dropped: every
+        step zeroes them first; Megatron's ``offload_grad_buffers``) and the optimizer's fp32
+        main params and state (to host memory, :class:`~mcore_rl.megatron.offload.
+        StorageOffloader`). The weights stay for the refit export. Idempotent.
+
+        Raises:
+            RuntimeError: a split train step is open (its accumulated gradients would be lost).
+        """
+        self._refuse_during_split_step("offload_before_refit")
+        if self._train_state_offloaded:
+            return
+        for m in self.model:
+            m.offload_grad_buffers(synchronize=self.device.type == "cuda", empty_cache=False)
+        self._optimizer_host = self._optimizer_host or StorageOffloader()
+        self._optimizer_host.offload(self._optimizer_tensors())
+        self._train_state_offloaded = True
+        self._empty_cache()
+
+    def offload_after_refit(self) -> None:
+        """After the refit: the weights (and any subclass copy, such as the reference policy)
+        to host memory too, so the worker holds no weights, gradients or optimizer state on the
+        device (:meth:`offload_before_refit` first if it was not called). Every GPU-bound
+        method then raises until a prepare step. Idempotent.
+
+        Raises:
+            RuntimeError: a split train step is open.
+        """
+        self.offload_before_refit()
+        if self._weights_offloaded:
+            return
+        self._weights_host = self._weights_host or StorageOffloader()
+        self._weights_host.offload(self._weight_tensors())
+        self._weights_offloaded = True
+        self._empty_cache()
+
+    def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
+        """Weights back on the device for forward-only calls (logprobs, values, refit).
+
+        Args:
+            keep_train_buffers: also bring the gradient buffers and optimizer state back (as
+                :meth:`prepare_for_training`), for a training step that follows at once;
+                False leaves them off the device, so inference runs with the most free memory.
+        """
+        if self._weights_offloaded:
+            self._weights_host.restore()
+            self._weights_offloaded = False
+        if keep_train_buffers:
+            self.prepare_for_training()
+
+    def prepare_for_training(self) -> None:
+        """Weights, gradient buffers (zeroed) and optimizer state back on the device."""
+        self.prepare_for_lp_inference()
+        if self._train_state_offloaded:
+            for m in self.model:
+                m.restore_grad_buffers(synchronize=self.device.type == "cuda")
+            self._optimizer_host.restore()
+            self._train_state_offloaded = False
+
     # ------------------------------------------------------------------ checkpoints
     def _sharded_state_dict(self, is_loading: bool) -> Dict[str, Any]:
         """Model chunks (``model`` or ``model0..k`` with virtual stages, Megatron's naming) and
@@ -348,6 +766,7 @@ class MegatronTrainWorker:
         state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
         return state
 
+    @requires_device_state(training=True)
     def save_checkpoint(self, path: str, extra_common: Optional[Dict[str, Any]] = None) -> None:
         """Save model, optimizer and LR schedule with Megatron dist-checkpointing (torch_dist
         format: resharding-capable). Collective: every rank calls it."""
@@ -361,6 +780,7 @@ class MegatronTrainWorker:
         dist_checkpointing.save(state, path)
         dist.barrier()
 
+    @requires_device_state(training=True)
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote. Collective. Raises ``FileNotFoundError``
         when ``path`` holds no checkpoint."""

@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from mcore_rl.data.batch import Batch, batch_size
-from mcore_rl.workers.megatron_worker import LossOutput, MegatronTrainWorker
+from mcore_rl.data.batch import Batch
+from mcore_rl.workers.megatron_worker import LossOutput, MegatronTrainWorker, requires_device_state
 
 
 def initial_hf_state_dict(hf_config, seed: int) -> Dict[str, torch.Tensor]:
@@ -79,26 +79,20 @@ class PolicyWorker(MegatronTrainWorker):
         """``logprobs[b, t] = log pi(x_t | x_<t)`` from vocab-parallel logits, ``[:, 0] = 0``.
 
         Args:
-            output: logits ``[b, s, V_pad / TP]`` of this TP rank's vocabulary shard.
+            output: logits ``[b, s, V_pad / TP]`` of this TP rank's vocabulary shard (bf16
+                with precision bf16: the model keeps them in bf16, ``fp32_output=False``).
             mb: micro-batch with ``input_ids`` ``[b, s]``.
         Returns:
-            float32 ``[b, s]``. Uses Megatron's ``vocab_parallel_cross_entropy`` (max and
-            sum-exp reduced across TP, target gathered on its owning shard, its own backward);
-            padded vocabulary rows are masked out of the softmax.
+            float32 ``[b, s]``, of ``logits / temperature``, from
+            :func:`~mcore_rl.megatron.logprobs.vocab_parallel_logprobs` (max and sum-exp
+            reduced across TP as in Megatron's ``vocab_parallel_cross_entropy``, computed in
+            fp32 inside fused kernels without a full-vocabulary fp32 copy; padded vocabulary
+            columns are left out of the softmax).
         """
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        from mcore_rl.megatron.logprobs import vocab_parallel_logprobs
 
-        logits = output.float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        shard = logits.shape[-1]
-        start = self.ps.get_tensor_model_parallel_rank() * shard
-        if start + shard > self.vocab_size:
-            pad = torch.arange(start, start + shard, device=logits.device) >= self.vocab_size
-            logits = logits.masked_fill(pad, float("-inf"))
-        ids = mb["input_ids"]
-        target = torch.roll(ids, shifts=-1, dims=1)
-        next_lp = -vocab_parallel_cross_entropy(logits, target)
+        target = torch.roll(mb["input_ids"], shifts=-1, dims=1)
+        next_lp = vocab_parallel_logprobs(output, target, self.vocab_size, self.temperature)
         return torch.cat([torch.zeros_like(next_lp[:, :1]), next_lp[:, :-1]], dim=1)
 
     def _loss_output(self, output: torch.Tensor, mb: Batch, loss_fn) -> LossOutput:
@@ -106,32 +100,23 @@ class PolicyWorker(MegatronTrainWorker):
         loss_sum, count, metrics = loss_fn(logprobs, mb)
         return loss_sum, count.detach().to(torch.int64), metrics
 
+    @requires_device_state(training=False)
     def get_logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         """Per-token logprobs of ``batch["input_ids"]`` under the current policy.
 
         Returns a float32 CPU tensor ``[B, S]`` (S of the input; 0 at t=0 and past each row's
         length), identical on every rank. Collective over the worker world.
         """
-        n, width = batch_size(batch), batch["input_ids"].shape[1]
-        with torch.no_grad():
-            outputs = self._run_schedule(
-                batch, micro_batch_size, forward_only=True,
-                output_fn=lambda out, mb: (out.new_zeros(()), {"logprobs": self._token_logprobs(out, mb)}),
-            )
-        lp = None
-        if self._is_last_stage():
-            lp = torch.cat([o["logprobs"] for o in outputs], dim=0)[:n].contiguous()
-        trimmed = int(batch["input_lengths"].max())
-        lp = self._broadcast_from_last_stage(lp, (n, trimmed), torch.float32)
-        lp = lp.cpu()
-        mask = torch.arange(trimmed)[None, :] < batch["input_lengths"][:, None]
-        lp = lp * mask
-        return torch.nn.functional.pad(lp, (0, width - trimmed))
+        return self._per_token_forward(batch, micro_batch_size, self._token_logprobs)
 
     # ------------------------------------------------------------------ reference policy
+    def _offload_extra_tensors(self) -> List[torch.Tensor]:
+        return list(self._reference or [])
+
     def _params(self) -> List[torch.Tensor]:
         return [p for m in self.model for p in m.module.parameters()]
 
+    @requires_device_state(training=False)
     def set_reference_to_current(self) -> None:
         """Freeze a copy of the current weights as the reference policy (for example after a
         supervised warm start)."""
@@ -153,6 +138,7 @@ class PolicyWorker(MegatronTrainWorker):
                 for p, c in zip(self._params(), current):
                     p.copy_(c)
 
+    @requires_device_state(training=False)
     def get_reference_logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         """Like :meth:`get_logprobs`, under the frozen reference weights (swapped in and back,
         so no second model is kept on the device). Raises ``RuntimeError`` without one."""
@@ -189,6 +175,7 @@ class PolicyWorker(MegatronTrainWorker):
             self._reference[j].copy_(t)
 
     # ------------------------------------------------------------------ refit / export
+    @requires_device_state(training=False)
     def get_hf_weights(self) -> Optional[Dict[str, torch.Tensor]]:
         """Full Hugging Face-named weights (gathered across TP and PP) as CPU tensors on rank 0,
         None on other ranks. Collective: every rank calls it."""

@@ -1,0 +1,413 @@
+"""What every RL loop of the single controller shares (GRPO, PPO).
+
+:class:`RLTrainer` holds the run's pieces: tokenizer, prompt data and sampler, the policy worker
+group, the rollout backend, the verifier and the logger; it generates and scores rollouts,
+refits the rollout backend, validates (greedy accuracy on held-out prompts), runs the optional
+supervised warm start (``sft.steps``), saves and resumes checkpoints of every worker group, and
+runs the loop (:meth:`RLTrainer.fit`). A subclass names its config section (``algorithm``, whose
+section has ``num_prompts_per_step``, ``max_steps``, ``val_every``, ``val_num_prompts`` and
+``val_at_start``) and implements :meth:`RLTrainer.rl_step`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from mcore_rl.algorithms.losses import NLLLoss
+from mcore_rl.config.schema import TrainConfig
+from mcore_rl.controller.worker_group import make_worker_group
+from mcore_rl.data import batch as B
+from mcore_rl.utils.logging import RunLogger
+from mcore_rl.utils.timers import PhaseTimer
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """Seed of one step's randomness (rollouts; ``salt`` tells other uses apart): depends on
+    the run seed and step only, so a resumed run samples exactly what a straight run would."""
+    return (seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
+
+
+class DataParallelGroup:
+    """A worker group with its data-parallel layout: a batch's rows are split over the DP ranks
+    (every TP/PP rank of one DP group gets the same shard) and per-row results come back in
+    row order.
+
+    Args:
+        group: a :class:`~mcore_rl.controller.worker_group.ProcessWorkerGroup` or
+            ``RayWorkerGroup`` of Megatron workers (they answer ``layout()``).
+    """
+
+    def __init__(self, group):
+        self.group = group
+        layouts = group.call("layout")
+        self.dp_size = layouts[0]["dp_size"]
+        self.dp_rank_of = [lay["dp_rank"] for lay in layouts]
+
+    def call(self, method: str, *args) -> List[Any]:
+        """``method(*args)`` on every rank; the per-rank results."""
+        return self.group.call(method, *args)
+
+    def call_sharded(self, method: str, batch: B.Batch, *args) -> List[Any]:
+        """``method(shard, *args)`` on every rank with its DP shard of ``batch``; the per-rank
+        results."""
+        shards = B.shard(batch, self.dp_size)
+        return self.group.call_each(method, [[shards[d], *args] for d in self.dp_rank_of])
+
+    def gather_rows(self, method: str, batch: B.Batch, *args) -> torch.Tensor:
+        """A per-row method (``get_logprobs``, ``get_values``: ``[rows, S]``) over the whole
+        batch: each DP shard's result once, concatenated in row order."""
+        by_dp: Dict[int, torch.Tensor] = {}
+        for d, out in zip(self.dp_rank_of, self.call_sharded(method, batch, *args)):
+            by_dp.setdefault(d, out)
+        return torch.cat([by_dp[d] for d in range(self.dp_size)])
+
+    def train(self, batch: B.Batch, loss_fn, micro_batch_size: int) -> Dict[str, float]:
+        """One optimizer step on ``batch`` (the global batch); the step's metrics."""
+        return self.call_sharded("train", batch, loss_fn, B.batch_size(batch), micro_batch_size)[0]
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+class RLTrainer:
+    """The shared controller; subclasses set :attr:`algorithm` and implement :meth:`rl_step`
+    and :meth:`_policy_schedule`. :meth:`fit` runs the loop; :func:`run_trainer` is the CLI
+    entry.
+
+    Attributes:
+        algorithm: the config section of the loop (``"grpo"`` or ``"ppo"``).
+        loop: that section.
+        policy: the policy's :class:`DataParallelGroup`.
+    """
+
+    algorithm = ""
+
+    def __init__(self, cfg: TrainConfig):
+        from mcore_rl.data.prompts import PromptSampler, load_task
+        from mcore_rl.data.tokenizer import load_tokenizer
+        from mcore_rl.generation.base import get_backend
+        from mcore_rl.megatron.conversion import arch_to_hf_config, hf_config_to_arch
+        from mcore_rl.megatron.parallel import resolve_device
+        from mcore_rl.rewards import get_reward_fn
+        from mcore_rl.workers.policy import PolicyWorker
+
+        self.cfg = cfg
+        self.loop = getattr(cfg, self.algorithm)
+        self.device = resolve_device(cfg.cluster.device)
+        self.run_dir = cfg.run.output_dir
+        if not cfg.checkpoint.resume and os.path.exists(os.path.join(self.run_dir, "metrics.jsonl")):
+            raise FileExistsError(
+                f"run.output_dir={self.run_dir} already holds a run (metrics.jsonl); continue it "
+                f"with checkpoint.resume=latest or start a new one with another run.output_dir"
+            )
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.train_data, self.test_data = load_task(cfg.data, self.tokenizer, cfg.run.seed)
+        self.sampler = PromptSampler(len(self.train_data), self.loop.num_prompts_per_step, cfg.run.seed)
+        self.reward_fn = get_reward_fn(cfg.reward.name)
+
+        if cfg.model.hf_path:
+            from transformers import AutoConfig
+
+            self.hf_config = AutoConfig.from_pretrained(cfg.model.hf_path)
+            self.arch = hf_config_to_arch(self.hf_config)
+        else:
+            arch = cfg.model.arch
+            if arch.vocab_size is None:
+                arch.vocab_size = len(self.tokenizer)
+            self.arch = arch
+            self.hf_config = arch_to_hf_config(arch, arch.vocab_size)
+        self.hf_config.eos_token_id = self.tokenizer.eos_token_id
+        self.hf_config.pad_token_id = self.tokenizer.pad_token_id
+        self.vocab_size = self.arch.vocab_size
+        self.tokenizer.save_pretrained(os.path.join(self.run_dir, "tokenizer"))
+        # The policy's shape for `mcore-rl export` (mcore_rl.export reads both).
+        self.hf_config.to_json_file(os.path.join(self.run_dir, "hf_config.json"), use_diff=False)
+
+        self.use_reference = self._needs_reference()
+        self.policy = self._megatron_group(
+            PolicyWorker, cfg.policy.megatron, cfg.policy.optimizer, *self._policy_schedule(),
+            hf_path=cfg.model.hf_path, temperature=cfg.generation.temperature,
+            use_reference=self.use_reference)
+        self.generation = get_backend(
+            cfg.generation.backend,
+            hf_config=self.hf_config,
+            cfg=cfg.generation,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            max_total_length=cfg.data.max_total_length,
+            device="cuda" if self.device == "cuda" else "cpu",
+        )
+        self.timer = PhaseTimer()
+        self.step = 0
+        self.sft_done = cfg.sft.steps == 0
+        self.history: List[Dict[str, float]] = []
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _policy_schedule(self) -> Tuple[int, int]:
+        """``(total optimizer steps, sequences per optimizer step)`` of the policy's LR schedule."""
+        raise NotImplementedError
+
+    def _needs_reference(self) -> bool:
+        """Whether the policy keeps a frozen reference (KL terms)."""
+        return self.cfg.loss.kl_coef > 0
+
+    def rl_step(self) -> Dict[str, float]:
+        """One RL step (rollout, updates, refit); returns its metrics."""
+        raise NotImplementedError
+
+    def _groups(self) -> Dict[str, DataParallelGroup]:
+        """Worker groups by checkpoint sub-directory name (all are saved, resumed, shut down)."""
+        return {"policy": self.policy}
+
+    # ------------------------------------------------------------------ helpers
+    def _megatron_group(self, worker_cls, megatron, optimizer, total_steps: int, global_batch_size: int,
+                        **kwargs) -> DataParallelGroup:
+        """A group of ``cluster.num_workers`` Megatron workers of the run's model."""
+        cfg = self.cfg
+        group = make_worker_group(
+            worker_cls,
+            cfg.cluster.num_workers,
+            dict(
+                hf_config=self.hf_config.to_dict(),
+                vocab_size=self.vocab_size,
+                arch=self.arch,
+                megatron=megatron,
+                optimizer=optimizer,
+                device=self.device,
+                seed=cfg.run.seed,
+                total_optimizer_steps=total_steps,
+                global_batch_size=global_batch_size,
+                threads=cfg.cluster.threads_per_worker,
+                **kwargs,
+            ),
+            use_ray=cfg.cluster.use_ray,
+            device=self.device,
+            ray_address=cfg.cluster.ray_address,
+        )
+        return DataParallelGroup(group)
+
+    def _colocated(self, method: str) -> None:
+        """With ``cluster.colocate_generation``: a step of the policy's offload lifecycle
+        (``offload_before_refit``, ``offload_after_refit``, ``prepare_for_lp_inference``,
+        ``prepare_for_training``) on every rank; otherwise nothing."""
+        if self.cfg.cluster.colocate_generation:
+            self.policy.call(method)
+
+    def _logprobs(self, batch: B.Batch, method: str = "get_logprobs") -> torch.Tensor:
+        self._colocated("prepare_for_lp_inference")
+        return self.policy.gather_rows(method, batch, self.cfg.policy.logprob_micro_batch_size)
+
+    def _train(self, batch: B.Batch, loss_fn) -> Dict[str, float]:
+        self._colocated("prepare_for_training")
+        return self.policy.train(batch, loss_fn, self.cfg.policy.micro_batch_size)
+
+    def refit(self) -> Dict[str, float]:
+        """Stream the policy's Hugging Face-named weights into the rollout backend (colocated:
+        training state off the GPU before, weights after)."""
+        start = time.perf_counter()
+        self._colocated("offload_before_refit")
+        weights = self.policy.call("get_hf_weights")[0]
+        self.generation.update_weights(weights.items())
+        self._colocated("offload_after_refit")
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        return {"refit/seconds": time.perf_counter() - start, "refit/gbytes": nbytes / 1e9}
+
+    def _prompts(self, dataset, indices) -> List[List[int]]:
+        return [list(dataset.input_ids[i]) for i in indices]
+
+    def _score(self, rollout: B.Batch, examples) -> tuple:
+        from mcore_rl.rewards import score_responses
+
+        texts = []
+        for row in range(B.batch_size(rollout)):
+            p, n = int(rollout["prompt_lengths"][row]), int(rollout["input_lengths"][row])
+            texts.append(self.tokenizer.decode(rollout["input_ids"][row, p:n].tolist(),
+                                               skip_special_tokens=True))
+        rewards, errors = score_responses(self.reward_fn, texts, examples)
+        return rewards, errors, texts
+
+    def generate_and_score(self, num_generations: int) -> Tuple[B.Batch, int]:
+        """Sample the step's prompts, generate ``num_generations`` responses each (rows of a
+        prompt adjacent) and score them. Returns the rollout with ``rewards`` and an all-ones
+        ``sample_mask`` added, and the count of reward errors. Timed as ``generation`` and
+        ``reward``."""
+        idx = self.sampler.next_batch()
+        prompt_idx = [i for i in idx for _ in range(num_generations)]
+        with self.timer.phase("generation"):
+            rollout = self.generation.generate(self._prompts(self.train_data, prompt_idx),
+                                               seed=step_seed(self.cfg.run.seed, self.step))
+        with self.timer.phase("reward"):
+            rewards, reward_errors, _ = self._score(
+                rollout, [self.train_data.examples[i] for i in prompt_idx])
+        rollout["rewards"] = rewards
+        rollout["sample_mask"] = torch.ones(B.batch_size(rollout))
+        return rollout, reward_errors
+
+    def rollout_metrics(self, rollout: B.Batch, reward_errors: int) -> Dict[str, float]:
+        """Reward, length and trainer/rollout logprob-mismatch figures of a scored rollout that
+        has ``prev_logprobs``."""
+        rewards = rollout["rewards"]
+        mask = rollout["token_mask"][:, 1:]
+        mismatch = ((rollout["prev_logprobs"] - rollout["generation_logprobs"]).abs()[:, 1:] * mask)
+        return {
+            "train/reward_mean": float(rewards.mean()),
+            "train/reward_std": float(rewards.std()),
+            "train/reward_errors": float(reward_errors),
+            "train/response_length": float(rollout["response_lengths"].float().mean()),
+            "train/truncated_fraction": float(rollout["truncated"].mean()),
+            "train/logprob_mismatch_max": float(mismatch.max()) if mask.sum() > 0 else 0.0,
+            "train/num_tokens": float(rollout["input_lengths"].sum()),
+        }
+
+    # ------------------------------------------------------------------ phases
+    def validate(self) -> Dict[str, float]:
+        """Greedy accuracy (mean reward) on up to ``val_num_prompts`` held-out prompts."""
+        if self.test_data is None or len(self.test_data) == 0:
+            return {}
+        n = min(self.loop.val_num_prompts, len(self.test_data))
+        idx = list(range(n))
+        rollout = self.generation.generate(self._prompts(self.test_data, idx), seed=0,
+                                           greedy=self.cfg.generation.greedy_validation)
+        rewards, _, _ = self._score(rollout, [self.test_data.examples[i] for i in idx])
+        return {"val/accuracy": float(rewards.mean()),
+                "val/response_length": float(rollout["response_lengths"].float().mean())}
+
+    def warm_start(self, logger: RunLogger) -> None:
+        """Supervised steps on reference solutions (``sft.*``), then the reference policy is
+        set to the warm-started weights."""
+        from mcore_rl.data.prompts import PromptSampler, sft_batch
+
+        s = self.cfg.sft
+        sampler = PromptSampler(len(self.train_data), s.batch_size, self.cfg.run.seed + 1)
+        loss = NLLLoss()
+        self.policy.call("rebuild_optimizer", s.lr)
+        for i in range(s.steps):
+            idx = sampler.next_batch()
+            batch = sft_batch(self.train_data, idx, self.tokenizer.eos_token_id)
+            m = self._train(batch, loss)
+            if (i + 1) % max(1, s.steps // 10) == 0 or i == s.steps - 1:
+                logger.write(f"sft step {i + 1}/{s.steps}: nll {m['loss']:.4f}")
+        self.policy.call("rebuild_optimizer")
+        if self.use_reference:
+            self.policy.call("set_reference_to_current")
+        self.sft_done = True
+
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_root(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+    def save(self) -> str:
+        """Save every worker group (``<step dir>/<group name>``) and the controller state."""
+        path = os.path.join(self._ckpt_root(), f"step_{self.step}")
+        self._colocated("prepare_for_training")
+        for name, group in self._groups().items():
+            group.call("save_checkpoint", os.path.join(path, name))
+        self._colocated("offload_after_refit")
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
+                 "history": self.history}
+        with open(os.path.join(path, "controller.json"), "w") as f:
+            json.dump(state, f)
+        self._prune_checkpoints()
+        return path
+
+    def _prune_checkpoints(self) -> None:
+        keep = self.cfg.checkpoint.keep_last
+        steps = sorted(int(d.split("_")[1]) for d in os.listdir(self._ckpt_root()) if d.startswith("step_"))
+        for s in steps[:-keep] if keep > 0 else []:
+            shutil.rmtree(os.path.join(self._ckpt_root(), f"step_{s}"), ignore_errors=True)
+
+    def resume(self, path: str) -> None:
+        """Load a checkpoint directory (or ``"latest"``). Raises ``FileNotFoundError`` naming
+        ``checkpoint.resume`` when there is none."""
+        if path == "latest":
+            root = self._ckpt_root()
+            steps = sorted(int(d.split("_")[1]) for d in os.listdir(root) if d.startswith("step_")) \
+                if os.path.isdir(root) else []
+            if not steps:
+                raise FileNotFoundError(f"checkpoint.resume=latest: no checkpoint under {root}")
+            path = os.path.join(root, f"step_{steps[-1]}")
+        state_file = os.path.join(path, "controller.json")
+        if not os.path.isfile(state_file):
+            raise FileNotFoundError(f"checkpoint.resume={path}: no controller.json there")
+        with open(state_file) as f:
+            state = json.load(f)
+        for name, group in self._groups().items():
+            group.call("load_checkpoint", os.path.join(path, name))
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.sft_done = state["sft_done"]
+        self.history = state["history"]
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> Dict[str, Any]:
+        """Resume if asked, warm start, then RL steps with validation, logging and checkpoints;
+        writes and returns the summary (held-out accuracy at the start and the end)."""
+        cfg, loop = self.cfg, self.loop
+        if cfg.checkpoint.resume:
+            self.resume(cfg.checkpoint.resume)
+        logger = RunLogger(self.run_dir, loop.max_steps, self.step, cfg.logging.progress,
+                           cfg.logging.tensorboard, cfg.logging.jsonl)
+        try:
+            if not self.sft_done:
+                self.warm_start(logger)
+            self.refit()
+            if self.step == 0 and loop.val_at_start:
+                val = self.validate()
+                if val:
+                    self.history.append({"step": 0, **val})
+                    logger.log(0, val, advance=False)
+            while self.step < loop.max_steps:
+                metrics = self.rl_step()
+                self.step += 1
+                if loop.val_every > 0 and (self.step % loop.val_every == 0 or self.step == loop.max_steps):
+                    val = self.validate()
+                    metrics.update(val)
+                    if val:
+                        self.history.append({"step": self.step, **val})
+                logger.log(self.step, metrics)
+                if cfg.checkpoint.every > 0 and self.step % cfg.checkpoint.every == 0:
+                    self.save()
+        finally:
+            logger.close()
+        summary = self._summary()
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        return summary
+
+    def _summary(self) -> Dict[str, Any]:
+        vals = [h for h in self.history if "val/accuracy" in h]
+        out: Dict[str, Any] = {"run_dir": self.run_dir, "steps": self.step}
+        if vals:
+            out["val_accuracy_start"] = vals[0]["val/accuracy"]
+            out["val_accuracy_end"] = vals[-1]["val/accuracy"]
+            out["val_accuracy_gain"] = vals[-1]["val/accuracy"] - vals[0]["val/accuracy"]
+            out["val_curve"] = [(h["step"], h["val/accuracy"]) for h in vals]
+        return out
+
+    def close(self) -> None:
+        for group in self._groups().values():
+            group.shutdown()
+
+
+def run_trainer(trainer_cls, cfg: TrainConfig) -> Dict[str, Any]:
+    """Build ``trainer_cls(cfg)``, train, print the summary. Returns the summary dict."""
+    trainer = trainer_cls(cfg)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    if "val_accuracy_start" in summary:
+        print(
+            f"held-out accuracy: {summary['val_accuracy_start']:.3f} at step 0 -> "
+            f"{summary['val_accuracy_end']:.3f} at step {summary['steps']} "
+            f"({summary['val_accuracy_gain']:+.3f})"
+        )
+    print(f"run directory: {summary['run_dir']}")
+    return summary

@@ -1,0 +1,223 @@
+"""The ``torch`` layer spec (``TorchSDPAttention``) against Megatron's own ``DotProductAttention``.
+
+Module level: the two core attentions on the same random q/k/v (fp32), for causal prefill
+(``is_causal`` path vs Megatron's explicit mask), GQA, a left-padded batch (explicit mask;
+rows that are all padding must stay finite), single-token decode and a 3-token chunk against a
+longer KV cache (reference: Megatron's module with the bottom-right causal mask written out).
+Model level: a tiny Llama with GQA loaded from Hugging Face weights into the ``local`` and the
+``torch`` spec gives the same logits (TP=1 and TP=2 over 2 gloo processes, spawned once), the
+parameter names are identical, and the HF export of the torch spec returns the loaded weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_distributed, use_layout
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from mcore_rl.config.schema import MegatronConfig, ModelArchConfig
+from mcore_rl.megatron.model import attention_mask, layer_spec, position_ids
+
+BATCH, SEQ, VOCAB = 3, 10, 96
+
+
+def _config(heads: int, groups: int, tp: int):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=16 * heads, num_attention_heads=heads,
+                             num_query_groups=groups, tensor_model_parallel_size=tp,
+                             use_cpu_initialization=True, attention_dropout=0.0,
+                             masked_softmax_fusion=False)
+
+
+def _modules(heads: int, groups: int, tp: int):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mcore_rl.megatron.attention import TorchSDPAttention
+
+    cfg = _config(heads, groups, tp)
+    kw = dict(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    return DotProductAttention(**kw), TorchSDPAttention(**kw)
+
+
+def _qkv(sq: int, sk: int, b: int, np_: int, ng: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(sq, b, np_, 16, generator=g), torch.randn(sk, b, ng, 16, generator=g),
+            torch.randn(sk, b, ng, 16, generator=g))
+
+
+def _core_attention_checks(tp: int) -> dict:
+    """Max abs differences between the torch and Megatron core attentions, by case."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    out = {}
+    for heads, groups in ((4, 4), (8, 2)):
+        local, sdpa = _modules(heads, groups, tp)
+        np_, ng = heads // tp, groups // tp
+        q, k, v = _qkv(SEQ, SEQ, BATCH, np_, ng, seed=heads)
+        causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+        ref = local(q, k, v, causal)
+        name = f"h{heads}g{groups}"
+        out[f"{name}/causal_no_mask"] = (sdpa(q, k, v, None) - ref).abs().max().item()
+        out[f"{name}/causal_explicit"] = (sdpa(q, k, v, causal) - ref).abs().max().item()
+        # left padding: row r starts at position pad[r]; keys before it are masked
+        pad = torch.tensor([0, 3, 6])
+        keys_pad = torch.arange(SEQ)[None, :] < pad[:, None]  # [b, sk]
+        mask = causal | keys_pad[:, None, None, :]
+        got, want = sdpa(q, k, v, mask), local(q, k, v, mask)
+        valid = (torch.arange(SEQ)[:, None] >= pad[None, :])  # [sq, b] query rows that are real
+        diff = (got - want).abs().amax(dim=-1)  # [sq, b]
+        out[f"{name}/padded_valid_rows"] = diff[valid].max().item()
+        out[f"{name}/padded_finite"] = bool(torch.isfinite(got).all())
+        # one new token / a 3-token chunk against a KV cache of 8: bottom-right causal
+        for sq in (1, 3):
+            sk = 8
+            q, k, v = _qkv(sq, sk, BATCH, np_, ng, seed=sq)
+            bottom_right = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq).logical_not()[None, None]
+            want = local(q, k, v, bottom_right)
+            out[f"{name}/decode{sq}_causal"] = (sdpa(q, k, v, None) - want).abs().max().item()
+            if sq == 1:
+                got = sdpa(q, k, v, None, attn_mask_type=AttnMaskType.no_mask)
+                out[f"{name}/decode1_no_mask"] = (got - want).abs().max().item()
+        out[f"{name}/shape"] = tuple(sdpa(q, k, v, None).shape) == (3, BATCH, np_ * 16)
+    return out
+
+
+def _hf_llama():
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False,
+                         attn_implementation="eager")
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return model
+
+
+def _logits(chunk, ids, mask) -> torch.Tensor:
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    b, s = ids.shape
+    with torch.no_grad():
+        out = chunk(ids, position_ids(b, s), mask)
+    return gather_from_tensor_model_parallel_region(out)[..., :VOCAB]
+
+
+def _model_checks(tp: int) -> dict:
+    from mcore_rl.megatron.conversion import export_hf_weights, hf_config_to_arch, load_hf_weights
+    from mcore_rl.megatron.model import build_model, causal_attention_mask
+
+    hf = _hf_llama()
+    arch: ModelArchConfig = hf_config_to_arch(hf.config)
+    chunks = {}
+    for spec in ("local", "torch"):
+        torch.manual_seed(0)
+        (chunk,) = build_model(arch, MegatronConfig(tensor_model_parallel_size=tp, layer_spec=spec),
+                               VOCAB, "cpu")
+        load_hf_weights([chunk], hf.state_dict(), arch)
+        chunks[spec] = chunk
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    local = _logits(chunks["local"], ids, attention_mask("local", BATCH, SEQ, "cpu"))
+    torch_spec = _logits(chunks["torch"], ids, attention_mask("torch", BATCH, SEQ, "cpu"))
+    # right-padded rows with an explicit padding mask (keys past each row's length masked)
+    lengths = torch.tensor([SEQ, 7, 4])
+    key_pad = torch.arange(SEQ)[None, :] >= lengths[:, None]
+    padded_mask = causal_attention_mask(BATCH, SEQ, "cpu") | key_pad[:, None, None, :]
+    padded = _logits(chunks["torch"], ids, padded_mask)
+    valid = torch.arange(SEQ)[None, :] < lengths[:, None]
+    with torch.no_grad():
+        hf_logits = hf(ids).logits
+    exported = dict(export_hf_weights([chunks["torch"]], arch, VOCAB))
+    return {
+        "max_diff": (torch_spec - local).abs().max().item(),
+        "hf_diff": (torch_spec - hf_logits).abs().max().item(),
+        "logit_std": local.std().item(),
+        "padded_diff": (padded - local).abs().amax(-1)[valid].max().item(),
+        "names_local": sorted(n for n, _ in chunks["local"].named_parameters()),
+        "names_torch": sorted(n for n, _ in chunks["torch"].named_parameters()),
+        "export_mismatch": [n for n, t in hf.state_dict().items() if not torch.equal(exported[n], t)],
+        "export_names": sorted(exported) == sorted(hf.state_dict()),
+    }
+
+
+def _all_checks() -> dict:
+    out = {"tp1_core": _core_attention_checks(1), "tp1_model": _model_checks(1)}
+    use_layout(tensor_model_parallel_size=2)
+    out["tp2_core"] = _core_attention_checks(2)
+    out["tp2_model"] = _model_checks(2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_all_checks, 2)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_core_attention_matches_megatron(results, tp):
+    for rank_out in results:
+        checks = rank_out[f"tp{tp}_core"]
+        for case, value in checks.items():
+            if case.endswith("finite") or case.endswith("shape"):
+                assert value is True, case
+            else:
+                assert value < 1e-5, (case, value)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_torch_spec_logits_match_local(results, tp):
+    for rank_out in results:
+        m = rank_out[f"tp{tp}_model"]
+        assert m["logit_std"] > 0.5  # the weights are far from trivial
+        assert m["max_diff"] < 1e-4, m["max_diff"]  # fp32, same maths in another order
+        assert m["hf_diff"] < 1e-3, m["hf_diff"]
+        assert m["padded_diff"] < 1e-4, m["padded_diff"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_torch_spec_keeps_parameter_names_and_conversion(results, tp):
+    for rank_out in results:
+        m = rank_out[f"tp{tp}_model"]
+        assert m["names_torch"] == m["names_local"]
+        assert m["export_names"] and m["export_mismatch"] == []
+
+
+def test_layer_spec_choices():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from mcore_rl.megatron.attention import TorchSDPAttention
+
+    def core(name):
+        return layer_spec(name).submodules.self_attention.submodules.core_attention
+
+    assert core("local") is DotProductAttention
+    assert core("torch") is TorchSDPAttention
+    with pytest.raises(ValueError, match="megatron.layer_spec must be one of"):
+        layer_spec("flash")
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="needs Transformer Engine.*layer_spec=torch"):
+            layer_spec("transformer_engine")
+    assert attention_mask("torch", 2, 4, "cpu") is None
+    assert attention_mask("local", 2, 4, "cpu").shape == (2, 1, 4, 4)
+
+
+def test_config_validation_of_layer_spec_and_compile():
+    from mcore_rl.config.loader import ConfigError, validate
+    from mcore_rl.config.schema import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.cluster.device = "cpu"
+    cfg.policy.megatron.layer_spec = "torch"
+    validate(cfg)  # torch spec on CPU is fine
+    cfg.policy.megatron.layer_spec = "flash"
+    cfg.policy.megatron.compile_layers = True
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert "policy.megatron.layer_spec must be one of local, torch, transformer_engine" in str(err.value)
+    assert "policy.megatron.compile_layers needs a GPU" in str(err.value)

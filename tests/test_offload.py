@@ -1,0 +1,284 @@
+"""Offload lifecycle and its guard (CPU, one gloo process spawned once for the module), bf16
+wrapping, and the controller's call order.
+
+Two policy workers with the same start take the same two train steps; one of them goes
+through ``offload_before_refit`` -> refit export -> ``offload_after_refit`` -> guarded calls
+-> ``prepare_for_lp_inference`` -> ``prepare_for_training`` between the steps. On CPU the
+offload is the same storage-level code as on GPU (host copies, storages freed to 0 bytes), so
+the weights and Adam state that come back must give bit-identical parameters after the next
+step. Every guarded method must raise a ``RuntimeError`` that names it and the prepare step
+the caller skipped, without reaching the model (its forward is patched to raise).
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from dist_utils import _WORLD, run_distributed
+
+from mcore_rl.algorithms.losses import ClippedPGLoss
+from mcore_rl.config.schema import LossConfig, MegatronConfig
+from mcore_rl.data import batch as B
+from test_policy_worker import ARCH, VOCAB, _kwargs, _rollout
+
+LOSS = ClippedPGLoss(LossConfig(kl_coef=0.05))
+TRAIN = "prepare_for_training()"
+INFER = "prepare_for_lp_inference()"
+
+
+def _policy(**megatron):
+    from mcore_rl.workers.policy import PolicyWorker
+
+    kw = _kwargs(**megatron)
+    return PolicyWorker(**kw, rank=0, world_size=1, master_addr="127.0.0.1",
+                        master_port=_WORLD["port"])
+
+
+def _step(worker, batch):
+    batch = dict(batch, prev_logprobs=worker.get_logprobs(batch, 4),
+                 reference_logprobs=worker.get_reference_logprobs(batch, 4))
+    return worker.train(batch, LOSS, B.batch_size(batch), 2)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _device_bytes(worker) -> dict:
+    """Bytes still held by the storages the lifecycle moves (0 = freed)."""
+    grads = {b.grad_data.untyped_storage().data_ptr(): b.grad_data.untyped_storage().nbytes()
+             for m in worker.model for b in m.buffers}
+    return {
+        "weights": sum(t.untyped_storage().nbytes() for t in worker._weight_tensors()),
+        "grads": sum(grads.values()),
+        "optimizer": sum(t.untyped_storage().nbytes() for t in worker._optimizer_tensors()),
+    }
+
+
+def _guarded_calls(worker, batch):
+    """Each guarded public method with valid arguments -> the prepare step it must name."""
+    return {
+        "train": (lambda: worker.train(batch, LOSS, B.batch_size(batch), 2), TRAIN),
+        "begin_train_step": (lambda: worker.begin_train_step(LOSS, 8, 2), TRAIN),
+        "train_microbatch": (lambda: worker.train_microbatch(batch), TRAIN),
+        "finish_train_step": (lambda: worker.finish_train_step(), TRAIN),
+        "rebuild_optimizer": (lambda: worker.rebuild_optimizer(), TRAIN),
+        "save_checkpoint": (lambda: worker.save_checkpoint("/nonexistent/ckpt"), TRAIN),
+        "get_logprobs": (lambda: worker.get_logprobs(batch, 4), INFER),
+        "get_reference_logprobs": (lambda: worker.get_reference_logprobs(batch, 4), INFER),
+        "set_reference_to_current": (lambda: worker.set_reference_to_current(), INFER),
+        "get_hf_weights": (lambda: worker.get_hf_weights(), INFER),
+    }
+
+
+def _lifecycle_checks() -> dict:
+    from megatron.core.utils import unwrap_model
+
+    out = {}
+    batch = _rollout(8, seed=1)
+    plain, lifecycle = _policy(), _policy()
+    _step(plain, batch)
+    _step(lifecycle, batch)
+    out["bytes_start"] = _device_bytes(lifecycle)
+
+    lifecycle.offload_before_refit()
+    out["flags_before_refit"] = (lifecycle._weights_offloaded, lifecycle._train_state_offloaded)
+    out["bytes_before_refit"] = _device_bytes(lifecycle)
+    out["refit_weights"] = lifecycle.get_hf_weights()  # the refit reads the weights now
+    out["train_error_before_refit"] = _error(lambda: lifecycle.train(batch, LOSS, 8, 2))
+    lifecycle.offload_after_refit()
+    lifecycle.offload_after_refit()  # idempotent
+    out["flags_after_refit"] = (lifecycle._weights_offloaded, lifecycle._train_state_offloaded)
+    out["bytes_after_refit"] = _device_bytes(lifecycle)
+
+    chunk = unwrap_model(lifecycle.model[0])
+    reached = []
+
+    def forward_must_not_run(*args, **kwargs):
+        reached.append(True)
+        raise AssertionError("the model's forward ran while offloaded")
+
+    chunk.forward = forward_must_not_run
+    out["guard_errors"] = {name: (_error(call), prepare)
+                           for name, (call, prepare) in _guarded_calls(lifecycle, batch).items()}
+    out["forward_reached"] = bool(reached)
+    del chunk.forward
+
+    lifecycle.prepare_for_lp_inference()
+    out["flags_lp_inference"] = (lifecycle._weights_offloaded, lifecycle._train_state_offloaded)
+    out["logprobs_equal"] = torch.equal(lifecycle.get_logprobs(batch, 4), plain.get_logprobs(batch, 4))
+    out["train_error_lp_inference"] = _error(lambda: lifecycle.train(batch, LOSS, 8, 2))
+    lifecycle.prepare_for_training()
+    out["flags_training"] = (lifecycle._weights_offloaded, lifecycle._train_state_offloaded)
+    out["bytes_training"] = _device_bytes(lifecycle)
+
+    batch2 = _rollout(8, seed=2)
+    out["metrics"] = (_step(plain, batch2), _step(lifecycle, batch2))
+    out["weights"] = (plain.get_hf_weights(), lifecycle.get_hf_weights())
+    out["reference_equal"] = torch.equal(plain.get_reference_logprobs(batch2, 4),
+                                         lifecycle.get_reference_logprobs(batch2, 4))
+
+    # keep_train_buffers=True brings everything back at once
+    lifecycle.offload_after_refit()
+    lifecycle.prepare_for_lp_inference(keep_train_buffers=True)
+    out["flags_keep_buffers"] = (lifecycle._weights_offloaded, lifecycle._train_state_offloaded)
+    # an open split step refuses to be offloaded (its gradients would be lost)
+    lifecycle.begin_train_step(LOSS, 8, 2)
+    out["offload_during_split_step"] = _error(lifecycle.offload_before_refit)
+    lifecycle.abort_train_step()
+    out["value_worker"] = _value_worker_checks(batch)
+    return out
+
+
+def _value_worker_checks(batch) -> dict:
+    from mcore_rl.config.schema import OptimizerConfig
+    from mcore_rl.workers.value import ValueWorker
+
+    kw = {k: v for k, v in _kwargs().items() if k not in ("temperature", "use_reference")}
+    value = ValueWorker(**dict(kw, optimizer=OptimizerConfig(name="sgd", lr=0.1)), rank=0,
+                        world_size=1, master_addr="127.0.0.1", master_port=_WORLD["port"])
+    before = value.get_values(batch, 4)
+    value.offload_after_refit()
+    error = _error(lambda: value.get_values(batch, 4))
+    value.prepare_for_lp_inference()
+    return {"error": error, "values_equal": torch.equal(before, value.get_values(batch, 4))}
+
+
+def _bf16_checks() -> dict:
+    """``wrap_float16`` on CPU: bf16 params, deliberately fp32 params kept exactly, the HF
+    conversion sees through the wrapper, fp32 output close to the fp32 model's."""
+    from megatron.core.transformer.module import Float16Module
+
+    from mcore_rl.megatron.conversion import export_hf_weights, load_hf_weights
+    from mcore_rl.megatron.model import attention_mask, build_model, position_ids, wrap_float16
+    from mcore_rl.workers.policy import initial_hf_state_dict
+    from mcore_rl.megatron.conversion import arch_to_hf_config
+
+    state = initial_hf_state_dict(arch_to_hf_config(ARCH, VOCAB), seed=3)
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for precision in ("fp32", "bf16"):
+        megatron = MegatronConfig(precision=precision, layer_spec="torch")
+        (wrapped,) = wrap_float16(build_model(ARCH, megatron, VOCAB, "cpu"), precision)
+        load_hf_weights([wrapped], state, ARCH)
+        with torch.no_grad():
+            logits[precision] = wrapped(ids, position_ids(2, 9), attention_mask("torch", 2, 9, "cpu"))
+    exported = dict(export_hf_weights([wrapped], ARCH, VOCAB))
+    # a parameter that is fp32 on purpose in a bf16 model (a value head) stays fp32, exactly
+    (chunk,) = build_model(ARCH, MegatronConfig(precision="bf16"), VOCAB, "cpu")
+    fp32_extra = torch.nn.Parameter(torch.full((3,), 1 + 2.0 ** -20))  # not a bf16 value
+    fp32_extra.keep_fp32 = True
+    chunk.register_parameter("fp32_extra", fp32_extra)
+    (with_extra,) = wrap_float16([chunk], "bf16")
+    dtypes = {n: p.dtype for n, p in with_extra.named_parameters()}
+    return {
+        "is_float16_module": isinstance(wrapped, Float16Module),
+        "dtypes": dtypes,
+        "extra_value_kept": torch.equal(fp32_extra.data, torch.full((3,), 1 + 2.0 ** -20)),
+        "export_equal_bf16": all(torch.equal(exported[k], v.to(torch.bfloat16)) for k, v in state.items()
+                                 if k in exported),
+        "export_names": sorted(exported) == sorted(state),
+        "output_dtype": logits["bf16"].dtype,
+        "logit_diff": (logits["bf16"] - logits["fp32"]).abs().max().item(),
+        "logit_std": logits["fp32"].std().item(),
+    }
+
+
+def _all_checks() -> dict:
+    return {"lifecycle": _lifecycle_checks(), "bf16": _bf16_checks()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_all_checks, 1)[0]
+
+
+def test_flags_follow_the_lifecycle(results):
+    r = results["lifecycle"]
+    assert r["flags_before_refit"] == (False, True)
+    assert r["flags_after_refit"] == (True, True)
+    assert r["flags_lp_inference"] == (False, True)
+    assert r["flags_training"] == (False, False)
+    assert r["flags_keep_buffers"] == (False, False)
+
+
+def test_offload_frees_weights_grads_and_optimizer_state(results):
+    r = results["lifecycle"]
+    start = r["bytes_start"]
+    assert all(v > 0 for v in start.values()), start
+    before = r["bytes_before_refit"]
+    assert before["weights"] == start["weights"] and before["grads"] == 0 and before["optimizer"] == 0
+    assert r["bytes_after_refit"] == {"weights": 0, "grads": 0, "optimizer": 0}
+    assert r["bytes_training"] == start
+    assert r["refit_weights"] is not None and len(r["refit_weights"]) > 0
+
+
+def test_every_guarded_method_names_itself_and_the_prepare_step(results):
+    r = results["lifecycle"]
+    assert not r["forward_reached"]
+    for method, (message, prepare) in r["guard_errors"].items():
+        assert message.startswith(f"{method}: "), message
+        assert prepare in message, (method, message)
+        other = INFER if prepare == TRAIN else TRAIN
+        assert other not in message
+    assert re.search(r"^train: .*gradient buffers and optimizer state.*prepare_for_training\(\)",
+                     r["train_error_before_refit"])
+    assert "prepare_for_training()" in r["train_error_lp_inference"]
+    assert r["offload_during_split_step"].startswith("offload_before_refit: a split train step is open")
+    v = r["value_worker"]
+    assert v["error"].startswith("get_values: ") and INFER in v["error"]
+    assert v["values_equal"]
+
+
+def test_next_step_after_prepare_equals_a_run_without_offload(results):
+    r = results["lifecycle"]
+    assert r["logprobs_equal"] and r["reference_equal"]
+    plain, lifecycle = r["metrics"]
+    assert plain == lifecycle
+    w_plain, w_life = r["weights"]
+    assert w_plain.keys() == w_life.keys()
+    for k in w_plain:
+        assert torch.equal(w_plain[k], w_life[k]), k
+
+
+def test_bf16_wraps_in_float16_module_and_converts(results):
+    r = results["bf16"]
+    assert r["is_float16_module"]
+    assert r["dtypes"].pop("module.fp32_extra") == torch.float32 and r["extra_value_kept"]
+    assert set(r["dtypes"].values()) == {torch.bfloat16}
+    assert r["export_names"] and r["export_equal_bf16"]
+    assert r["output_dtype"] == torch.float32  # Float16Module's fp32 output on the last stage
+    assert r["logit_diff"] < 0.05 * r["logit_std"] + 0.05  # bf16 weights and activations
+
+
+def test_controller_calls_the_lifecycle_in_order():
+    from mcore_rl.controller.trainer import RLTrainer
+
+    calls = []
+    policy = SimpleNamespace(
+        call=lambda method, *a: calls.append(method) or [{"w": torch.zeros(2)}],
+        gather_rows=lambda method, *a: calls.append(method),
+        train=lambda *a: calls.append("train"),
+    )
+    for colocate in (True, False):
+        calls.clear()
+        cfg = SimpleNamespace(cluster=SimpleNamespace(colocate_generation=colocate),
+                              policy=SimpleNamespace(logprob_micro_batch_size=4, micro_batch_size=2))
+        trainer = SimpleNamespace(cfg=cfg, policy=policy,
+                                  generation=SimpleNamespace(update_weights=lambda w: None))
+        trainer._colocated = lambda m, t=trainer: RLTrainer._colocated(t, m)
+        RLTrainer._logprobs(trainer, {})
+        RLTrainer._train(trainer, {}, LOSS)
+        RLTrainer.refit(trainer)
+        expected = ["prepare_for_lp_inference", "get_logprobs", "prepare_for_training", "train",
+                    "offload_before_refit", "get_hf_weights", "offload_after_refit"]
+        if not colocate:
+            expected = ["get_logprobs", "train", "get_hf_weights"]
+        assert calls == expected
