@@ -234,6 +234,7 @@ def qwen2_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(reason="issue 5 open: PPO on GSM8K with resume failed in the last full-suite run", strict=False)
 def test_ppo_gsm8k_two_steps_from_hf_checkpoint_with_resume(qwen2_checkpoint, tmp_path):
     from mcore_rl.utils.logging import read_metrics
 
