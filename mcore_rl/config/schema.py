@@ -328,8 +328,9 @@ class ValueLossConfig:
 class ValueConfig:
     """The PPO critic (``algorithm: ppo``): the policy's backbone with a scalar value head."""
 
-    # A Hugging Face causal-LM checkpoint for the backbone; null: the policy's weights
-    # (model.hf_path or the same seeded init, and the policy's weights after an sft warm start).
+    # A Hugging Face causal-LM checkpoint of the policy's architecture for the backbone; null:
+    # the policy's weights (model.hf_path or the same seeded init; after an sft warm start, the
+    # warm-started policy's).
     hf_path: Optional[str] = None
     # Keep the value head in float32 whatever value.megatron.precision is.
     head_fp32: bool = True

@@ -16,10 +16,11 @@ A training or logprob pass cuts a worker's rows into micro-batches, one of three
   Megatron's ``config.variable_seq_lengths`` so the schedule sends each shape before the
   activations (:func:`shapes_vary` tells when).
 - **token budget, uniform shapes** (``uniform_shapes=True``): for the interleaved schedule
-  (virtual pipeline stages), whose shape exchange deadlocked in our runs on megatron-core
-  0.16.1 (gloo, PP=2 x VPP=2: the first stage waits in ``_communicate_shapes`` for a shape the
-  last stage never sends): fixed micro-batches of ``budget // width`` rows at the batch's
-  width, so the budget still bounds each micro-batch.
+  (virtual pipeline stages). It sends shapes forward and backward in one call, and Megatron's
+  shape exchange (``_communicate_shapes``, megatron-core 0.16.1) always batches its p2p ops:
+  with PP=2 both directions go to one peer and are matched in posting order, so shapes are
+  swapped (measured: a deadlock on gloo). Fixed micro-batches of ``budget // width`` rows at
+  the batch's width instead, so the budget still bounds each micro-batch.
 
 The loss is a sum over tokens divided by the global count (``DESIGN.md``, normalization), so
 both ways give the same gradient up to float summation order.

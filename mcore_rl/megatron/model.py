@@ -102,6 +102,12 @@ def transformer_config(
         tensor_model_parallel_size=megatron.tensor_model_parallel_size,
         pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=megatron.virtual_pipeline_model_parallel_size,
+        # The interleaved schedule sends activations forward and gradients backward in one
+        # call; with PP=2 the previous and the next stage are one peer, and batched p2p ops to
+        # one peer are matched in posting order, which swaps activations and gradients
+        # (measured: wrong gradients on gloo). Megatron's unbatched path (_p2p_ops) puts the two
+        # directions on different communicators.
+        batch_p2p_comm=megatron.virtual_pipeline_model_parallel_size is None,
         sequence_parallel=megatron.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -316,7 +316,7 @@ class MegatronTrainWorker:
         schedule runs them in groups of PP); micro-batches of different shapes (token budget)
         turn on Megatron's ``variable_seq_lengths`` so pipeline stages exchange each shape,
         except with virtual stages, where the budget makes equal shapes (``uniform_shapes``:
-        the interleaved schedule's shape exchange deadlocks).
+        the interleaved schedule's shape exchange swaps shapes with PP=2).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -755,16 +755,28 @@ class MegatronTrainWorker:
             self._train_state_offloaded = False
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state_dict(self, is_loading: bool) -> Dict[str, Any]:
-        """Model chunks (``model`` or ``model0..k`` with virtual stages, Megatron's naming) and
-        the optimizer state mapped onto them. ``is_loading`` makes Megatron create the
-        optimizer state a fresh optimizer does not have yet, so it can be loaded into."""
+    def _sharded_state_dict(self, is_loading: bool, with_optimizer: bool = True) -> Dict[str, Any]:
+        """Model chunks (``model`` or ``model0..k`` with virtual stages, Megatron's naming) and,
+        with ``with_optimizer``, the optimizer state mapped onto them. ``is_loading`` makes
+        Megatron create the optimizer state a fresh optimizer does not have yet, so it can be
+        loaded into."""
         if len(self.model) == 1:
             state = {"model": self.model[0].module.sharded_state_dict()}
         else:
             state = {f"model{i}": m.module.sharded_state_dict() for i, m in enumerate(self.model)}
-        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
+        if with_optimizer:
+            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
         return state
+
+    def _optimizer_has_state(self) -> bool:
+        """Whether the optimizer holds per-parameter state (Adam moments) on any rank: False
+        from its (re)build until its first step (a policy frozen during critic warm-up, say).
+        Megatron saves no state for such an optimizer but expects it on loading. Collective."""
+        local = any(len(st) > 0 for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                    for st in opt.optimizer.state.values())
+        flag = torch.tensor([float(local)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     @requires_device_state(training=True)
     def save_checkpoint(self, path: str, extra_common: Optional[Dict[str, Any]] = None) -> None:
@@ -773,28 +785,35 @@ class MegatronTrainWorker:
         from megatron.core import dist_checkpointing
 
         os.makedirs(path, exist_ok=True)
-        state = self._sharded_state_dict(is_loading=False)
+        has_optimizer_state = self._optimizer_has_state()
+        state = self._sharded_state_dict(is_loading=False, with_optimizer=has_optimizer_state)
         state.update(self._extra_sharded_state())
         state["scheduler"] = self.scheduler.state_dict()
         state["trainer_version"] = self.trainer_version
+        state["optimizer_has_state"] = has_optimizer_state
         dist_checkpointing.save(state, path)
         dist.barrier()
 
     @requires_device_state(training=True)
     def load_checkpoint(self, path: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote. Collective. Raises ``FileNotFoundError``
-        when ``path`` holds no checkpoint."""
+        """Restore what :meth:`save_checkpoint` wrote. A checkpoint saved before the optimizer's
+        first step (no optimizer state) restores a fresh optimizer over the loaded weights.
+        Collective. Raises ``FileNotFoundError`` when ``path`` holds no checkpoint."""
         from megatron.core import dist_checkpointing
 
         if not os.path.isdir(path):
             raise FileNotFoundError(f"no checkpoint directory at {path}")
-        state = self._sharded_state_dict(is_loading=True)
+        has_optimizer_state = dist_checkpointing.load_common_state_dict(path).get("optimizer_has_state", True)
+        state = self._sharded_state_dict(is_loading=True, with_optimizer=has_optimizer_state)
         state.update(self._extra_sharded_state())
         loaded = dist_checkpointing.load(state, path)
         for key in [k for k in loaded if k.startswith("model")]:
             idx = int(key[5:]) if key != "model" else 0
             self.model[idx].module.load_state_dict(loaded[key])
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        if has_optimizer_state:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        else:  # fp32 main params copied from the loaded weights, no Adam moments
+            self.rebuild_optimizer()
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.trainer_version = int(loaded["trainer_version"])
         self._load_extra_state(loaded)
