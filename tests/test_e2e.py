@@ -111,4 +111,10 @@ def test_gsm8k_two_steps_from_hf_checkpoint_on_ray(qwen2_checkpoint, tmp_path, c
         assert r["train/logprob_mismatch_max"] < 1e-4
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2
+    # the per-phase breakdown: the step's phases nest in it; validation ran once in 2 steps
+    phases = summary["seconds_per_step"]
+    assert sum(phases[k] for k in ("generation", "reward", "logprobs", "train", "refit")) <= phases["step"]
+    assert phases["validation"] == pytest.approx(
+        sum(r.get("timing/validation_s", 0.0) for r in records) / 2)
+    assert "per-phase time" in capsys.readouterr().out
     assert os.path.isfile(out / "tokenizer" / "tokenizer.json")

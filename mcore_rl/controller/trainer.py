@@ -24,7 +24,7 @@ from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.worker_group import make_worker_group
 from mcore_rl.data import batch as B
 from mcore_rl.utils.logging import RunLogger
-from mcore_rl.utils.timers import PhaseTimer
+from mcore_rl.utils.timers import PhaseTimer, phase_table
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -135,19 +135,26 @@ class RLTrainer:
             PolicyWorker, cfg.policy.megatron, cfg.policy.optimizer, *self._policy_schedule(),
             hf_path=cfg.model.hf_path, temperature=cfg.generation.temperature,
             use_reference=self.use_reference)
+        # "megatron" decodes on the policy workers with their weights; "hf" has a model of its own.
+        engine = (dict(policy=self.policy, vocab_size=self.vocab_size)
+                  if cfg.generation.backend == "megatron" else
+                  dict(hf_config=self.hf_config, device="cuda" if self.device == "cuda" else "cpu"))
         self.generation = get_backend(
             cfg.generation.backend,
-            hf_config=self.hf_config,
             cfg=cfg.generation,
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
             max_total_length=cfg.data.max_total_length,
-            device="cuda" if self.device == "cuda" else "cpu",
+            **engine,
         )
         self.timer = PhaseTimer()
         self.step = 0
         self.sft_done = cfg.sft.steps == 0
         self.history: List[Dict[str, float]] = []
+        # Seconds per phase summed over this process's RL steps (validation included), and
+        # how many steps: the summary's per-phase breakdown.
+        self.phase_totals: Dict[str, float] = {}
+        self.steps_timed = 0
 
     # ------------------------------------------------------------------ subclass hooks
     def _policy_schedule(self) -> Tuple[int, int]:
@@ -208,14 +215,22 @@ class RLTrainer:
         self._colocated("prepare_for_training")
         return self.policy.train(batch, loss_fn, self.cfg.policy.micro_batch_size)
 
+    def _offload_for_generation(self) -> None:
+        """Colocated: hand the GPU to the rollout backend: the policy's training state leaves
+        it, and its weights too unless the backend decodes with them
+        (``shares_policy_weights``)."""
+        self._colocated("offload_before_refit" if self.generation.shares_policy_weights
+                        else "offload_after_refit")
+
     def refit(self) -> Dict[str, float]:
         """Stream the policy's Hugging Face-named weights into the rollout backend (colocated:
-        training state off the GPU before, weights after)."""
+        training state off the GPU before, weights after). A backend that shares the policy's
+        weights (``megatron``) gets none: nothing is exported, 0 bytes."""
         start = time.perf_counter()
         self._colocated("offload_before_refit")
-        weights = self.policy.call("get_hf_weights")[0]
+        weights = {} if self.generation.shares_policy_weights else self.policy.call("get_hf_weights")[0]
         self.generation.update_weights(weights.items())
-        self._colocated("offload_after_refit")
+        self._offload_for_generation()
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         return {"refit/seconds": time.perf_counter() - start, "refit/gbytes": nbytes / 1e9}
 
@@ -309,7 +324,7 @@ class RLTrainer:
         self._colocated("prepare_for_training")
         for name, group in self._groups().items():
             group.call("save_checkpoint", os.path.join(path, name))
-        self._colocated("offload_after_refit")
+        self._offload_for_generation()
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
                  "history": self.history}
         with open(os.path.join(path, "controller.json"), "w") as f:
@@ -367,10 +382,16 @@ class RLTrainer:
                 metrics = self.rl_step()
                 self.step += 1
                 if loop.val_every > 0 and (self.step % loop.val_every == 0 or self.step == loop.max_steps):
+                    start = time.perf_counter()
                     val = self.validate()
                     metrics.update(val)
+                    metrics["timing/validation_s"] = time.perf_counter() - start
                     if val:
                         self.history.append({"step": self.step, **val})
+                for k, v in metrics.items():
+                    if k.startswith("timing/"):
+                        self.phase_totals[k] = self.phase_totals.get(k, 0.0) + v
+                self.steps_timed += 1
                 logger.log(self.step, metrics)
                 if cfg.checkpoint.every > 0 and self.step % cfg.checkpoint.every == 0:
                     self.save()
@@ -389,6 +410,9 @@ class RLTrainer:
             out["val_accuracy_end"] = vals[-1]["val/accuracy"]
             out["val_accuracy_gain"] = vals[-1]["val/accuracy"] - vals[0]["val/accuracy"]
             out["val_curve"] = [(h["step"], h["val/accuracy"]) for h in vals]
+        if self.steps_timed:
+            out["seconds_per_step"] = {k[len("timing/"):-len("_s")]: v / self.steps_timed
+                                       for k, v in self.phase_totals.items()}
         return out
 
     def close(self) -> None:
@@ -409,5 +433,7 @@ def run_trainer(trainer_cls, cfg: TrainConfig) -> Dict[str, Any]:
             f"{summary['val_accuracy_end']:.3f} at step {summary['steps']} "
             f"({summary['val_accuracy_gain']:+.3f})"
         )
+    if "seconds_per_step" in summary:
+        print(phase_table(summary["seconds_per_step"]))
     print(f"run directory: {summary['run_dir']}")
     return summary

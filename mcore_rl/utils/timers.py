@@ -26,3 +26,25 @@ class PhaseTimer:
         out = {f"timing/{k}_s": v for k, v in self._seconds.items()}
         self._seconds.clear()
         return out
+
+
+def phase_table(seconds_per_step: Dict[str, float]) -> str:
+    """A plain-text table of the per-phase breakdown of an RL step.
+
+    Args:
+        seconds_per_step: mean wall seconds per RL step by phase name, as in a run's
+            ``summary.json`` (``seconds_per_step``). ``step`` is the whole RL step; the other
+            phases nest in it (``generation``, ``logprobs``, ``train``, ...), except
+            ``validation``, which runs after it on validation steps (averaged over all steps).
+
+    Returns:
+        One line per phase, longest first: seconds per step and share of the step. Phases that
+        nest in others (``train`` within ``train_critic`` ...) are listed as measured, so the
+        shares need not add up to 100%.
+    """
+    step = seconds_per_step.get("step", 0.0)
+    lines = ["per-phase time (mean seconds per RL step, share of the step):"]
+    for name, sec in sorted(seconds_per_step.items(), key=lambda kv: -kv[1]):
+        share = f"{100 * sec / step:5.1f}%" if step > 0 and name != "step" else ""
+        lines.append(f"  {name:<14} {sec:9.4f} s  {share}")
+    return "\n".join(lines)
