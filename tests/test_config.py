@@ -30,6 +30,12 @@ def test_default_composes_to_typed_schema_defaults():
     assert cfg.run.output_dir == "runs/grpo_synthetic"  # ${run.name} resolved
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).parents[1] / "configs").glob("*.yaml")))
+def test_every_shipped_config_composes_and_validates(name):
+    cfg = load_config(name)
+    assert cfg.run.name == name
+
+
 def test_gsm8k_config_points_at_the_packaged_sample_from_any_cwd(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     cfg = load_config("grpo_gsm8k", ["model.hf_path=/models/m"])
