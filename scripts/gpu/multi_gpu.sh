@@ -5,7 +5,7 @@
 #
 #   GPUs 0-3  scripts/gpu/layout_parity.py: TP/PP/DP layouts against one GPU (bf16, distributed
 #             optimizer, overlap_grad_reduce, overlap_param_gather); numbers only, no timing
-#   GPU 3     the GPU main job, from the start: configs/grpo_synthetic_gpu.yaml (Qwen2-0.5B shape)
+#   GPU 3     the GPU main job (no Ray, no TensorBoard: the image lacks both), from the start: configs/grpo_synthetic_gpu.yaml (Qwen2-0.5B shape)
 #             and, beside it, the default run (configs/grpo_synthetic.yaml) moved to the GPU
 #   then      bench/split_step.py, 1B preset, split vs sync train step: DP=1 on GPU 0 and DP=2 on
 #             GPUs 1,2 at the same time (each on GPUs of its own)
@@ -28,7 +28,8 @@ if [ "${MAIN_JOB:-1}" != 0 ]; then
     for name in grpo_synthetic_gpu grpo_synthetic; do
         # shellcheck disable=SC2086  # MAIN_ARGS is a list of overrides
         CUDA_VISIBLE_DEVICES=3 timeout 480 python3 -m mcore_rl train --config-name "$name" cluster.device=cuda \
-            cluster.use_ray=false logging.progress=false policy.megatron.precision=bf16 \
+            cluster.use_ray=false logging.progress=false logging.tensorboard=false \
+            policy.megatron.precision=bf16 \
             policy.megatron.layer_spec=torch run.output_dir="/tmp/runs/$name" ${MAIN_ARGS:-} \
             > "$OUT/main_$name.log" 2>&1 &
         main_pids+=($!)
