@@ -19,6 +19,10 @@ BACKENDS = ("hf",)
 class GenerationBackend(abc.ABC):
     """A rollout engine: ``generate`` samples responses, ``update_weights`` refits it."""
 
+    # True for a backend that decodes with the policy workers' own weights in place: the
+    # controller then exports nothing at refit; False for a backend with its own copy (``hf``).
+    shares_policy_weights: bool = False
+
     @abc.abstractmethod
     def generate(self, prompts: List[List[int]], seed: int, greedy: bool = False) -> Batch:
         """Sample one response per prompt.
