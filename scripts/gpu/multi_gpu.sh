@@ -7,8 +7,8 @@
 #             optimizer, overlap_grad_reduce, overlap_param_gather); numbers only, no timing
 #   GPU 3     the GPU main job (no Ray, no TensorBoard: the image lacks both), from the start: configs/grpo_synthetic_gpu.yaml (Qwen2-0.5B shape)
 #             and, beside it, the default run (configs/grpo_synthetic.yaml) moved to the GPU
-#   then      bench/split_step.py, 1B preset, split vs sync train step: DP=1 on GPU 0 and DP=2 on
-#             GPUs 1,2 at the same time (each on GPUs of its own)
+#   then      bench/split_step.py, 1B preset, split vs sync train step: DP=2 on GPUs 0,1, then DP=1
+#             on GPU 0 (one at a time: the host's CPUs and links are shared)
 #
 # Each part has a time limit (main jobs 480 s, the others 300 s) so the call ends inside 10 min.
 # Variables: OUT (logs, default /tmp/mcore_rl_out), MAIN_JOB=0 skips the main jobs, LAYOUTS=0
@@ -43,12 +43,11 @@ fi
 
 if [ "${SPLIT:-1}" != 0 ]; then
     split=(bench/split_step.py --preset 1b --device cuda --precision bf16 --layer-spec torch
-           --distributed-optimizer --overlap-grad-reduce --parity)
-    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 "${split[@]}" --dp 1 > "$OUT/split_dp1.log" 2>&1 &
-    dp1=$!
-    CUDA_VISIBLE_DEVICES=1,2 timeout 300 python3 "${split[@]}" --dp 2 > "$OUT/split_dp2.log" 2>&1 || status=1
-    wait "$dp1" || status=1
-    for dp in 1 2; do echo "== split step, DP=$dp"; quiet < "$OUT/split_dp$dp.log" | tail -n 12; done
+           --distributed-optimizer --overlap-grad-reduce --parity --steps 20 --warmup 3)
+    for dp in 2 1; do
+        CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 "${split[@]}" --dp $dp > "$OUT/split_dp$dp.log" 2>&1 || status=1
+        echo "== split step, DP=$dp"; quiet < "$OUT/split_dp$dp.log" | tail -n 12
+    done
 fi
 
 for i in "${!main_pids[@]}"; do wait "${main_pids[$i]}" || status=1; done
