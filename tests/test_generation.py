@@ -1,5 +1,6 @@
 """The hf generation backend against a reference transformers model run another way
-(full forward passes without KV cache, one unpadded row at a time)."""
+(full forward passes without KV cache, one unpadded row at a time), and the shared sampling
+(inversion against directly computed probabilities, per-row random streams)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from mcore_rl.config.schema import GenerationConfig
 from mcore_rl.generation import get_backend
 from mcore_rl.generation.hf import HFGenerationBackend
+from mcore_rl.generation.sampling import Sampler, row_uniforms
 
 VOCAB = 50
 PAD = 0
@@ -187,3 +189,47 @@ def test_config_errors(reference):
     backend = get_backend("hf", hf_config=reference.config, eos_token_id=1, pad_token_id=PAD,
                           max_total_length=16, cfg=dataclasses.replace(GenerationConfig(), batch_size=2))
     assert isinstance(backend, HFGenerationBackend)
+
+
+def test_rollouts_do_not_depend_on_batch_size(reference):
+    one_chunk = _backend(reference, temperature=0.7, batch_size=len(PROMPTS)).generate(PROMPTS, seed=5)
+    chunks_of_two = _backend(reference, temperature=0.7, batch_size=2).generate(PROMPTS, seed=5)
+    for key in one_chunk:
+        torch.testing.assert_close(chunks_of_two[key], one_chunk[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_row_uniforms_are_per_row_streams():
+    base = row_uniforms(3, [0, 1, 2, 7], 6)
+    assert base.shape == (4, 6) and base.dtype == torch.float32
+    assert ((base >= 0) & (base < 1)).all()
+    assert torch.equal(row_uniforms(3, [7], 6)[0], base[3])  # whatever other rows are drawn
+    assert torch.equal(row_uniforms(3, [1], 2)[0], base[1, :2])  # a prefix of a longer stream
+    assert not torch.equal(row_uniforms(4, [1], 6)[0], base[1])
+    assert len({tuple(r.tolist()) for r in base}) == 4
+    with pytest.raises(ValueError, match="row index -1"):
+        row_uniforms(3, [-1], 2)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_sampler_draws_by_inversion_with_unfiltered_logprobs(top_p):
+    """N evenly spaced uniforms draw each token about N x its probability (temperature-scaled,
+    renormalized over the nucleus), so the inversion is checked against softmax computed
+    directly; logprobs are always those before the top-p filter."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 1.5, -3.0, 0.0])
+    temperature, n = 0.8, 4000
+    sampler = Sampler(GenerationConfig(temperature=temperature, top_p=top_p))
+    uniforms = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    tokens, logprobs = sampler(logits.expand(n, -1), uniforms)
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = probs.argsort(descending=True)
+    # the smallest set of most likely tokens whose mass reaches top_p
+    keep = order[: int((probs[order].cumsum(0) < top_p - 1e-12).sum()) + 1]
+    expected = torch.zeros_like(probs)
+    expected[keep] = probs[keep] / probs[keep].sum()
+    counts = torch.bincount(tokens, minlength=len(logits)).double()
+    assert (counts - n * expected).abs().max() <= 1
+    torch.testing.assert_close(logprobs, torch.log(probs.float())[tokens])
+    greedy, greedy_lp = sampler(logits[None], None)
+    assert int(greedy) == 0 and greedy_lp.item() == pytest.approx(float(torch.log_softmax(logits, -1)[0]))
+    with pytest.raises(ValueError, match="generation.temperature"):
+        Sampler(GenerationConfig(temperature=0.0))

@@ -174,7 +174,10 @@ class PolicyConfig:
 class GenerationConfig:
     """The rollout engine and its decoding."""
 
-    # Rollout engine: "hf" (a transformers model with our own decoding loop).
+    # Rollout engine: "hf" (a transformers model with our own decoding loop, refit by weight
+    # copy) or "megatron" (the policy workers decode with the policy's own Megatron model and
+    # Megatron-Core's KV cache, weights shared in place: refit copies nothing; needs
+    # policy.megatron.pipeline_model_parallel_size=1 and sequence_parallel=false).
     backend: str = "hf"
     # Sampling temperature, > 0; the policy's logprobs use the same temperature.
     temperature: float = 1.0

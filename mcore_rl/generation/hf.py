@@ -1,14 +1,8 @@
 """Rollouts with a Hugging Face transformers model and our own decoding loop.
 
-The loop calls the model's forward with its KV cache, so the RNG (a seeded
-``torch.Generator``) and the logprobs are ours, not ``model.generate``'s.
-
-Logprob choice: ``generation_logprobs`` at a sampled token is
-``log_softmax(logits / temperature)`` in float32, taken BEFORE top-p filtering. That is
-what the trainer computes for the same temperature, so trainer/rollout logprob parity is
-exact up to kernel numerics; with ``top_p < 1`` it is the logprob under the unfiltered
-(temperature-scaled) distribution, not under the truncated one the token was drawn from.
-Greedy decoding reports ``log_softmax(logits)`` (temperature 1).
+The loop calls the model's forward with its KV cache (prompts left-padded), so the random
+streams and the logprobs are ours (:mod:`mcore_rl.generation.sampling`: logprobs of
+``logits / temperature`` taken before top-p), not ``model.generate``'s.
 """
 
 from __future__ import annotations
@@ -19,11 +13,13 @@ from typing import Iterable, List, Tuple
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, TopPLogitsWarper
+from transformers import AutoModelForCausalLM
 
 from mcore_rl.config.schema import GenerationConfig
 from mcore_rl.data.batch import Batch
-from mcore_rl.generation.base import GenerationBackend
+from mcore_rl.generation.base import (GenerationBackend, Response, assemble_rollout, check_lengths,
+                                      check_prompts, response_budgets)
+from mcore_rl.generation.sampling import Sampler, row_uniforms
 
 
 class HFGenerationBackend(GenerationBackend):
@@ -54,16 +50,8 @@ class HFGenerationBackend(GenerationBackend):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ):
-        if not cfg.temperature > 0:
-            raise ValueError(f"generation.temperature must be > 0, got {cfg.temperature}")
-        if not 0 < cfg.top_p <= 1:
-            raise ValueError(f"generation.top_p must be in (0, 1], got {cfg.top_p}")
-        if cfg.max_new_tokens < 1:
-            raise ValueError(f"generation.max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-        if cfg.batch_size < 1:
-            raise ValueError(f"generation.batch_size must be >= 1, got {cfg.batch_size}")
-        if max_total_length < 2:
-            raise ValueError(f"max_total_length (data.max_total_length) must be >= 2, got {max_total_length}")
+        self.sampler = Sampler(cfg)
+        check_lengths(cfg, max_total_length)
         self.cfg = cfg
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = int(pad_token_id)
@@ -74,7 +62,6 @@ class HFGenerationBackend(GenerationBackend):
             self.model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
         self.model.eval().requires_grad_(False)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        self._top_p = TopPLogitsWarper(cfg.top_p) if cfg.top_p < 1 else None
         self._weights_loaded = False
         self.last_refit_seconds = 0.0
         self.last_refit_bytes = 0
@@ -124,57 +111,24 @@ class HFGenerationBackend(GenerationBackend):
     def generate(self, prompts: List[List[int]], seed: int, greedy: bool = False) -> Batch:
         """See :meth:`GenerationBackend.generate`. Prompts are decoded in chunks of
         ``generation.batch_size``; a row stops at eos or after ``min(max_new_tokens,
-        max_total_length - prompt length)`` tokens. Sampling: temperature, then top-p
-        (nucleus, Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration",
-        sec. 3.1), drawn with ``torch.multinomial`` from a generator seeded with ``seed``.
+        max_total_length - prompt length)`` tokens. Sampling: :class:`~mcore_rl.generation.
+        sampling.Sampler` with row ``i``'s stream ``row_uniforms(seed, [i], ...)``.
         """
         if not self._weights_loaded:
             raise RuntimeError(
                 "HFGenerationBackend.generate: no weights were loaded; call update_weights "
                 "(refit from the policy) first"
             )
-        self._check_prompts(prompts)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(int(seed))
+        check_prompts(prompts, self.vocab_size, self.max_total_length)
         responses = []
         for start in range(0, len(prompts), self.cfg.batch_size):
-            chunk = prompts[start:start + self.cfg.batch_size]
-            responses.extend(self._generate_chunk(chunk, generator, greedy))
-        return self._assemble(prompts, responses)
+            rows = range(start, min(start + self.cfg.batch_size, len(prompts)))
+            responses.extend(self._generate_chunk([prompts[i] for i in rows], rows, seed, greedy))
+        return assemble_rollout(prompts, responses, self.pad_token_id)
 
-    def _check_prompts(self, prompts: List[List[int]]) -> None:
-        if not prompts:
-            raise ValueError("generate: no prompts")
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"generate: prompt {i} is empty")
-            if len(prompt) >= self.max_total_length:
-                raise ValueError(
-                    f"generate: prompt {i} has {len(prompt)} tokens, leaving no room for a response "
-                    f"under max_total_length (data.max_total_length) = {self.max_total_length}"
-                )
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"generate: prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:8]}")
-
-    def _next_tokens(self, logits: torch.Tensor, generator: torch.Generator, greedy: bool):
-        """Tokens [n] int64 and their logprobs [n] float32 from last-position logits [n, V]."""
-        logits = logits.float()
-        if greedy:
-            tokens = logits.argmax(dim=-1)
-            logprobs = torch.log_softmax(logits, dim=-1)
-        else:
-            scaled = logits / self.cfg.temperature
-            logprobs = torch.log_softmax(scaled, dim=-1)  # before top-p: see the module docstring
-            if self._top_p is not None:
-                scaled = self._top_p(None, scaled)
-            probs = torch.softmax(scaled, dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-    def _generate_chunk(self, prompts: List[List[int]], generator: torch.Generator, greedy: bool):
-        """Decode one chunk; returns per prompt ``(tokens [R] int64, logprobs [R] float32,
-        truncated bool)`` on the CPU, R the response length."""
+    def _generate_chunk(self, prompts: List[List[int]], rows: range, seed: int,
+                        greedy: bool) -> List[Response]:
+        """Decode one chunk (``rows``: the prompts' indices in the ``generate`` call)."""
         n, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=self.device)
         attention_mask = torch.zeros((n, width), dtype=torch.long, device=self.device)
@@ -182,16 +136,16 @@ class HFGenerationBackend(GenerationBackend):
             input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             attention_mask[i, width - len(p):] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        budget = torch.tensor(
-            [min(self.cfg.max_new_tokens, self.max_total_length - len(p)) for p in prompts],
-            device=self.device,
-        )
+        budget = torch.tensor(response_budgets(prompts, self.cfg.max_new_tokens, self.max_total_length),
+                              device=self.device)
+        steps = int(budget.max())
+        uniforms = None if greedy else row_uniforms(seed, rows, steps, self.device)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         tokens, logprobs, active = [], [], []
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1)
-        for step in range(int(budget.max())):
-            token, logprob = self._next_tokens(out.logits[:, -1], generator, greedy)
+        for step in range(steps):
+            token, logprob = self.sampler(out.logits[:, -1], None if greedy else uniforms[:, step])
             token = token.masked_fill(done, self.pad_token_id)
             tokens.append(token)
             logprobs.append(logprob)
@@ -211,30 +165,5 @@ class HFGenerationBackend(GenerationBackend):
         for i in range(n):
             r = int(lengths[i])
             hit_eos = bool(tokens[i, r - 1] == self.eos_token_id)
-            results.append((tokens[i, :r], logprobs[i, :r], not hit_eos))
+            results.append(Response(tokens[i, :r], logprobs[i, :r], not hit_eos))
         return results
-
-    def _assemble(self, prompts: List[List[int]], responses) -> Batch:
-        """The right-padded batch (keys in :meth:`GenerationBackend.generate`)."""
-        prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        response_lengths = torch.tensor([len(r[0]) for r in responses], dtype=torch.long)
-        input_lengths = prompt_lengths + response_lengths
-        b, s = len(prompts), int(input_lengths.max())
-        input_ids = torch.full((b, s), self.pad_token_id, dtype=torch.long)
-        token_mask = torch.zeros((b, s), dtype=torch.float32)
-        generation_logprobs = torch.zeros((b, s), dtype=torch.float32)
-        for i, (prompt, (tokens, logprobs, _)) in enumerate(zip(prompts, responses)):
-            p, end = len(prompt), int(input_lengths[i])
-            input_ids[i, :p] = torch.tensor(prompt, dtype=torch.long)
-            input_ids[i, p:end] = tokens
-            token_mask[i, p:end] = 1.0
-            generation_logprobs[i, p:end] = logprobs
-        return {
-            "input_ids": input_ids,
-            "input_lengths": input_lengths,
-            "prompt_lengths": prompt_lengths,
-            "response_lengths": response_lengths,
-            "token_mask": token_mask,
-            "generation_logprobs": generation_logprobs,
-            "truncated": torch.tensor([float(r[2]) for r in responses], dtype=torch.float32),
-        }

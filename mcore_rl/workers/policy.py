@@ -109,6 +109,20 @@ class PolicyWorker(MegatronTrainWorker):
         """
         return self._per_token_forward(batch, micro_batch_size, self._token_logprobs)
 
+    # ------------------------------------------------------------------ rollouts
+    @requires_device_state(training=False)
+    def generate(self, prompts: List[List[int]], first_row: int, seed: int, greedy: bool, *,
+                 cfg, eos_token_id: int, pad_token_id: int, max_total_length: int) -> list:
+        """Decode ``prompts`` (this DP rank's share) with the policy's own model and weights
+        (``generation.backend: megatron``): :func:`mcore_rl.generation.megatron.decode`, which
+        documents the arguments, returns one ``Response`` per prompt and raises
+        ``NotImplementedError`` for pipeline or sequence parallelism. Collective over TP (every
+        TP rank of one DP group gets the same prompts); the weights are left unchanged."""
+        from mcore_rl.generation.megatron import decode
+
+        return decode(self.model[0], self.megatron_cfg, self.vocab_size, prompts, first_row, seed,
+                      greedy, cfg, eos_token_id, pad_token_id, max_total_length)
+
     # ------------------------------------------------------------------ reference policy
     def _offload_extra_tensors(self) -> List[torch.Tensor]:
         return list(self._reference or [])

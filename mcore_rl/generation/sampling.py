@@ -1,0 +1,115 @@
+"""Next-token sampling of every rollout backend: temperature, top-p, greedy, and the logprob
+convention, driven by per-row random streams.
+
+Logprob convention: ``generation_logprobs`` at a sampled token is
+``log_softmax(logits / temperature)`` in float32, taken BEFORE top-p filtering. That is what the
+trainer computes for the same temperature, so trainer/rollout logprob parity is exact up to
+kernel numerics; with ``top_p < 1`` it is the logprob under the unfiltered (temperature-scaled)
+distribution, not under the truncated one the token was drawn from. Greedy decoding reports
+``log_softmax(logits)`` (temperature 1).
+
+Randomness: row ``r`` of a ``generate`` call (its index among the call's prompts) draws its
+``k``-th response token with the ``k``-th number of a uniform stream of its own
+(:func:`row_uniforms`, a ``torch.Generator`` seeded with ``(seed, r)``), by inverse transform
+sampling (the inversion method, Devroye 1986, "Non-Uniform Random Variate Generation", ch. II.2:
+the token whose cumulative-probability interval holds the uniform). Rollouts therefore depend only on the seed,
+the prompts and the logits: not on ``generation.batch_size``, on how rows are split over
+data-parallel ranks, or on the backend.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from transformers import TopPLogitsWarper
+
+from mcore_rl.config.schema import GenerationConfig
+
+# A row stream's seed is (seed * _SEED_MULTIPLIER + row) mod 2**32: torch's CPU generator
+# (mt19937) keeps only 32 bits of a seed. Odd multiplier (Knuth's multiplicative hash constant,
+# TAOCP vol. 3, sec. 6.4), so the streams of one seed's rows are distinct.
+_SEED_MULTIPLIER = 2654435761
+
+
+def row_uniforms(seed: int, rows: Sequence[int], steps: int,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """The uniform streams of ``rows``: ``[len(rows), steps]`` float32 in ``[0, 1)`` on ``device``.
+
+    Row ``r``'s stream is ``torch.rand(steps)`` from a generator seeded with
+    ``(seed * 2654435761 + r) mod 2**32``, so distinct rows of one seed never share a stream
+    (for ``r < 2**32``) and a prefix of ``steps`` is the same whatever ``steps`` is.
+
+    Raises:
+        ValueError: a row index outside ``[0, 2**32)`` or ``steps < 0``.
+    """
+    if steps < 0:
+        raise ValueError(f"row_uniforms: steps must be >= 0, got {steps}")
+    out = torch.empty((len(rows), steps), dtype=torch.float32, device=device)
+    generator = torch.Generator(device=device)
+    for i, row in enumerate(rows):
+        if not 0 <= row < 2**32:
+            raise ValueError(f"row_uniforms: row index {row} outside [0, 2**32)")
+        generator.manual_seed((int(seed) * _SEED_MULTIPLIER + int(row)) % 2**32)
+        out[i] = torch.rand(steps, generator=generator, device=device)
+    return out
+
+
+def check_sampling(cfg: GenerationConfig) -> None:
+    """Raise ``ValueError`` naming the key when ``generation.temperature`` is not > 0 or
+    ``generation.top_p`` is outside (0, 1]."""
+    if not cfg.temperature > 0:
+        raise ValueError(f"generation.temperature must be > 0, got {cfg.temperature}")
+    if not 0 < cfg.top_p <= 1:
+        raise ValueError(f"generation.top_p must be in (0, 1], got {cfg.top_p}")
+
+
+class Sampler:
+    """Picks next tokens from last-position logits under the module's conventions.
+
+    Args:
+        cfg: ``generation`` config; its ``temperature`` (> 0) scales the logits and its
+            ``top_p`` in (0, 1] keeps the smallest set of most likely tokens whose mass reaches
+            it (nucleus sampling, Holtzman et al. 2020, "The Curious Case of Neural Text
+            Degeneration", sec. 3.1; transformers' ``TopPLogitsWarper``); 1 disables it.
+
+    Raises:
+        ValueError: ``generation.temperature`` or ``generation.top_p`` out of range
+            (:func:`check_sampling`).
+    """
+
+    def __init__(self, cfg: GenerationConfig):
+        check_sampling(cfg)
+        self.temperature = float(cfg.temperature)
+        self._top_p = TopPLogitsWarper(cfg.top_p) if cfg.top_p < 1 else None
+
+    def __call__(self, logits: torch.Tensor,
+                 uniforms: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Next tokens and their logprobs.
+
+        Args:
+            logits: ``[n, V]`` over the real vocabulary (no padded columns), any float dtype.
+            uniforms: ``[n]`` numbers in ``[0, 1)`` (one per row, from :func:`row_uniforms`);
+                None decodes greedily (argmax).
+
+        Returns:
+            ``tokens`` ``[n]`` int64 and their ``logprobs`` ``[n]`` float32 (module docstring),
+            on the device of ``logits``.
+        """
+        logits = logits.float()
+        if uniforms is None:
+            tokens = logits.argmax(dim=-1)
+            logprobs = torch.log_softmax(logits, dim=-1)
+        else:
+            scaled = logits / self.temperature
+            logprobs = torch.log_softmax(scaled, dim=-1)  # before top-p: see the module docstring
+            if self._top_p is not None:
+                scaled = self._top_p(None, scaled)
+            probs = torch.softmax(scaled, dim=-1)
+            cdf = probs.cumsum(dim=-1)
+            target = (uniforms.to(cdf.device, torch.float32) * cdf[:, -1]).unsqueeze(-1)
+            tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+            # Rounding can put the target at the total mass: take the last token with mass then.
+            last = (probs > 0).to(torch.int32).cumsum(dim=-1).argmax(dim=-1)
+            tokens = torch.minimum(tokens, last)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
