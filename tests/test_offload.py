@@ -272,8 +272,10 @@ def test_controller_calls_the_lifecycle_in_order():
         cfg = SimpleNamespace(cluster=SimpleNamespace(colocate_generation=colocate),
                               policy=SimpleNamespace(logprob_micro_batch_size=4, micro_batch_size=2))
         trainer = SimpleNamespace(cfg=cfg, policy=policy,
-                                  generation=SimpleNamespace(update_weights=lambda w: None))
+                                  generation=SimpleNamespace(update_weights=lambda w: None,
+                                                             shares_policy_weights=False))
         trainer._colocated = lambda m, t=trainer: RLTrainer._colocated(t, m)
+        trainer._offload_for_generation = lambda t=trainer: RLTrainer._offload_for_generation(t)
         RLTrainer._logprobs(trainer, {})
         RLTrainer._train(trainer, {}, LOSS)
         RLTrainer.refit(trainer)
@@ -282,3 +284,17 @@ def test_controller_calls_the_lifecycle_in_order():
         if not colocate:
             expected = ["get_logprobs", "train", "get_hf_weights"]
         assert calls == expected
+
+
+def test_offloader_round_trips_an_empty_set():
+    # an optimizer before its first step has no state: offload moves nothing, restore must
+    # still accept it (cluster.colocate_generation from a fresh start)
+    from mcore_rl.megatron.offload import StorageOffloader
+
+    off = StorageOffloader()
+    assert off.offload([]) == 0 and off.offloaded
+    with pytest.raises(RuntimeError, match="already offloaded"):
+        off.offload([])
+    assert off.restore() == 0 and not off.offloaded
+    with pytest.raises(RuntimeError, match="nothing is offloaded"):
+        off.restore()

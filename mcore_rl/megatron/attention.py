@@ -30,6 +30,13 @@ kernels only; a masked call cannot use flash, so on that path the KV heads are r
 explicitly, which keeps the memory-efficient kernel instead of the math fallback that would
 materialize the scores.
 
+Kernels in eval mode (rollout decoding, :mod:`mcore_rl.generation.megatron`): flash,
+memory-efficient or math only, never cuDNN. torch's default picks cuDNN attention on Hopper,
+which plans anew for every KV length (measured on an H200, torch 2.11: ~32 ms for the first
+one-token call at a new length against 0.1 ms for flash, so decoding ran 2x slower than the
+local spec) and whose output was not bitwise repeatable (the same seed gave other rollouts).
+Training keeps torch's choice (cuDNN is the fastest training kernel there).
+
 Fully masked query rows (for example left-padding rows): SDPA would return NaN for them (a
 softmax over nothing) and a NaN at a padded position still poisons a masked loss (``0 * NaN``).
 Such rows are unmasked instead (they attend to every key, a finite value nobody reads), as
@@ -45,7 +52,11 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+
+# Eval-mode (decoding) kernels: see the module docstring.
+_INFERENCE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class TorchSDPAttention(DotProductAttention):
@@ -140,6 +151,9 @@ class TorchSDPAttention(DotProductAttention):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout,
                                                      scale=self.softmax_scale, **extra)
+        elif not self.training:
+            with sdpa_kernel(_INFERENCE_BACKENDS):
+                out = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale, **extra)
         else:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout,
                                                  scale=self.softmax_scale, **extra)

@@ -44,11 +44,12 @@ class StorageOffloader:
     def __init__(self):
         self._storages: List[torch.UntypedStorage] = []
         self._host: List[torch.Tensor] = []
+        self._offloaded = False  # also for an empty set (an optimizer before its first step)
 
     @property
     def offloaded(self) -> bool:
         """True between :meth:`offload` and :meth:`restore`."""
-        return bool(self._storages)
+        return self._offloaded
 
     def offload(self, tensors: Iterable[torch.Tensor]) -> int:
         """Move the distinct non-empty storages of ``tensors`` to host memory and free them.
@@ -75,6 +76,7 @@ class StorageOffloader:
         for s in storages:
             s.resize_(0)
         self._storages = storages
+        self._offloaded = True
         return sum(sizes)
 
     def restore(self) -> int:
@@ -87,4 +89,5 @@ class StorageOffloader:
         for device in {s.device for s in self._storages}:
             _sync(device)
         storages, self._storages = self._storages, []
+        self._offloaded = False
         return sum(s.nbytes() for s in storages)
