@@ -16,8 +16,10 @@
 # The layout parity shares its GPUs with the main jobs (it times nothing); the split-step
 # benchmark runs before the main jobs start.
 #
-# Other variables: OUT (logs, default /tmp/mcore_rl_out), MAIN_ARGS (extra main-job overrides).
-# Time limits: layouts 300 s, each split run 240 s, main jobs 420 s, generation 300 s.
+# Other variables: OUT (logs, default /tmp/mcore_rl_out), MAIN_JOBS (config names, default
+# "grpo_synthetic_gpu grpo_synthetic"), MAIN_ARGS (extra main-job overrides), MAIN_TIMEOUT
+# (seconds, default 420), SPLIT_ARGS (bench options, default "--parity --steps 20 --warmup 3").
+# Time limits: layouts 300 s, each split run 240 s, generation 300 s.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -33,8 +35,9 @@ want() { [[ $PARTS == *" $1 "* ]]; }
 status=0
 
 if want split; then
+    read -r -a split_args <<< "${SPLIT_ARGS:---parity --steps 20 --warmup 3}"
     split=(bench/split_step.py --preset 1b --device cuda --precision bf16 --layer-spec torch
-           --distributed-optimizer --overlap-grad-reduce --parity --steps 20 --warmup 3)
+           --distributed-optimizer --overlap-grad-reduce "${split_args[@]}")
     dps=(1); (( ngpu >= 2 )) && dps=(2 1)
     for dp in "${dps[@]}"; do
         CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 "${split[@]}" --dp "$dp" > "$OUT/split_dp$dp.log" 2>&1 || status=1
@@ -42,12 +45,12 @@ if want split; then
     done
 fi
 
-main_jobs=(grpo_synthetic_gpu grpo_synthetic)
+read -r -a main_jobs <<< "${MAIN_JOBS:-grpo_synthetic_gpu grpo_synthetic}"
 main_pids=()
 if want main; then
     for name in "${main_jobs[@]}"; do
         # shellcheck disable=SC2086  # MAIN_ARGS is a list of overrides
-        CUDA_VISIBLE_DEVICES=$((ngpu - 1)) timeout 420 python3 -m mcore_rl train --config-name "$name" \
+        CUDA_VISIBLE_DEVICES=$((ngpu - 1)) timeout "${MAIN_TIMEOUT:-420}" python3 -m mcore_rl train --config-name "$name" \
             cluster.device=cuda cluster.use_ray=false logging.progress=false logging.tensorboard=false \
             policy.megatron.precision=bf16 policy.megatron.layer_spec=torch \
             run.output_dir="/tmp/runs/$name" ${MAIN_ARGS:-} > "$OUT/main_$name.log" 2>&1 &
