@@ -20,15 +20,9 @@
 # "grpo_synthetic_gpu grpo_synthetic"), MAIN_ARGS (extra main-job overrides), MAIN_TIMEOUT
 # (seconds, default 420), SPLIT_ARGS (bench options, default "--parity --steps 20 --warmup 3").
 # Time limits: layouts 300 s, each split run 240 s, generation 300 s.
-set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/mcore_rl_out}
+# shellcheck source-path=SCRIPTDIR source=env.sh
+source "$(dirname "$0")/env.sh"
 PARTS=" ${PARTS:-layouts split main generation} "
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 ngpu=$(nvidia-smi --list-gpus | wc -l)
 quiet() { grep -v -i -E "warn|deprecat|evict|MimoModel|full_param_layout|grad_input|^\s*$"; }
 want() { [[ $PARTS == *" $1 "* ]]; }
