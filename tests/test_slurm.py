@@ -91,7 +91,7 @@ elif tool == "ray" and args[0] == "status":
 elif tool == "mcore-rl":
     print("driver ran")
     if os.environ.get("FAKE_DRIVER_BLOCK"):
-        (state / "driver-started").touch()
+        (state / "driver-started").write_text(str(os.getpid()))
         while True:
             time.sleep(0.02)
     sys.exit(int(os.environ.get("FAKE_DRIVER_RC", "0")))
@@ -271,6 +271,9 @@ def test_scancel_during_driver_tears_down(tmp_path):
         rc = job.finish(proc)
     assert rc == 143
     assert stopped_nodes(job) == ["n1", "n2"]
+    driver = int((job.state / "driver-started").read_text())  # the driver step got the TERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(driver, 0)
 
 
 @pytest.mark.parametrize("runtime", ["pyxis", "apptainer"])
