@@ -74,7 +74,10 @@ class PPOTrainer(RLTrainer):
         ``prev_logprobs``, ``prev_values`` (and ``reference_logprobs`` when
         ``ppo.reward_kl_coef > 0``); adds ``token_rewards``, ``returns`` and ``advantages``
         (all ``[B, S]``, 0 off the valid tokens). Returns the critic's and the rewards'
-        figures on this rollout."""
+        figures on this rollout: ``critic/explained_variance`` against the GAE returns (the
+        critic's targets; a lower ``ppo.lam`` mixes more of the critic's own values into them)
+        and ``critic/explained_variance_mc`` against the Monte Carlo returns (``lam = 1``: the
+        discounted reward-to-go, independent of ``ppo.lam``)."""
         p = self.cfg.ppo
         mask = valid_token_mask(rollout)
         kl = None
@@ -84,6 +87,7 @@ class PPOTrainer(RLTrainer):
         rewards = token_level_rewards(rollout["rewards"], mask, kl, p.reward_kl_coef)
         values = rollout["prev_values"]
         advantages, returns = gae(rewards, values, mask, p.gamma, p.lam)
+        mc_returns = gae(rewards, values, mask, p.gamma, 1.0)[1]
         if p.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
         rollout["token_rewards"] = rewards
@@ -93,6 +97,7 @@ class PPOTrainer(RLTrainer):
         v = values[valid]
         out = {
             "critic/explained_variance": explained_variance(values, returns, mask),
+            "critic/explained_variance_mc": explained_variance(values, mc_returns, mask),
             "critic/value_mean": float(v.mean()),
             "critic/value_std": float(v.std()) if v.numel() > 1 else 0.0,
             "critic/returns_mean": float(returns[valid].mean()),
