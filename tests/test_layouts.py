@@ -44,6 +44,7 @@ from mcore_rl.data.microbatching import (
 )
 from mcore_rl.megatron.conversion import arch_to_hf_config
 from mcore_rl.workers.policy import PolicyWorker, initial_hf_state_dict
+from rollouts import random_rows
 
 VOCAB = 47  # odd: not divisible by TP=2
 ARCH = ModelArchConfig(family="qwen2", num_layers=4, hidden_size=32, num_attention_heads=4,
@@ -134,21 +135,11 @@ def _batch(n=ROWS, seed=0):
     """A right-padded rollout: prompts of 3-6 tokens, responses of 2-10, old and reference
     logprobs near log(1/V) so that clipped and unclipped ratios both occur."""
     g = torch.Generator().manual_seed(seed)
-    plen = torch.randint(3, 7, (n,), generator=g)
-    rlen = torch.randint(2, 11, (n,), generator=g)
-    width = int((plen + rlen).max()) + 2  # trailing padding columns too
-    ids = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros(n, width)
-    for i in range(n):
-        length = int(plen[i] + rlen[i])
-        ids[i, :length] = torch.randint(1, VOCAB, (length,), generator=g)
-        mask[i, int(plen[i]):length] = 1
-    near = -math.log(VOCAB) + 0.3 * torch.randn(2, n, width, generator=g)
-    return {
-        "input_ids": ids, "input_lengths": plen + rlen, "prompt_lengths": plen, "token_mask": mask,
-        "sample_mask": torch.ones(n), "advantages": torch.randn(n, 1, generator=g) * mask,
-        "prev_logprobs": near[0] * mask, "reference_logprobs": near[1] * mask,
-    }
+    rows = random_rows(n, VOCAB, (3, 6), (2, 10), g, extra_width=2)  # trailing padding columns too
+    mask = rows["token_mask"]
+    near = -math.log(VOCAB) + 0.3 * torch.randn(2, *mask.shape, generator=g)
+    return {**rows, "advantages": torch.randn(n, 1, generator=g) * mask,
+            "prev_logprobs": near[0] * mask, "reference_logprobs": near[1] * mask}
 
 
 def _check_layout(world_size, megatron):

@@ -13,6 +13,7 @@ from mcore_rl.data import batch as B
 from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.megatron.conversion import arch_to_hf_config
 from mcore_rl.workers.policy import PolicyWorker
+from rollouts import random_rows
 
 VOCAB = 48
 ARCH = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -40,20 +41,8 @@ def _kwargs(lr=1e-2, **megatron):
 def _rollout(n=8, seed=0):
     """A synthetic right-padded rollout batch with prompts of 3-5 tokens and responses of 2-6."""
     g = torch.Generator().manual_seed(seed)
-    plen = torch.randint(3, 6, (n,), generator=g)
-    rlen = torch.randint(2, 7, (n,), generator=g)
-    width = int((plen + rlen).max())
-    ids = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros(n, width)
-    for i in range(n):
-        L = int(plen[i] + rlen[i])
-        ids[i, :L] = torch.randint(1, VOCAB, (L,), generator=g)
-        mask[i, int(plen[i]):L] = 1
-    adv = torch.randn(n, generator=g)
-    return {
-        "input_ids": ids, "input_lengths": plen + rlen, "prompt_lengths": plen, "token_mask": mask,
-        "sample_mask": torch.ones(n), "advantages": adv[:, None] * mask,
-    }
+    rows = random_rows(n, VOCAB, (3, 5), (2, 6), g)
+    return {**rows, "advantages": torch.randn(n, generator=g)[:, None] * rows["token_mask"]}
 
 
 @pytest.fixture(scope="module")

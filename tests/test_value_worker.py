@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dist_utils import _WORLD, run_distributed, use_layout
+from rollouts import random_rows
 from mcore_rl.algorithms.losses import ClippedValueLoss
 from mcore_rl.config.schema import MegatronConfig, ModelArchConfig, OptimizerConfig, ValueLossConfig
 from mcore_rl.data import batch as B
@@ -50,17 +51,9 @@ def _worker(tp=1, pp=1, **overrides):
 def _batch(n=8, seed=0):
     """Right-padded rows (prompts of 3-5 tokens, responses of 2-6) with returns and old values."""
     g = torch.Generator().manual_seed(seed)
-    plen = torch.randint(3, 6, (n,), generator=g)
-    rlen = torch.randint(2, 7, (n,), generator=g)
-    width = int((plen + rlen).max())
-    ids = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros(n, width)
-    for i in range(n):
-        length = int(plen[i] + rlen[i])
-        ids[i, :length] = torch.randint(1, VOCAB, (length,), generator=g)
-        mask[i, int(plen[i]):length] = 1
-    return {"input_ids": ids, "input_lengths": plen + rlen, "prompt_lengths": plen, "token_mask": mask,
-            "sample_mask": torch.ones(n), "returns": torch.randn(n, width, generator=g) * mask}
+    rows = random_rows(n, VOCAB, (3, 5), (2, 6), g)
+    mask = rows["token_mask"]
+    return {**rows, "returns": torch.randn(mask.shape, generator=g) * mask}
 
 
 def _with_old_values(worker, batch):
