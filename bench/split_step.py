@@ -198,11 +198,14 @@ def main() -> None:
         print(f"parity after {args.parity_steps} steps: max |w_sync - w_split| = {diff:.3e}")
     base = statistics.mean(times["sync"])
     print(f"{'path':<6} {'steps':>5} {'mean ms':>9} {'median ms':>10} {'min ms':>8} "
-          f"{'tokens/s':>10} {'vs sync':>8}")
+          f"{'max ms':>8} {'tokens/s':>10} {'vs sync':>8}")
     for name, ts in times.items():
         mean = statistics.mean(ts)
         print(f"{name:<6} {len(ts):>5} {1e3 * mean:>9.1f} {1e3 * statistics.median(ts):>10.1f} "
-              f"{1e3 * min(ts):>8.1f} {tokens / mean:>10.0f} {100 * (mean / base - 1):>+7.2f}%")
+              f"{1e3 * min(ts):>8.1f} {1e3 * max(ts):>8.1f} {tokens / mean:>10.0f} "
+              f"{100 * (mean / base - 1):>+7.2f}%")
+    for name, ts in times.items():  # in order: shows outliers and drift
+        print(f"{name} ms per step: " + " ".join(f"{1e3 * t:.0f}" for t in ts))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ if want split; then
     dps=(1); (( ngpu >= 2 )) && dps=(2 1)
     for dp in "${dps[@]}"; do
         CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 "${split[@]}" --dp "$dp" > "$OUT/split_dp$dp.log" 2>&1 || status=1
-        echo "== split step, DP=$dp"; quiet < "$OUT/split_dp$dp.log" | tail -n 6
+        echo "== split step, DP=$dp"; quiet < "$OUT/split_dp$dp.log" | tail -n 8
     done
 fi
 
