@@ -376,7 +376,9 @@ class CheckpointConfig:
 
     # Save every k RL steps (0: never) under `<output_dir>/checkpoints/step_<k>`.
     every: int = 0
-    # Resume from a checkpoint directory, or "latest" for the run directory's newest.
+    # Resume from a checkpoint directory, or "latest" for the run directory's newest. The
+    # optimizer.* keys of the config apply (a warning names those that changed); the LR
+    # schedule's progress, the weights and the Adam moments are the checkpoint's.
     resume: Optional[str] = None
     # Newest checkpoints kept, older ones deleted after each save; 0: keep all.
     keep_last: int = 2

@@ -12,6 +12,7 @@ section has ``num_prompts_per_step``, ``max_steps``, ``val_every``, ``val_num_pr
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -25,6 +26,8 @@ from mcore_rl.controller.worker_group import make_worker_group
 from mcore_rl.data import batch as B
 from mcore_rl.utils.logging import RunLogger
 from mcore_rl.utils.timers import PhaseTimer, phase_table
+
+_log = logging.getLogger(__name__)
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -339,7 +342,9 @@ class RLTrainer:
             shutil.rmtree(os.path.join(self._ckpt_root(), f"step_{s}"), ignore_errors=True)
 
     def resume(self, path: str) -> None:
-        """Load a checkpoint directory (or ``"latest"``). Raises ``FileNotFoundError`` naming
+        """Load a checkpoint directory (or ``"latest"``). Each worker group's LR schedule
+        keeps the checkpoint's progress and takes its settings from the configuration; a
+        warning names the settings that changed. Raises ``FileNotFoundError`` naming
         ``checkpoint.resume`` when there is none."""
         if path == "latest":
             root = self._ckpt_root()
@@ -354,7 +359,12 @@ class RLTrainer:
         with open(state_file) as f:
             state = json.load(f)
         for name, group in self._groups().items():
-            group.call("load_checkpoint", os.path.join(path, name))
+            changed = group.call("load_checkpoint", os.path.join(path, name))[0]
+            if changed:
+                _log.warning(
+                    "checkpoint.resume: %s.optimizer's LR schedule differs from %s; the "
+                    "configured one applies from step %d on (checkpoint -> config): %s", name,
+                    path, state["step"], ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.sft_done = state["sft_done"]

@@ -68,6 +68,30 @@ def _use_fused_torch_adam(optimizer) -> None:
                 group["fused"], group["foreach"] = True, False
 
 
+# Optimizer settings that follow the configuration on resume, reported by
+# MegatronTrainWorker.load_checkpoint when a checkpoint's differ: name -> key of Megatron's
+# OptimizerParamScheduler state (it counts the schedule in samples: optimizer steps x global
+# batch size) ...
+SCHEDULE_SETTINGS = {
+    "lr": "max_lr",
+    "min_lr": "min_lr",
+    "lr_decay_style": "lr_decay_style",
+    "weight_decay": "start_wd",
+    "lr_warmup_samples": "lr_warmup_steps",
+    "lr_decay_samples": "lr_decay_steps",
+}
+# ... and -> key of the optimizer's param groups, whose saved copies the optimizer's
+# load_state_dict would restore (Megatron keeps each group's peak and final lr there too).
+PARAM_GROUP_SETTINGS = {"lr": "max_lr", "min_lr": "min_lr", "adam_betas": "betas", "adam_eps": "eps"}
+
+
+def _group_settings(group: Dict[str, Any]) -> Dict[str, Any]:
+    """The :data:`PARAM_GROUP_SETTINGS` of an optimizer param group (those it has; betas as a
+    tuple, whatever container a checkpoint gave back)."""
+    return {name: tuple(group[key]) if isinstance(group[key], list) else group[key]
+            for name, key in PARAM_GROUP_SETTINGS.items() if key in group}
+
+
 def requires_device_state(training: bool):
     """Decorator of a GPU-bound public worker method (the offload guard).
 
@@ -199,13 +223,12 @@ class MegatronTrainWorker:
         o = self.optimizer_cfg
         if lr is not None:
             o = dataclasses.replace(o, lr=lr, min_lr=lr, lr_warmup_steps=0, lr_decay_style="constant")
-        self._build_optimizer(o, *self._schedule_args)
+        self._build_optimizer(o)
 
-    def _build_optimizer(self, o: OptimizerConfig, total_optimizer_steps: int, global_batch_size: int) -> None:
+    def _build_optimizer(self, o: OptimizerConfig) -> None:
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig as MOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.utils import get_model_config
 
         bf16 = self.megatron_cfg.precision == "bf16"
@@ -227,6 +250,26 @@ class MegatronTrainWorker:
         )
         if self.device.type == "cuda":
             _use_fused_torch_adam(self.optimizer)
+        self._build_scheduler(o)
+        config = get_model_config(self.model[0])
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        if self.megatron_cfg.ddp.overlap_grad_reduce:
+            config.grad_sync_func = (
+                [m.start_grad_sync for m in self.model] if len(self.model) > 1 else self.model[0].start_grad_sync
+            )
+        self.model_config = config
+
+    def _build_scheduler(self, o: OptimizerConfig) -> None:
+        """Megatron's ``OptimizerParamScheduler`` for ``o``: warmup from 0 to ``o.lr`` over
+        ``o.lr_warmup_steps``, then ``o.lr_decay_style`` down to ``o.min_lr`` by the run's last
+        optimizer step, constant weight decay. It counts samples, so every step count is
+        multiplied by the global batch size. The configuration is the source of truth on
+        resume (``override_opt_param_scheduler``): a checkpoint gives the schedule only its
+        progress (:meth:`load_checkpoint`)."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        total_optimizer_steps, global_batch_size = self._schedule_args
         gbs = max(1, global_batch_size)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
@@ -240,15 +283,9 @@ class MegatronTrainWorker:
             end_wd=o.weight_decay,
             wd_incr_steps=max(1, total_optimizer_steps) * gbs,
             wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
         )
-        config = get_model_config(self.model[0])
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
-        if self.megatron_cfg.ddp.overlap_grad_reduce:
-            config.grad_sync_func = (
-                [m.start_grad_sync for m in self.model] if len(self.model) > 1 else self.model[0].start_grad_sync
-            )
-        self.model_config = config
 
     # ------------------------------------------------------------------ layout facts
     def layout(self) -> Dict[str, int]:
@@ -805,10 +842,24 @@ class MegatronTrainWorker:
         dist.barrier()
 
     @requires_device_state(training=True)
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str) -> Dict[str, Tuple[Any, Any]]:
         """Restore what :meth:`save_checkpoint` wrote. A checkpoint saved before the optimizer's
         first step (no optimizer state) restores a fresh optimizer over the loaded weights.
-        Collective. Raises ``FileNotFoundError`` when ``path`` holds no checkpoint."""
+        Collective.
+
+        The LR schedule keeps the checkpoint's progress (samples seen) and takes its shape
+        from this worker's configuration, and so do the optimizer's betas and epsilon: the
+        ``optimizer.*`` keys can be changed on resume (Megatron's defaults would silently keep
+        the checkpoint's values). The Adam moments and step counts are the checkpoint's.
+
+        Returns:
+            the settings that differ, ``{name: (checkpoint value, configured value)}`` with
+            names from :data:`SCHEDULE_SETTINGS` and :data:`PARAM_GROUP_SETTINGS` (empty when
+            none do).
+
+        Raises:
+            FileNotFoundError: ``path`` holds no checkpoint.
+        """
         from megatron.core import dist_checkpointing
 
         if not os.path.isdir(path):
@@ -820,13 +871,25 @@ class MegatronTrainWorker:
         for key in [k for k in loaded if k.startswith("model")]:
             idx = int(key[5:]) if key != "model" else 0
             self.model[idx].module.load_state_dict(loaded[key])
+        changed = {}
         if has_optimizer_state:
+            configured = [_group_settings(g) for g in self.optimizer.param_groups]
             self.optimizer.load_state_dict(loaded["optimizer"])
+            for group, settings in zip(self.optimizer.param_groups, configured):
+                saved = _group_settings(group)
+                changed.update({name: (saved.get(name), v) for name, v in settings.items()
+                                if saved.get(name) != v})
+                group.update({PARAM_GROUP_SETTINGS[name]: v for name, v in settings.items()})
+            self._build_scheduler(self.optimizer_cfg)  # at step 0: loading adds the progress
         else:  # fp32 main params copied from the loaded weights, no Adam moments
             self.rebuild_optimizer()
-        self.scheduler.load_state_dict(loaded["scheduler"])
+        saved, configured = loaded["scheduler"], self.scheduler.state_dict()
+        changed.update({name: (saved[key], configured[key]) for name, key in SCHEDULE_SETTINGS.items()
+                        if saved[key] != configured[key]})
+        self.scheduler.load_state_dict(saved)
         self.trainer_version = int(loaded["trainer_version"])
         self._load_extra_state(loaded)
+        return changed
 
     def _extra_sharded_state(self) -> Dict[str, Any]:
         """Subclass state saved with the model (for example the reference weights)."""
