@@ -230,8 +230,10 @@ class RLTrainer:
         training state off the GPU before, weights after). A backend that shares the policy's
         weights (``megatron``) gets none: nothing is exported, 0 bytes."""
         start = time.perf_counter()
-        self._colocated("offload_before_refit")
-        weights = {} if self.generation.shares_policy_weights else self.policy.call("get_hf_weights")[0]
+        weights = {}
+        if not self.generation.shares_policy_weights:
+            self._colocated("offload_before_refit")
+            weights = self.policy.call("get_hf_weights")[0]
         self.generation.update_weights(weights.items())
         self._offload_for_generation()
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
