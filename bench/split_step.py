@@ -60,6 +60,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--layer-spec", default="local", help="policy.megatron.layer_spec")
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="cluster.manual_gc_interval of the workers (0: automatic collection)")
     p.add_argument("--seq-len", type=int, help="tokens per row (default: the preset's)")
     p.add_argument("--global-batch", type=int, help="rows per optimizer step (default: preset)")
     p.add_argument("--micro-batch", type=int, help="rows per forward/backward (default: preset)")
@@ -113,7 +115,7 @@ class _Bench:
                                                   use_distributed_optimizer=args.distributed_optimizer)),
             optimizer=OptimizerConfig(lr=1e-5, clip_grad=1.0),
             device=resolve_device(args.device), seed=1, total_optimizer_steps=1000,
-            global_batch_size=args.global_batch,
+            global_batch_size=args.global_batch, manual_gc_interval=args.manual_gc_interval,
         )
         self.shards = B.shard(_batch(args.global_batch, args.seq_len, vocab), args.dp)
         self.loss = ClippedPGLoss(LossConfig())
@@ -193,7 +195,8 @@ def main() -> None:
           + f", DP={args.dp} on {gpu}, {args.precision}, distributed optimizer "
           f"{args.distributed_optimizer}, overlap_grad_reduce {args.overlap_grad_reduce}, "
           f"global batch {args.global_batch} x {args.seq_len} tokens, micro-batch "
-          f"{args.micro_batch}, {args.rows_per_call} rows per train_microbatch call")
+          f"{args.micro_batch}, {args.rows_per_call} rows per train_microbatch call, manual GC "
+          f"interval {args.manual_gc_interval}")
     if diff is not None:
         print(f"parity after {args.parity_steps} steps: max |w_sync - w_split| = {diff:.3e}")
     base = statistics.mean(times["sync"])

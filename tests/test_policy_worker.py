@@ -1,7 +1,10 @@
 """Policy worker on real Megatron-Core over gloo: DP=2 equals one process; trainer and rollout
-logprobs agree after a train step and refit; the first step's KL to the reference is 0."""
+logprobs agree after a train step and refit; the first step's KL to the reference is 0; with
+``manual_gc_interval`` garbage is collected only after every N-th optimizer step, on all ranks."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -109,3 +112,56 @@ def test_rollout_logprobs_match_trainer_after_refit_and_first_kl_is_zero():
         assert not torch.equal(lp2, ref2)  # the policy moved, the reference did not
     finally:
         group.shutdown()
+
+
+class GCRecordingWorker(PolicyWorker):
+    """A policy worker that records every garbage collection of its process as
+    ``(generation, trainer_version)``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.collections = []
+        gc.callbacks.append(self._record)
+
+    def _record(self, phase, info):
+        if phase == "start":
+            self.collections.append((info["generation"], self.trainer_version))
+
+    def make_cyclic_garbage(self, n: int) -> None:
+        """``n`` unreachable self-referencing lists: enough allocations to trigger automatic
+        collections of every generation if they were on."""
+        for _ in range(n):
+            cycle = []
+            cycle.append(cycle)
+
+    def gc_report(self):
+        return gc.isenabled(), list(self.collections)
+
+
+def test_manual_gc_collects_after_every_nth_optimizer_step_on_all_ranks():
+    group = ProcessWorkerGroup(GCRecordingWorker, 2, dict(_kwargs(), manual_gc_interval=2))
+    try:
+        batch = _rollout()
+        batch["prev_logprobs"] = torch.cat(group.call_each(
+            "get_logprobs", [[s, 4] for s in B.shard(batch, 2)]))
+        loss = ClippedPGLoss(LossConfig(kl_coef=0.0))
+        for step in range(1, 5):
+            group.call("make_cyclic_garbage", 200_000)
+            if step == 3:  # the split step collects as train() does
+                shards = B.shard(batch, 2)
+                group.call("begin_train_step", loss, B.batch_size(batch), 2)
+                group.call_each("train_microbatch", [[s] for s in shards])
+                group.call("finish_train_step")
+            else:
+                _train(group, batch, loss)
+        for enabled, collections in group.call("gc_report"):
+            assert not enabled
+            assert collections == [(2, 2), (2, 4)]  # full collections, after steps 2 and 4 only
+    finally:
+        group.shutdown()
+
+
+def test_manual_gc_interval_must_not_be_negative():
+    with pytest.raises(ValueError, match="manual_gc_interval must be >= 0"):
+        PolicyWorker(**_kwargs(), manual_gc_interval=-1, rank=0, world_size=1,
+                     master_addr="127.0.0.1", master_port=0)

@@ -250,6 +250,7 @@ _CHOICES = {
 }
 _AT_LEAST = {  # key -> smallest valid value
     "cluster.num_workers": 1,
+    "cluster.manual_gc_interval": 0,
     "model.arch.num_attention_heads": 1,
     "model.arch.num_query_groups": 1,
     "policy.megatron.tensor_model_parallel_size": 1,

@@ -40,6 +40,11 @@ class ClusterConfig:
     # Rollout engine on the policy's GPUs: the policy's weights, grads and optimizer state leave
     # the GPU after each refit and come back for logprobs and training (offload lifecycle).
     colocate_generation: bool = False
+    # Garbage collection in the Megatron workers. 0: Python's automatic collection. N > 0: off,
+    # with a full collection after every N-th optimizer step on all ranks at once (Megatron-LM's
+    # --manual-gc): automatic collections (~0.2 s each, measured on an H200 host) land on each
+    # rank at its own time and stall the others at the next collective.
+    manual_gc_interval: int = 0
 
 
 @dataclass

@@ -195,6 +195,7 @@ class RLTrainer:
                 total_optimizer_steps=total_steps,
                 global_batch_size=global_batch_size,
                 threads=cfg.cluster.threads_per_worker,
+                manual_gc_interval=cfg.cluster.manual_gc_interval,
                 **kwargs,
             ),
             use_ray=cfg.cluster.use_ray,

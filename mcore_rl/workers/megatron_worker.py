@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -131,6 +132,13 @@ class MegatronTrainWorker:
         max_tokens_per_microbatch: None: micro-batches of the ``micro_batch_size`` rows each
             call names; else a token budget (config ``policy.max_tokens_per_microbatch``) that
             replaces it in every call (:mod:`mcore_rl.data.microbatching`).
+        manual_gc_interval: 0: Python's automatic garbage collection. N > 0: automatic
+            collection is turned off in this process and a full collection runs after every
+            N-th optimizer step (``trainer_version`` a multiple of N), the same point on every
+            rank (config ``cluster.manual_gc_interval``; Megatron-LM's ``--manual-gc``). A full
+            collection of a worker's ~0.7M Python objects takes ~0.2 s; left automatic it lands
+            on each rank at its own time, and the other ranks wait for it at the next
+            collective.
 
     Attributes:
         trainer_version: optimizer steps taken (int, starts at 0, saved in checkpoints). Bumped
@@ -156,7 +164,10 @@ class MegatronTrainWorker:
         global_batch_size: int,
         threads: int = 0,
         max_tokens_per_microbatch: Optional[int] = None,
+        manual_gc_interval: int = 0,
     ):
+        if manual_gc_interval < 0:
+            raise ValueError(f"manual_gc_interval must be >= 0 (got {manual_gc_interval})")
         if device == "cpu":
             torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(1, world_size)))
         self.arch = arch
@@ -182,6 +193,10 @@ class MegatronTrainWorker:
         self._schedule_args = (total_optimizer_steps, global_batch_size)
         self.rebuild_optimizer()
         self.trainer_version = 0
+        self.manual_gc_interval = manual_gc_interval
+        if manual_gc_interval:
+            gc.disable()
+            gc.collect()
 
     # ------------------------------------------------------------------ construction
     def _build_output_model(self) -> List[torch.nn.Module]:
@@ -485,6 +500,8 @@ class MegatronTrainWorker:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=global_batch_size)
         self.trainer_version += 1
+        if self.manual_gc_interval and self.trainer_version % self.manual_gc_interval == 0:
+            gc.collect()
         metrics = self._reduce_metrics(outputs, loss_fn)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(lr)
@@ -900,3 +917,5 @@ class MegatronTrainWorker:
 
     def shutdown(self) -> None:
         parallel.destroy()
+        if self.manual_gc_interval:
+            gc.enable()
