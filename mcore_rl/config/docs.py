@@ -47,6 +47,8 @@ EXAMPLE_OVERRIDES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       "policy.optimizer.lr_decay_style=cosine", "policy.optimizer.min_lr=1e-7")),
     ("Checkpoint every 20 RL steps; resume from the run directory's newest checkpoint",
      "grpo_gsm8k", ("checkpoint.every=20", "checkpoint.resume=latest")),
+    ("Log to Weights & Biases (after `pip install wandb` and `wandb login`)", "grpo_gsm8k",
+     ("logging.wandb=true", "logging.wandb_project=gsm8k-grpo", "run.name=qwen2.5-1.5b-lr1e-6")),
     ("Resume with a lower learning rate from here on (the schedule keeps its progress)",
      "grpo_gsm8k", ("checkpoint.resume=latest", "policy.optimizer.lr=5e-7")),
     ("GSM8K with a Hugging Face model (its tokenizer and chat template) on the full data set",

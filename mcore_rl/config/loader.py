@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import os
 import re
 import types
@@ -365,6 +366,8 @@ def validate(cfg: TrainConfig) -> None:
           f"policy.max_tokens_per_microbatch ({budget}) must be null or >= data.max_total_length "
           f"({data.max_total_length}{f', rounded up to a multiple of TP={tp}' if tp > 1 else ''})"
           f": a micro-batch holds at least one whole sequence")
+    check(not cfg.logging.wandb or importlib.util.find_spec("wandb") is not None,
+          "logging.wandb=true needs the wandb package: pip install wandb")
     check(data.task != "gsm8k" or data.train_path is not None,
           "data.task 'gsm8k' needs data.train_path (a GSM8K jsonl file)")
     for name in ("train_path", "test_path"):

@@ -373,6 +373,14 @@ class LoggingConfig:
     tensorboard: bool = True
     # One JSON line of metrics per RL step in `<output_dir>/metrics.jsonl`.
     jsonl: bool = True
+    # Weights & Biases: each RL step's metrics and the whole config to a W&B run named run.name
+    # (needs `pip install wandb` and a login, or WANDB_MODE=offline); files under
+    # `<output_dir>/wandb`; a resumed run continues the same W&B run.
+    wandb: bool = False
+    # W&B project.
+    wandb_project: str = "mcore-rl"
+    # W&B entity (team or user); null: the account's default.
+    wandb_entity: Optional[str] = None
 
 
 @dataclass

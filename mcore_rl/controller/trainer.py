@@ -11,6 +11,7 @@ section has ``num_prompts_per_step``, ``max_steps``, ``val_every``, ``val_num_pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -380,8 +381,12 @@ class RLTrainer:
         cfg, loop = self.cfg, self.loop
         if cfg.checkpoint.resume:
             self.resume(cfg.checkpoint.resume)
+        wandb = None
+        if cfg.logging.wandb:
+            wandb = dict(project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity,
+                         name=cfg.run.name, config=dataclasses.asdict(cfg))
         logger = RunLogger(self.run_dir, loop.max_steps, self.step, cfg.logging.progress,
-                           cfg.logging.tensorboard, cfg.logging.jsonl)
+                           cfg.logging.tensorboard, cfg.logging.jsonl, wandb)
         try:
             if not self.sft_done:
                 self.warm_start(logger)

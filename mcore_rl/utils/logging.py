@@ -1,5 +1,5 @@
-"""Run logging: a console progress bar, per-step JSONL metrics and TensorBoard scalars, all
-in one run directory.
+"""Run logging: a console progress bar, per-step JSONL metrics, TensorBoard scalars and
+optionally a Weights & Biases run, all in one run directory.
 
 Every metric is a float keyed by a slash-separated name (``train/reward``,
 ``timing/generation_s``); the JSONL line also carries ``step``.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from tqdm import tqdm
 
@@ -25,18 +25,32 @@ _BAR_FIGURES = {
 }
 
 
+# The W&B run id of a run directory, kept so that a resumed run logs to the same W&B run.
+WANDB_ID_FILE = "wandb_run_id"
+
+
 class RunLogger:
-    """Writes ``metrics.jsonl`` and TensorBoard events under ``run_dir``; shows a tqdm bar.
+    """Writes ``metrics.jsonl`` and TensorBoard events under ``run_dir``; shows a tqdm bar;
+    logs to Weights & Biases when asked.
 
     Args:
         run_dir: the run directory (created).
         total_steps: length of the progress bar.
         start_step: steps already done (resume): the bar starts there.
         progress, tensorboard, jsonl: the ``logging.*`` switches.
+        wandb: None, or the arguments of the W&B run: ``project``, ``entity`` (None: the
+            account's default), ``name`` and ``config`` (the run's whole config as a dict).
+            The run's files go under ``run_dir/wandb``; its id is kept in
+            ``run_dir/wandb_run_id``, so a resumed run continues the same W&B run (W&B then
+            ignores steps at or below the last one it has).
+
+    Raises:
+        ImportError: ``wandb`` is given and the ``wandb`` package is not installed.
     """
 
     def __init__(self, run_dir: str, total_steps: int, start_step: int = 0, progress: bool = True,
-                 tensorboard: bool = True, jsonl: bool = True):
+                 tensorboard: bool = True, jsonl: bool = True,
+                 wandb: Optional[Dict[str, Any]] = None):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if jsonl else None
@@ -45,6 +59,7 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self._wandb = _start_wandb(run_dir, **wandb) if wandb is not None else None
         self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", dynamic_ncols=True,
                          disable=not progress)
         self._shown: Dict[str, float] = {}
@@ -59,6 +74,8 @@ class RunLogger:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
         for label, name in _BAR_FIGURES.items():
             if name in clean:
                 self._shown[label] = clean[name]
@@ -76,6 +93,29 @@ class RunLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(run_dir: str, project: str, entity: Optional[str], name: str,
+                 config: Dict[str, Any]):
+    """A W&B run for ``run_dir`` (:class:`RunLogger`): a new one, or the one whose id
+    ``run_dir/wandb_run_id`` keeps."""
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("logging.wandb=true needs the wandb package: pip install wandb") from None
+    id_file = os.path.join(run_dir, WANDB_ID_FILE)
+    if os.path.isfile(id_file):
+        with open(id_file) as f:
+            kept = dict(id=f.read().strip(), resume="allow")
+    else:
+        kept = {}
+    run = wandb.init(project=project, entity=entity, name=name, dir=run_dir, config=config, **kept)
+    if not kept:
+        with open(id_file, "w") as f:
+            f.write(run.id + "\n")
+    return run
 
 
 def read_metrics(run_dir: str) -> list:
