@@ -1,12 +1,16 @@
 """The ``mcore-rl`` command: ``mcore-rl COMMAND [--config-name NAME] [--config-path DIR] [--cfg]
 [overrides...]``, e.g. ``mcore-rl train --config-name grpo_gsm8k model.hf_path=/m
 grpo.num_generations=16``. Overrides use Hydra's grammar (``key=value``, ``+key=value``, ``~key``).
-``mcore-rl export --checkpoint <run_dir>/checkpoints/step_<k> --output DIR`` takes no config.
+``mcore-rl eval`` takes the run's config and overrides, e.g. ``run.output_dir=<run_dir>
+checkpoint.resume=latest``. ``mcore-rl export --checkpoint <run_dir>/checkpoints/step_<k>
+--output DIR`` takes no config.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 from collections.abc import Callable, Sequence
 
 from omegaconf import OmegaConf
@@ -16,19 +20,19 @@ from mcore_rl.config.loader import CONFIG_DIR_ENV, ConfigError, load_config
 from mcore_rl.config.schema import TrainConfig
 
 
-def _train(cfg: TrainConfig) -> None:
-    """GRPO or PPO training, by ``algorithm`` (the controller prints its summary)."""
-    # deferred: heavy imports (torch, megatron, ray)
-    if cfg.algorithm == "ppo":
-        from mcore_rl.controller.ppo import run
-    else:
-        from mcore_rl.controller.grpo import run
-    run(cfg)
+def _controller(cfg: TrainConfig, function: str) -> None:
+    """Call ``function(cfg)`` of the controller of ``algorithm`` (:mod:`mcore_rl.controller.grpo`
+    or :mod:`mcore_rl.controller.ppo`, imported here: torch, megatron and ray are heavy)."""
+    getattr(importlib.import_module(f"mcore_rl.controller.{cfg.algorithm}"), function)(cfg)
 
 
 # Subcommand -> (help, default config name, function of the composed and validated config).
 COMMANDS: dict[str, tuple[str, str, Callable[[TrainConfig], None]]] = {
-    "train": ("GRPO or PPO training (config key algorithm)", "grpo_synthetic", _train),
+    "train": ("GRPO or PPO training (config key algorithm)", "grpo_synthetic",
+              functools.partial(_controller, function="run")),
+    "eval": ("held-out accuracy of a checkpoint (checkpoint.resume) or of the initial model, "
+             "no training; writes <run.output_dir>/eval.json", "grpo_synthetic",
+             functools.partial(_controller, function="evaluate")),
 }
 
 EXPORT_HELP = "a run's checkpoint (any TP/PP) to a Hugging Face model directory"
@@ -98,6 +102,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         COMMANDS[args.command][2](cfg)
-    except (FileNotFoundError, FileExistsError) as e:  # a path the user gave: no traceback
+    except (FileNotFoundError, FileExistsError, ConfigError) as e:  # the user's input: no traceback
         parser.exit(2, f"mcore-rl {args.command}: error: {e}\n")
     return 0

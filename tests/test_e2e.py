@@ -64,6 +64,32 @@ def test_resume_equals_straight_run(tmp_path):
     assert a[-1]["train/kl"] > 0
 
 
+@pytest.mark.slow
+def test_eval_of_a_checkpoint_equals_the_runs_validation(tmp_path, capsys):
+    out = tmp_path / "run"
+    run(load_config("grpo_synthetic", TINY + ["grpo.max_steps=2", f"run.output_dir={out}"]))
+    trained = {r["step"]: r["val/accuracy"] for r in read_metrics(out) if "val/accuracy" in r}
+    trained_length = {r["step"]: r["val/response_length"] for r in read_metrics(out)
+                      if "val/accuracy" in r}
+    args = ["eval", *TINY, f"run.output_dir={out}", "checkpoint.resume=latest"]
+    assert main(args) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert result["checkpoint"] == str(out / "checkpoints" / "step_2")
+    assert (result["step"], result["num_prompts"]) == (2, 5)
+    assert result["val/accuracy"] == trained[2]  # greedy, same weights: exactly the same
+    assert result["val/response_length"] == trained_length[2]
+    assert "held-out accuracy" in capsys.readouterr().out
+    # without a checkpoint: the seeded initial weights (no warm start), which answer otherwise
+    assert main(["eval", *TINY, f"run.output_dir={tmp_path / 'initial'}"]) == 0
+    initial = json.loads((tmp_path / "initial" / "eval.json").read_text())
+    assert (initial["checkpoint"], initial["step"]) == (None, 0)
+    assert initial["val/response_length"] != result["val/response_length"]
+    with pytest.raises(SystemExit) as exit_info:  # no held-out prompts: a clear error
+        main(["eval", *TINY, f"run.output_dir={tmp_path / 'empty'}", "data.synthetic.num_test=0"])
+    assert exit_info.value.code == 2
+    assert "mcore-rl eval needs held-out prompts" in capsys.readouterr().err
+
+
 @pytest.fixture()
 def qwen2_checkpoint(tmp_path):
     """A small random-weight Qwen2 checkpoint with the character tokenizer, written by

@@ -16,7 +16,7 @@ from typing import Any, Dict, Tuple
 from mcore_rl.algorithms.advantages import grpo_advantages
 from mcore_rl.algorithms.losses import ClippedPGLoss
 from mcore_rl.config.schema import TrainConfig
-from mcore_rl.controller.trainer import RLTrainer, run_trainer
+from mcore_rl.controller.trainer import RLTrainer, run_eval, run_trainer
 from mcore_rl.data import batch as B
 
 
@@ -65,3 +65,8 @@ def run(cfg: TrainConfig) -> Dict[str, Any]:
     """``mcore-rl train`` with ``algorithm: grpo``: build, train, print the summary. Returns
     the summary dict."""
     return run_trainer(GRPOTrainer, cfg)
+
+
+def evaluate(cfg: TrainConfig) -> Dict[str, Any]:
+    """``mcore-rl eval`` with ``algorithm: grpo``: :meth:`RLTrainer.evaluate`, printed."""
+    return run_eval(GRPOTrainer, cfg)

@@ -24,7 +24,8 @@ from mcore_rl.algorithms.kl import kl_estimate
 from mcore_rl.algorithms.losses import ClippedPGLoss, ClippedValueLoss, valid_token_mask
 from mcore_rl.algorithms.ppo import explained_variance, token_level_rewards
 from mcore_rl.config.schema import TrainConfig
-from mcore_rl.controller.trainer import DataParallelGroup, RLTrainer, run_trainer, step_seed
+from mcore_rl.controller.trainer import (DataParallelGroup, RLTrainer, run_eval, run_trainer,
+                                         step_seed)
 from mcore_rl.data import batch as B
 from mcore_rl.utils.logging import RunLogger
 
@@ -164,3 +165,8 @@ def run(cfg: TrainConfig) -> Dict[str, Any]:
     """``mcore-rl train`` with ``algorithm: ppo``: build, train, print the summary. Returns
     the summary dict."""
     return run_trainer(PPOTrainer, cfg)
+
+
+def evaluate(cfg: TrainConfig) -> Dict[str, Any]:
+    """``mcore-rl eval`` with ``algorithm: ppo``: :meth:`RLTrainer.evaluate`, printed."""
+    return run_eval(PPOTrainer, cfg)

@@ -345,11 +345,11 @@ class RLTrainer:
         for s in steps[:-keep] if keep > 0 else []:
             shutil.rmtree(os.path.join(self._ckpt_root(), f"step_{s}"), ignore_errors=True)
 
-    def resume(self, path: str) -> None:
-        """Load a checkpoint directory (or ``"latest"``). Each worker group's LR schedule
-        keeps the checkpoint's progress and takes its settings from the configuration; a
-        warning names the settings that changed. Raises ``FileNotFoundError`` naming
-        ``checkpoint.resume`` when there is none."""
+    def resume(self, path: str, warn_schedule: bool = True) -> str:
+        """Load a checkpoint directory (or ``"latest"``); returns the directory loaded. Each
+        worker group's LR schedule keeps the checkpoint's progress and takes its settings from
+        the configuration; with ``warn_schedule`` a warning names the settings that changed.
+        Raises ``FileNotFoundError`` naming ``checkpoint.resume`` when there is none."""
         if path == "latest":
             root = self._ckpt_root()
             steps = sorted(int(d.split("_")[1]) for d in os.listdir(root) if d.startswith("step_")) \
@@ -364,7 +364,7 @@ class RLTrainer:
             state = json.load(f)
         for name, group in self._groups().items():
             changed = group.call("load_checkpoint", os.path.join(path, name))[0]
-            if changed:
+            if changed and warn_schedule:
                 _log.warning(
                     "checkpoint.resume: %s.optimizer's LR schedule differs from %s; the "
                     "configured one applies from step %d on (checkpoint -> config): %s", name,
@@ -373,6 +373,7 @@ class RLTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.sft_done = state["sft_done"]
         self.history = state["history"]
+        return path
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:
@@ -420,6 +421,32 @@ class RLTrainer:
             json.dump(summary, f, indent=2)
         return summary
 
+    def evaluate(self) -> Dict[str, Any]:
+        """``mcore-rl eval``: :meth:`validate` (greedy with ``generation.greedy_validation``,
+        the first ``<loop>.val_num_prompts`` held-out prompts) for the policy of
+        ``checkpoint.resume`` when set, else for the initial weights (``model.hf_path`` or the
+        seeded random init); no warm start, no training. Writes ``<run_dir>/eval.json`` and
+        returns its contents: the metrics plus ``checkpoint`` (the directory loaded, or None),
+        ``step`` (its RL step, 0 without one) and ``num_prompts``.
+
+        Raises:
+            ConfigError: the task has no held-out prompts.
+            FileNotFoundError: ``checkpoint.resume`` names no checkpoint.
+        """
+        from mcore_rl.config.loader import ConfigError
+
+        if self.test_data is None or len(self.test_data) == 0:
+            raise ConfigError("mcore-rl eval needs held-out prompts: data.test_path (gsm8k) or "
+                              "data.synthetic.num_test > 0")
+        resume = self.cfg.checkpoint.resume
+        checkpoint = self.resume(resume, warn_schedule=False) if resume else None  # no training
+        self.refit()
+        out = {"checkpoint": checkpoint, "step": self.step,
+               "num_prompts": min(self.loop.val_num_prompts, len(self.test_data)), **self.validate()}
+        with open(os.path.join(self.run_dir, "eval.json"), "w") as f:
+            json.dump(out, f, indent=2)
+        return out
+
     def _summary(self) -> Dict[str, Any]:
         vals = [h for h in self.history if "val/accuracy" in h]
         out: Dict[str, Any] = {"run_dir": self.run_dir, "steps": self.step}
@@ -436,6 +463,19 @@ class RLTrainer:
     def close(self) -> None:
         for group in self._groups().values():
             group.shutdown()
+
+
+def run_eval(trainer_cls, cfg: TrainConfig) -> Dict[str, Any]:
+    """Build ``trainer_cls(cfg)``, :meth:`RLTrainer.evaluate`, print the result. Returns it."""
+    trainer = trainer_cls(cfg)
+    try:
+        out = trainer.evaluate()
+    finally:
+        trainer.close()
+    print(f"held-out accuracy: {out['val/accuracy']:.3f} on {out['num_prompts']} prompts "
+          f"({trainer.algorithm}.val_num_prompts), {out['checkpoint'] or 'initial weights'} "
+          f"(RL step {out['step']}); written to {os.path.join(trainer.run_dir, 'eval.json')}")
+    return out
 
 
 def run_trainer(trainer_cls, cfg: TrainConfig) -> Dict[str, Any]:
