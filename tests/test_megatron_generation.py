@@ -148,6 +148,21 @@ def test_refit_copies_nothing_and_refused_layouts():
     assert load_config("grpo_synthetic", ["generation.backend=megatron"]).generation.backend == "megatron"
 
 
+def test_decoding_turns_the_compiled_fusions_off_and_restores_them():
+    from mcore_rl.generation.megatron import _inference_mode
+
+    model = torch.nn.Linear(2, 2)
+    config = SimpleNamespace(bias_dropout_fusion=True, bias_activation_fusion=True)
+    seen = []
+    with pytest.raises(RuntimeError, match="in decoding"):
+        with _inference_mode(model, config):
+            seen.append((config.bias_dropout_fusion, config.bias_activation_fusion, model.training,
+                         torch.is_grad_enabled()))
+            raise RuntimeError("in decoding")
+    assert seen == [(False, False, False, False)]
+    assert (config.bias_dropout_fusion, config.bias_activation_fusion, model.training) == (True, True, True)
+
+
 def test_controller_keeps_shared_weights_on_device_and_exports_nothing():
     calls = []
     policy = SimpleNamespace(call=lambda method, *a: calls.append(method) or [{}])

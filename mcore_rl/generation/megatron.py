@@ -56,23 +56,38 @@ def check_layout(megatron: MegatronConfig) -> None:
         raise NotImplementedError("; ".join(errors))
 
 
+# TransformerConfig switches turned off while decoding: the bias+dropout+add and bias+SwiGLU
+# fusions, which megatron-core compiles with torch.compile. Decoding is bound by the host (one
+# token per forward), and a compiled call costs ~88 us of guard checks and graph dispatch
+# against ~10-30 us for the eager ops it replaces (scripts/gpu/decode_profile.py,
+# bench/RESULTS.md). Training keeps them.
+_DECODE_OFF = ("bias_dropout_fusion", "bias_activation_fusion")
+
+
 @contextlib.contextmanager
-def _inference_mode(model: torch.nn.Module):
+def _inference_mode(model: torch.nn.Module, config):
     """The model in eval mode (megatron-core < 0.18 takes the inference path when
     ``inference_context is not None and not self.training``) with Megatron's process-wide
-    ``InferenceMode`` flag set (>= 0.18 reads it instead); both restored afterwards."""
+    ``InferenceMode`` flag set (>= 0.18 reads it instead) and the :data:`_DECODE_OFF` switches
+    of its ``TransformerConfig`` ``config`` off (Megatron's layers read them at each forward);
+    all restored afterwards, also on an exception."""
     try:
         from megatron.core.inference.utils import InferenceMode
         flag = InferenceMode.active()
     except ImportError:  # megatron-core < 0.18
         flag = contextlib.nullcontext()
     was_training = model.training
+    switches = {name: getattr(config, name) for name in _DECODE_OFF}
     model.eval()
     try:
+        for name in _DECODE_OFF:
+            setattr(config, name, False)
         with flag, torch.no_grad():
             yield
     finally:
         model.train(was_training)
+        for name, value in switches.items():
+            setattr(config, name, value)
 
 
 def _static_context(gpt, batch: int, max_length: int, dtype: torch.dtype, device: torch.device):
@@ -128,7 +143,7 @@ def decode(model: torch.nn.Module, megatron: MegatronConfig, vocab_size: int,
     sampler = Sampler(cfg)
     gpt = unwrap_model(model)
     out = []
-    with _inference_mode(model):
+    with _inference_mode(model, gpt.config):
         for start in range(0, len(prompts), cfg.batch_size):
             chunk = prompts[start:start + cfg.batch_size]
             budgets = response_budgets(chunk, cfg.max_new_tokens, max_total_length)
