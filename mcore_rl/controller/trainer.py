@@ -11,13 +11,14 @@ section has ``num_prompts_per_step``, ``max_steps``, ``val_every``, ``val_num_pr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -465,13 +466,20 @@ class RLTrainer:
             group.shutdown()
 
 
-def run_eval(trainer_cls, cfg: TrainConfig) -> Dict[str, Any]:
-    """Build ``trainer_cls(cfg)``, :meth:`RLTrainer.evaluate`, print the result. Returns it."""
+@contextlib.contextmanager
+def _built(trainer_cls, cfg: TrainConfig) -> Iterator[RLTrainer]:
+    """``trainer_cls(cfg)``, its worker groups shut down on leaving (also on an exception)."""
     trainer = trainer_cls(cfg)
     try:
-        out = trainer.evaluate()
+        yield trainer
     finally:
         trainer.close()
+
+
+def run_eval(trainer_cls, cfg: TrainConfig) -> Dict[str, Any]:
+    """Build ``trainer_cls(cfg)``, :meth:`RLTrainer.evaluate`, print the result. Returns it."""
+    with _built(trainer_cls, cfg) as trainer:
+        out = trainer.evaluate()
     print(f"held-out accuracy: {out['val/accuracy']:.3f} on {out['num_prompts']} prompts "
           f"({trainer.algorithm}.val_num_prompts), {out['checkpoint'] or 'initial weights'} "
           f"(RL step {out['step']}); written to {os.path.join(trainer.run_dir, 'eval.json')}")
@@ -480,11 +488,8 @@ def run_eval(trainer_cls, cfg: TrainConfig) -> Dict[str, Any]:
 
 def run_trainer(trainer_cls, cfg: TrainConfig) -> Dict[str, Any]:
     """Build ``trainer_cls(cfg)``, train, print the summary. Returns the summary dict."""
-    trainer = trainer_cls(cfg)
-    try:
+    with _built(trainer_cls, cfg) as trainer:
         summary = trainer.fit()
-    finally:
-        trainer.close()
     if "val_accuracy_start" in summary:
         print(
             f"held-out accuracy: {summary['val_accuracy_start']:.3f} at step 0 -> "
