@@ -67,7 +67,10 @@ def test_resume_equals_straight_run(tmp_path):
 @pytest.mark.slow
 def test_eval_of_a_checkpoint_equals_the_runs_validation(tmp_path, capsys):
     out = tmp_path / "run"
-    run(load_config("grpo_synthetic", TINY + ["grpo.max_steps=2", f"run.output_dir={out}"]))
+    # no periodic checkpoints: the final one (checkpoint.save_final) is what eval loads
+    run(load_config("grpo_synthetic", TINY + ["grpo.max_steps=2", "checkpoint.every=0",
+                                              f"run.output_dir={out}"]))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
     trained = {r["step"]: r["val/accuracy"] for r in read_metrics(out) if "val/accuracy" in r}
     trained_length = {r["step"]: r["val/response_length"] for r in read_metrics(out)
                       if "val/accuracy" in r}

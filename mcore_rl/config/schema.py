@@ -389,6 +389,9 @@ class CheckpointConfig:
 
     # Save every k RL steps (0: never) under `<output_dir>/checkpoints/step_<k>`.
     every: int = 0
+    # Also save after the last RL step (for `mcore-rl eval` and `mcore-rl export`), whatever
+    # `every` is.
+    save_final: bool = True
     # Resume from a checkpoint directory, or "latest" for the run directory's newest. The
     # optimizer.* keys of the config apply (a warning names those that changed); the LR
     # schedule's progress, the weights and the Adam moments are the checkpoint's.

@@ -326,9 +326,13 @@ class RLTrainer:
     def _ckpt_root(self) -> str:
         return os.path.join(self.run_dir, "checkpoints")
 
+    def _step_dir(self) -> str:
+        """The checkpoint directory of the current RL step."""
+        return os.path.join(self._ckpt_root(), f"step_{self.step}")
+
     def save(self) -> str:
         """Save every worker group (``<step dir>/<group name>``) and the controller state."""
-        path = os.path.join(self._ckpt_root(), f"step_{self.step}")
+        path = self._step_dir()
         self._colocated("prepare_for_training")
         for name, group in self._groups().items():
             group.call("save_checkpoint", os.path.join(path, name))
@@ -378,7 +382,8 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:
-        """Resume if asked, warm start, then RL steps with validation, logging and checkpoints;
+        """Resume if asked, warm start, then RL steps with validation, logging and checkpoints
+        (every ``checkpoint.every`` steps, and after the last with ``checkpoint.save_final``);
         writes and returns the summary (held-out accuracy at the start and the end)."""
         cfg, loop = self.cfg, self.loop
         if cfg.checkpoint.resume:
@@ -415,6 +420,8 @@ class RLTrainer:
                 logger.log(self.step, metrics)
                 if cfg.checkpoint.every > 0 and self.step % cfg.checkpoint.every == 0:
                     self.save()
+            if cfg.checkpoint.save_final and not os.path.isdir(self._step_dir()):
+                self.save()
         finally:
             logger.close()
         summary = self._summary()
