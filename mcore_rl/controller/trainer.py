@@ -64,13 +64,20 @@ class DataParallelGroup:
         shards = B.shard(batch, self.dp_size)
         return self.group.call_each(method, [[shards[d], *args] for d in self.dp_rank_of])
 
+    def call_per_dp(self, method: str, args_per_dp: List[List[Any]], **kwargs) -> List[Any]:
+        """``method(*args_per_dp[d], **kwargs)`` on every rank of DP rank ``d`` (its TP/PP
+        ranks answer alike); one result per DP rank, in DP order."""
+        outs = self.group.call_each(method, [args_per_dp[d] for d in self.dp_rank_of], **kwargs)
+        by_dp: Dict[int, Any] = {}
+        for d, out in zip(self.dp_rank_of, outs):
+            by_dp.setdefault(d, out)
+        return [by_dp[d] for d in range(self.dp_size)]
+
     def gather_rows(self, method: str, batch: B.Batch, *args) -> torch.Tensor:
         """A per-row method (``get_logprobs``, ``get_values``: ``[rows, S]``) over the whole
         batch: each DP shard's result once, concatenated in row order."""
-        by_dp: Dict[int, torch.Tensor] = {}
-        for d, out in zip(self.dp_rank_of, self.call_sharded(method, batch, *args)):
-            by_dp.setdefault(d, out)
-        return torch.cat([by_dp[d] for d in range(self.dp_size)])
+        shards = B.shard(batch, self.dp_size)
+        return torch.cat(self.call_per_dp(method, [[s, *args] for s in shards]))
 
     def train(self, batch: B.Batch, loss_fn, micro_batch_size: int) -> Dict[str, float]:
         """One optimizer step on ``batch`` (the global batch); the step's metrics."""

@@ -214,8 +214,8 @@ class MegatronGenerationBackend(GenerationBackend):
 
     Args:
         policy: the policy's worker group with its DP layout
-            (:class:`mcore_rl.controller.trainer.DataParallelGroup`: ``group``, ``dp_size``,
-            ``dp_rank_of``).
+            (:class:`mcore_rl.controller.trainer.DataParallelGroup`: ``dp_size``,
+            ``call_per_dp``).
         cfg: ``generation`` config (temperature, top_p, max_new_tokens, batch_size: rows per
             decoding chunk on each DP rank).
         eos_token_id: ends a response (kept as its last token).
@@ -261,13 +261,9 @@ class MegatronGenerationBackend(GenerationBackend):
         check_prompts(prompts, self.vocab_size, self.max_total_length)
         dp = self.policy.dp_size
         bounds = [round(d * len(prompts) / dp) for d in range(dp + 1)]
-        outs = self.policy.group.call_each(
-            "generate", [[prompts[bounds[d]:bounds[d + 1]], bounds[d], seed, greedy]
-                         for d in self.policy.dp_rank_of],
+        outs = self.policy.call_per_dp(
+            "generate",
+            [[prompts[bounds[d]:bounds[d + 1]], bounds[d], seed, greedy] for d in range(dp)],
             cfg=self.cfg, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
             max_total_length=self.max_total_length)
-        by_dp = {}
-        for d, responses in zip(self.policy.dp_rank_of, outs):
-            by_dp.setdefault(d, responses)
-        responses = [r for d in range(dp) for r in by_dp[d]]
-        return assemble_rollout(prompts, responses, self.pad_token_id)
+        return assemble_rollout(prompts, [r for share in outs for r in share], self.pad_token_id)
