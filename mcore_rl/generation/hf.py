@@ -130,11 +130,13 @@ class HFGenerationBackend(GenerationBackend):
                         greedy: bool) -> List[Response]:
         """Decode one chunk (``rows``: the prompts' indices in the ``generate`` call)."""
         n, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=self.device)
-        attention_mask = torch.zeros((n, width), dtype=torch.long, device=self.device)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((n, width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding: every row's last prompt token at width-1
             input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             attention_mask[i, width - len(p):] = 1
+        # built on the host, one copy each (not a blocking copy per row)
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         budget = torch.tensor(response_budgets(prompts, self.cfg.max_new_tokens, self.max_total_length),
                               device=self.device)

@@ -164,9 +164,10 @@ def _decode_chunk(model, gpt, megatron: MegatronConfig, vocab_size: int, prompts
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     budget = torch.tensor(budgets, device=device)
     width = int((lengths + budget).max())
-    tokens = torch.full((n, width), pad_token_id, dtype=torch.long, device=device)
+    tokens = torch.full((n, width), pad_token_id, dtype=torch.long)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    tokens = tokens.to(device)  # built on the host, one copy (not a blocking copy per row)
     logprobs = torch.zeros((n, width), dtype=torch.float32, device=device)
     steps = int(budget.max())
     uniforms = None if greedy else row_uniforms(seed, rows, steps, device)
