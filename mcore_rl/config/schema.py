@@ -176,13 +176,42 @@ class PolicyConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """generation.backend=vllm: vLLM engines, each in a process of its own (a Ray actor with
+    cluster.use_ray). Placement follows cluster.colocate_generation: true puts the engines on the
+    policy's GPUs (sleep/wake around training, refit through CUDA IPC), false on GPUs of their
+    own after the policy's (refit over NCCL from policy rank 0). On CPU, refit goes through host
+    memory."""
+
+    # Engines (vLLM instances); each decodes a contiguous share of a step's prompts.
+    num_engines: int = 1
+    # Tensor-parallel size of each engine (its own, independent of the policy's layout).
+    tensor_parallel_size: int = 1
+    # GPU: fraction of each engine GPU's memory vLLM may take (weights, activations, KV cache).
+    gpu_memory_utilization: float = 0.5
+    # KV cache size per engine in GiB, > 0; null: on GPU what gpu_memory_utilization leaves, on
+    # CPU 0.25.
+    kv_cache_gb: Optional[float] = None
+    # Refit bucket size in MiB: weights are streamed to the engines in buckets of about this size.
+    refit_bucket_mb: int = 256
+    # Colocated GPU runs: vLLM sleep level while the policy trains; 1 moves the engine's weights
+    # to host memory, 2 discards them (the next refit rewrites them). Both free the KV cache.
+    sleep_level: int = 1
+    # Reuse the KV cache of shared prompt prefixes (reset at every refit).
+    enable_prefix_caching: bool = True
+    # GPU: decode without CUDA graphs (faster start, slower decoding). Always eager on CPU.
+    enforce_eager: bool = False
+
+
+@dataclass
 class GenerationConfig:
     """The rollout engine and its decoding."""
 
     # Rollout engine: "hf" (a transformers model with our own decoding loop, refit by weight
-    # copy) or "megatron" (the policy workers decode with the policy's own Megatron model and
+    # copy), "megatron" (the policy workers decode with the policy's own Megatron model and
     # Megatron-Core's KV cache, weights shared in place: refit copies nothing; needs
-    # policy.megatron.pipeline_model_parallel_size=1 and sequence_parallel=false).
+    # policy.megatron.pipeline_model_parallel_size=1 and sequence_parallel=false) or "vllm"
+    # (vLLM engines in processes of their own, refit by streamed weights: generation.vllm).
     backend: str = "hf"
     # Sampling temperature, > 0; the policy's logprobs use the same temperature.
     temperature: float = 1.0
@@ -194,6 +223,7 @@ class GenerationConfig:
     batch_size: int = 256
     # Validation decoding: greedy when true.
     greedy_validation: bool = True
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass

@@ -147,18 +147,30 @@ class RLTrainer:
             PolicyWorker, cfg.policy.megatron, cfg.policy.optimizer, *self._policy_schedule(),
             hf_path=cfg.model.hf_path, temperature=cfg.generation.temperature,
             use_reference=self.use_reference)
-        # "megatron" decodes on the policy workers with their weights; "hf" has a model of its own.
-        engine = (dict(policy=self.policy, vocab_size=self.vocab_size)
-                  if cfg.generation.backend == "megatron" else
-                  dict(hf_config=self.hf_config, device="cuda" if self.device == "cuda" else "cpu"))
-        self.generation = get_backend(
-            cfg.generation.backend,
-            cfg=cfg.generation,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            max_total_length=cfg.data.max_total_length,
-            **engine,
-        )
+        # "megatron" decodes on the policy workers with their weights; "hf" has a model of its
+        # own; "vllm" engines run in processes of their own.
+        device = "cuda" if self.device == "cuda" else "cpu"
+        engine = {
+            "megatron": dict(policy=self.policy, vocab_size=self.vocab_size),
+            "hf": dict(hf_config=self.hf_config, device=device),
+            "vllm": dict(hf_config=self.hf_config, device=device, run_dir=self.run_dir,
+                         dtype="bfloat16" if cfg.policy.megatron.precision == "bf16" else "float32",
+                         seed=cfg.run.seed, use_ray=cfg.cluster.use_ray,
+                         colocated=cfg.cluster.colocate_generation,
+                         policy_world_size=cfg.cluster.num_workers),
+        }[cfg.generation.backend]
+        try:
+            self.generation = get_backend(
+                cfg.generation.backend,
+                cfg=cfg.generation,
+                eos_token_id=self.tokenizer.eos_token_id,
+                pad_token_id=self.tokenizer.pad_token_id,
+                max_total_length=cfg.data.max_total_length,
+                **engine,
+            )
+        except BaseException:  # e.g. an engine that fails to start: no worker outlives the error
+            self.policy.shutdown()
+            raise
         self.timer = PhaseTimer()
         self.step = 0
         self.sft_done = cfg.sft.steps == 0
@@ -221,10 +233,12 @@ class RLTrainer:
             self.policy.call(method)
 
     def _logprobs(self, batch: B.Batch, method: str = "get_logprobs") -> torch.Tensor:
+        self.generation.sleep()
         self._colocated("prepare_for_lp_inference")
         return self.policy.gather_rows(method, batch, self.cfg.policy.logprob_micro_batch_size)
 
     def _train(self, batch: B.Batch, loss_fn) -> Dict[str, float]:
+        self.generation.sleep()
         self._colocated("prepare_for_training")
         return self.policy.train(batch, loss_fn, self.cfg.policy.micro_batch_size)
 
@@ -240,13 +254,11 @@ class RLTrainer:
         training state off the GPU before, weights after). A backend that shares the policy's
         weights (``megatron``) gets none: nothing is exported, 0 bytes."""
         start = time.perf_counter()
-        weights = {}
+        nbytes = 0
         if not self.generation.shares_policy_weights:
             self._colocated("offload_before_refit")
-            weights = self.policy.call("get_hf_weights")[0]
-        self.generation.update_weights(weights.items())
+            nbytes = self.generation.refit(self.policy)
         self._offload_for_generation()
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         return {"refit/seconds": time.perf_counter() - start, "refit/gbytes": nbytes / 1e9}
 
     def _prompts(self, dataset, indices) -> List[List[int]]:
@@ -270,9 +282,11 @@ class RLTrainer:
         ``reward``."""
         idx = self.sampler.next_batch()
         prompt_idx = [i for i in idx for _ in range(num_generations)]
+        start = time.perf_counter()
         with self.timer.phase("generation"):
             rollout = self.generation.generate(self._prompts(self.train_data, prompt_idx),
                                                seed=step_seed(self.cfg.run.seed, self.step))
+        self._generation_seconds = time.perf_counter() - start
         with self.timer.phase("reward"):
             rewards, reward_errors, _ = self._score(
                 rollout, [self.train_data.examples[i] for i in prompt_idx])
@@ -281,12 +295,24 @@ class RLTrainer:
         return rollout, reward_errors
 
     def rollout_metrics(self, rollout: B.Batch, reward_errors: int) -> Dict[str, float]:
-        """Reward, length and trainer/rollout logprob-mismatch figures of a scored rollout that
-        has ``prev_logprobs``."""
+        """Reward, length, generation speed and trainer/rollout logprob-mismatch figures of a
+        scored rollout that has ``prev_logprobs`` (from :meth:`generate_and_score`).
+
+        Mismatch over the sampled (response) tokens: ``train/logprob_mismatch_max`` and
+        ``_mean`` are the max and mean of ``|prev_logprobs - generation_logprobs|``;
+        ``train/token_mult_prob_error`` is the mean of ``exp(|...|)`` (1 when the rollout
+        engine and the trainer agree; NeMo RL's multiplicative probability error, its
+        docs/adding-new-models.md). ``generation/tokens_per_s``: response tokens per second of
+        the step's ``generate`` call."""
         rewards = rollout["rewards"]
         mask = rollout["token_mask"][:, 1:]
-        mismatch = ((rollout["prev_logprobs"] - rollout["generation_logprobs"]).abs()[:, 1:] * mask)
+        diff = (rollout["prev_logprobs"] - rollout["generation_logprobs"]).abs()[:, 1:]
+        mismatch = diff * mask
+        tokens = float(mask.sum())
         return {
+            "train/logprob_mismatch_mean": float(mismatch.sum()) / tokens if tokens else 0.0,
+            "train/token_mult_prob_error": float((diff.exp() * mask).sum()) / tokens if tokens else 1.0,
+            "generation/tokens_per_s": float(rollout["response_lengths"].sum()) / self._generation_seconds,
             "train/reward_mean": float(rewards.mean()),
             "train/reward_std": float(rewards.std()),
             "train/reward_errors": float(reward_errors),
@@ -476,6 +502,7 @@ class RLTrainer:
         return out
 
     def close(self) -> None:
+        self.generation.shutdown()
         for group in self._groups().values():
             group.shutdown()
 

