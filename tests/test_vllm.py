@@ -212,3 +212,23 @@ def test_config_checked_at_load_time():
                                        "generation.vllm.tensor_parallel_size=4"])
     with pytest.raises(ConfigError, match=re.escape("(2 + 1 x 1 = 3) must be <= the GPUs visible (0)")):
         load_config("grpo_synthetic", gpu)
+
+
+def test_rollout_mismatch_and_speed_metrics():
+    from types import SimpleNamespace
+
+    from mcore_rl.controller.trainer import RLTrainer
+
+    # two rows, responses at positions 2..3 and 1..3; position 0 never counts
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.float32)
+    gen = torch.tensor([[0, 0, -1.0, -2.0], [0, -0.5, -0.5, -0.5]]) * mask
+    prev = gen + torch.tensor([[9.0, 9.0, 0.1, -0.2], [9.0, 0.0, 0.3, 0.0]]) * mask
+    rollout = {"rewards": torch.tensor([1.0, 0.0]), "token_mask": mask, "generation_logprobs": gen,
+               "prev_logprobs": prev, "response_lengths": torch.tensor([2, 3]),
+               "truncated": torch.zeros(2), "input_lengths": torch.tensor([4, 4])}
+    m = RLTrainer.rollout_metrics(SimpleNamespace(_generation_seconds=2.0), rollout, 0)
+    diffs = torch.tensor([0.1, 0.2, 0.0, 0.3, 0.0])
+    assert m["train/logprob_mismatch_max"] == pytest.approx(0.3)
+    assert m["train/logprob_mismatch_mean"] == pytest.approx(float(diffs.mean()))
+    assert m["train/token_mult_prob_error"] == pytest.approx(float(diffs.exp().mean()))
+    assert m["generation/tokens_per_s"] == pytest.approx(2.5)

@@ -306,12 +306,11 @@ class RLTrainer:
         the step's ``generate`` call."""
         rewards = rollout["rewards"]
         mask = rollout["token_mask"][:, 1:]
-        diff = (rollout["prev_logprobs"] - rollout["generation_logprobs"]).abs()[:, 1:]
-        mismatch = diff * mask
+        mismatch = (rollout["prev_logprobs"] - rollout["generation_logprobs"]).abs()[:, 1:] * mask
         tokens = float(mask.sum())
         return {
             "train/logprob_mismatch_mean": float(mismatch.sum()) / tokens if tokens else 0.0,
-            "train/token_mult_prob_error": float((diff.exp() * mask).sum()) / tokens if tokens else 1.0,
+            "train/token_mult_prob_error": float((mismatch.exp() * mask).sum()) / tokens if tokens else 1.0,
             "generation/tokens_per_s": float(rollout["response_lengths"].sum()) / self._generation_seconds,
             "train/reward_mean": float(rewards.mean()),
             "train/reward_std": float(rewards.std()),
