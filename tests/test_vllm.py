@@ -11,7 +11,6 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from mcore_rl.algorithms.losses import NLLLoss
 from mcore_rl.config.loader import ConfigError, load_config
@@ -21,10 +20,11 @@ from mcore_rl.controller.trainer import DataParallelGroup
 from mcore_rl.controller.worker_group import ProcessWorkerGroup
 from mcore_rl.generation import get_backend
 from mcore_rl.generation.hf import HFGenerationBackend
-from mcore_rl.generation.vllm import VLLMGenerationBackend, buckets, logprobs_mode
+from mcore_rl.generation.vllm import VLLMGenerationBackend, buckets, engine_gpus, logprobs_mode
 from mcore_rl.generation.vllm_worker import bucket_layout, pack_bucket, unpack_bucket
 from mcore_rl.megatron.conversion import arch_to_hf_config
 from mcore_rl.workers.policy import PolicyWorker
+from decoding import check_rollout, checkpoint, eos  # noqa: F401 (module fixtures)
 
 VOCAB, PAD, MAX_TOTAL = 48, 0, 20
 # Head size 32: the smallest vLLM's CPU attention has.
@@ -35,30 +35,6 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [20], [3, 4, 30, 31, 32, 
            [8, 8, 8, 8], [12, 40]]
 GEN = GenerationConfig(temperature=0.7, max_new_tokens=10, batch_size=4,
                        vllm=VLLMConfig(refit_bucket_mb=1, kv_cache_gb=0.05))
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A Hugging Face checkpoint with weights larger than HF's init (peaked next-token
-    distributions: greedy ties unlikely, eos reachable)."""
-    path = tmp_path_factory.mktemp("hf")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(arch_to_hf_config(ARCH, VOCAB), dtype=torch.float32)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def eos(checkpoint):
-    """As eos, the third token of prompt 0's free greedy response: some rows stop at it."""
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    with torch.no_grad():
-        return int(model.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=3,
-                                  eos_token_id=None, pad_token_id=PAD)[0, -1])
 
 
 def _group(checkpoint, **megatron) -> DataParallelGroup:
@@ -84,22 +60,13 @@ def engine(tmp_path_factory, eos):
     backend = get_backend("vllm", hf_config=arch_to_hf_config(ARCH, VOCAB), cfg=GEN,
                           eos_token_id=eos, pad_token_id=PAD, max_total_length=MAX_TOTAL,
                           run_dir=str(tmp_path_factory.mktemp("run")))
+    assert isinstance(backend, VLLMGenerationBackend)
     yield backend
     backend.shutdown()
 
 
 def _check_rollout(batch, eos):
-    """Prompts kept, right padding, masks, eos/truncation and budgets consistent."""
-    for i, prompt in enumerate(PROMPTS):
-        p, r, n = len(prompt), int(batch["response_lengths"][i]), int(batch["input_lengths"][i])
-        assert n == p + r and 1 <= r <= min(GEN.max_new_tokens, MAX_TOTAL - p)
-        assert batch["input_ids"][i, :p].tolist() == prompt and (batch["input_ids"][i, n:] == PAD).all()
-        assert batch["token_mask"][i].sum() == r and batch["token_mask"][i, p:n].all()
-        response = batch["input_ids"][i, p:n].tolist()
-        assert eos not in response[:-1]
-        assert bool(batch["truncated"][i]) == (response[-1] != eos)
-        if response[-1] != eos:
-            assert r == min(GEN.max_new_tokens, MAX_TOTAL - p)
+    check_rollout(batch, PROMPTS, eos, PAD, GEN.max_new_tokens, MAX_TOTAL)
     assert (batch["generation_logprobs"][batch["token_mask"] == 0] == 0).all()
 
 
@@ -212,6 +179,9 @@ def test_config_checked_at_load_time():
                                        "generation.vllm.tensor_parallel_size=4"])
     with pytest.raises(ConfigError, match=re.escape("(2 + 1 x 1 = 3) must be <= the GPUs visible (0)")):
         load_config("grpo_synthetic", gpu)
+    # colocated engines take the policy's GPUs from 0 on, dedicated ones those after the policy's
+    assert [engine_gpus(e, 2, True, 4) for e in range(2)] == [[0, 1], [2, 3]]
+    assert [engine_gpus(e, 2, False, 4) for e in range(2)] == [[4, 5], [6, 7]]
 
 
 def test_rollout_mismatch_and_speed_metrics():

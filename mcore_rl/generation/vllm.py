@@ -26,10 +26,11 @@ vLLM's ``processed_logprobs`` (after temperature) with ``top_p = 1``, its ``raw_
 
 Refit: weights by Hugging Face name, streamed in buckets of ``generation.vllm.refit_bucket_mb``
 (checked against the HF model's names and shapes as they arrive). On CPU the controller writes
-each bucket into a host-memory file that the engine's workers map; on GPUs the policy's rank 0
-sends them itself (:meth:`PolicyWorker.send_hf_weights`): through CUDA IPC handles when the
-engines sit on the policy's GPUs (``cluster.colocate_generation``), over an NCCL group of rank 0
-and every engine worker otherwise. Colocated GPU engines sleep (``generation.vllm.sleep_level``)
+each bucket into a host-memory file that the engine's workers map; on GPUs the policy's ranks send
+them themselves (:meth:`PolicyWorker.send_hf_weights`): through CUDA IPC handles from the
+policy rank on the same GPU when the engines sit on the policy's GPUs
+(``cluster.colocate_generation``), over an NCCL group of policy rank 0 and every engine worker
+otherwise. Colocated GPU engines sleep (``generation.vllm.sleep_level``)
 while the policy computes logprobs and trains, and wake for the refit. The GPU paths are
 written against vLLM's API and not run here (README).
 """
@@ -175,6 +176,10 @@ class VLLMEngine:
     def load_host_bucket(self, path: str, nbytes: int, entries) -> None:
         self.llm.collective_rpc("mcore_rl_load_host_bucket", args=(path, nbytes, entries))
 
+    def device_uuids(self) -> List[str]:
+        """The GPU of each of this engine's workers, in TP rank order."""
+        return self.llm.collective_rpc("mcore_rl_device_uuid")
+
     def start_receive(self, transport: Dict[str, Any]) -> None:
         """Receive buckets from the policy's rank 0 (CUDA IPC or NCCL) in a thread, so the
         controller can start the sender; :meth:`finish_receive` joins it."""
@@ -228,26 +233,36 @@ def _last_line(text: str) -> str:
 
 
 class RefitSender:
-    """The policy's side of a GPU refit, handed to :meth:`PolicyWorker.send_hf_weights` (it
-    runs in the policy's rank 0). Packs the HF-named tensors into buckets on the GPU and sends
-    each to every engine worker: ``"cuda_ipc"`` (engines on the policy's GPUs) sends CUDA IPC
-    handles of the bucket over ZMQ and waits until every worker loaded it; ``"nccl"`` (engines
-    on GPUs of their own) broadcasts the bucket's entries over the group's TCP store and its
-    bytes over NCCL.
+    """The policy's side of a GPU refit, handed to :meth:`PolicyWorker.send_hf_weights` (every
+    policy rank gets it; the export gives every rank the full tensors). Packs the HF-named
+    tensors into buckets on the GPU and sends them to the engine workers:
+
+    - ``"cuda_ipc"`` (engines on the policy's GPUs): each policy rank sends to the engine
+      workers on its own GPU (``worker_uuids``) CUDA IPC handles of each bucket over ZMQ, and
+      waits until they loaded it before the next;
+    - ``"nccl"`` (engines on GPUs of their own): rank 0 broadcasts each bucket to every engine
+      worker, its entries over the group's TCP store (on the controller's node: engines and
+      policy rank 0 on one node) and its bytes over NCCL.
 
     Args:
         kind: ``"cuda_ipc"`` or ``"nccl"``.
         bucket_bytes: target bucket size (a larger tensor gets a bucket of its own).
-        workers: engine workers in all (``num_engines x tensor_parallel_size``).
+        worker_uuids: the GPU of every engine worker (engine ``e``'s TP rank ``t`` is worker
+            ``e * tp + t``).
+        tp: the engines' tensor-parallel size.
+        timeout_s: how long a CUDA IPC receiver waits for a bucket.
     """
 
-    def __init__(self, kind: str, bucket_bytes: int, workers: int, tp: int):
+    def __init__(self, kind: str, bucket_bytes: int, worker_uuids: List[str], tp: int,
+                 timeout_s: float = 600.0):
         self.kind = kind
         self.bucket_bytes = bucket_bytes
-        self.workers = workers
+        self.worker_uuids = worker_uuids
         self.tp = tp
+        self.timeout_ms = int(timeout_s * 1000)
         tag = uuid.uuid4().hex[:12]
-        self.addresses = [f"ipc://{tempfile.gettempdir()}/mcore_rl_refit_{tag}_{w}" for w in range(workers)]
+        self.addresses = [f"ipc://{tempfile.gettempdir()}/mcore_rl_refit_{tag}_{w}"
+                          for w in range(len(worker_uuids))]
         self.host = socket.gethostbyname(socket.gethostname())
         with socket.socket() as s:
             s.bind(("", 0))
@@ -256,18 +271,26 @@ class RefitSender:
     def receiver_spec(self, engine: int) -> Dict[str, Any]:
         """What engine ``engine``'s workers need to receive (their ranks follow from it)."""
         return {"kind": self.kind, "addresses": self.addresses, "first_worker": engine * self.tp,
-                "host": self.host, "port": self.port, "world_size": self.workers + 1}
+                "host": self.host, "port": self.port, "world_size": len(self.worker_uuids) + 1,
+                "timeout_ms": self.timeout_ms}
 
-    def send(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], source: bool) -> int:
-        """Consume ``named_tensors`` (every policy rank must: the export runs collectives);
-        the ``source`` rank sends them. Returns the bytes sent (0 on other ranks)."""
-        if not source:
+    def send(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], rank: int) -> int:
+        """Consume ``named_tensors`` (every policy rank must: the export runs collectives) and
+        send them from policy rank ``rank`` where it has receivers. Returns the bytes sent."""
+        if self.kind == "cuda_ipc":
+            from mcore_rl.generation.vllm_worker import device_uuid
+
+            mine = device_uuid(torch.device("cuda", torch.cuda.current_device()))
+            targets = [a for a, u in zip(self.addresses, self.worker_uuids) if u == mine]
+            sender = self._send_ipc(targets) if targets else None
+        else:
+            sender = self._send_nccl() if rank == 0 else None
+        if sender is None:
             for _ in named_tensors:
                 pass
             return 0
         nbytes = 0
-        send = self._send_ipc if self.kind == "cuda_ipc" else self._send_nccl
-        with send() as put:
+        with sender as put:
             for bucket in buckets(named_tensors, self.bucket_bytes):
                 entries, size = bucket_layout(bucket)
                 buffer = torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device)
@@ -277,20 +300,18 @@ class RefitSender:
         return nbytes
 
     @contextlib.contextmanager
-    def _send_ipc(self) -> Iterator:
+    def _send_ipc(self, addresses: List[str]) -> Iterator:
         import zmq
         from torch.multiprocessing.reductions import reduce_tensor
 
-        ctx = zmq.Context.instance()
-        socks = [ctx.socket(zmq.REQ) for _ in self.addresses]
-        for sock, address in zip(socks, self.addresses):
+        socks = [zmq.Context.instance().socket(zmq.REQ) for _ in addresses]
+        for sock, address in zip(socks, addresses):
             sock.connect(address)
 
         def put(buffer, entries):
             torch.cuda.synchronize()
             rebuild, args = reduce_tensor(buffer)
-            msg = pickle.dumps((rebuild, args, str(torch.cuda.get_device_properties(buffer.device).uuid),
-                                entries))
+            msg = pickle.dumps((rebuild, args, entries))
             for sock in socks:
                 sock.send(msg)
             for sock in socks:
@@ -496,8 +517,8 @@ class VLLMGenerationBackend(GenerationBackend):
 
     def refit(self, policy) -> int:
         """Refit from the policy's worker group. CPU: the policy's full weights to the
-        controller, then :meth:`update_weights`. GPU: the policy's rank 0 streams them to the
-        engines itself (:class:`RefitSender`: CUDA IPC colocated, NCCL otherwise); a sleeping
+        controller, then :meth:`update_weights`. GPU: the policy's ranks stream them to the
+        engines themselves (:class:`RefitSender`: CUDA IPC colocated, NCCL otherwise); a sleeping
         engine wakes its weights first and its KV cache after. Returns the bytes moved.
 
         Raises:
@@ -508,14 +529,14 @@ class VLLMGenerationBackend(GenerationBackend):
         start = time.perf_counter()
         self._weights_loaded = False
         self._wake_up(["weights"])
+        uuids = [u for engine in self.engines.call("device_uuids") for u in engine]
         sender = RefitSender("cuda_ipc" if self.colocated else "nccl", self.vllm.refit_bucket_mb << 20,
-                             self.engines.world_size * self.vllm.tensor_parallel_size,
-                             self.vllm.tensor_parallel_size)
+                             uuids, self.vllm.tensor_parallel_size)
         self.engines.call("begin_refit")
         try:
             self.engines.call_each("start_receive", [[sender.receiver_spec(e)]
                                                      for e in range(self.engines.world_size)])
-            nbytes = policy.call("send_hf_weights", sender)[0]
+            nbytes = sum(policy.call("send_hf_weights", sender))
             self.engines.call("finish_receive")
         finally:
             unwritten = self.engines.call("finish_refit")

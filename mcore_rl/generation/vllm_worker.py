@@ -8,8 +8,8 @@ engine (every tensor-parallel rank). Weights arrive by Hugging Face name in buck
 bucket's bytes:
 
 - host memory: a file in ``/dev/shm`` mapped by the sender and the workers (CPU engines);
-- CUDA IPC: a GPU buffer of the policy's rank 0 opened in place by the workers (engines on the
-  policy's GPUs);
+- CUDA IPC: a GPU buffer of the policy rank on the same GPU, opened in place by the worker
+  (engines on the policy's GPUs: every policy rank holds the full tensors);
 - NCCL: a broadcast from the policy's rank 0 to every engine worker (engines on GPUs of their
   own), the bucket's entries sent ahead over the group's TCP store.
 
@@ -94,20 +94,31 @@ class RefitWorkerExtension:
         else:
             self._mcore_rl_receive_nccl(transport)
 
+    def mcore_rl_device_uuid(self) -> str:
+        """This worker's GPU (CUDA IPC pairs it with the policy rank on the same GPU)."""
+        return device_uuid(self.device)
+
     def _mcore_rl_receive_ipc(self, transport: Dict[str, Any]) -> None:
         import zmq
 
-        rank = self.rank if hasattr(self, "rank") else 0
         sock = zmq.Context.instance().socket(zmq.REP)
-        sock.bind(transport["addresses"][transport["first_worker"] + rank])
+        sock.setsockopt(zmq.RCVTIMEO, transport["timeout_ms"])
+        sock.bind(transport["addresses"][transport["first_worker"] + self.rank])
         try:
             while True:
-                msg = pickle.loads(sock.recv())
+                try:
+                    msg = pickle.loads(sock.recv())
+                except zmq.Again:
+                    raise RuntimeError(
+                        f"refit over CUDA IPC: no bucket within {transport['timeout_ms'] / 1000:.0f} s "
+                        f"from the policy rank on this worker's GPU ({device_uuid(self.device)}); "
+                        f"colocated engines (cluster.colocate_generation) must sit on the policy's "
+                        f"GPUs") from None
                 if msg is None:
                     break
-                rebuild, args, uuid, entries = msg
+                rebuild, args, entries = msg
                 args = list(args)
-                args[6] = _device_index(uuid)  # the sender's GPU, as this process numbers it
+                args[6] = self.device.index  # the same GPU, as this process numbers it
                 self._mcore_rl_load(unpack_bucket(rebuild(*args), entries))
                 torch.cuda.synchronize()
                 sock.send(b"ok")
@@ -116,8 +127,7 @@ class RefitWorkerExtension:
             sock.close(linger=0)
 
     def _mcore_rl_receive_nccl(self, transport: Dict[str, Any]) -> None:
-        rank = self.rank if hasattr(self, "rank") else 0
-        group, comm = nccl_group(transport, transport["first_worker"] + rank + 1, self.device)
+        group, comm = nccl_group(transport, transport["first_worker"] + self.rank + 1, self.device)
         while True:
             entries = group.broadcast_obj(None, src=0)
             if entries is None:
@@ -156,11 +166,7 @@ def nccl_group(transport: Dict[str, Any], rank: int, device: torch.device):
     return _NCCL_GROUPS[key]
 
 
-def _device_index(uuid: str) -> int:
-    """This process's index of the GPU with ``uuid`` (CUDA IPC handles name the sender's)."""
-    for i in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
-            return i
-    raise RuntimeError(f"refit over CUDA IPC: GPU {uuid} of the policy's rank 0 is not visible to "
-                       f"this vLLM worker (cluster.colocate_generation needs the engines on the "
-                       f"policy's GPUs)")
+def device_uuid(device: torch.device) -> str:
+    """The physical identity of a CUDA device (the same in every process, whatever its
+    ``CUDA_VISIBLE_DEVICES`` numbering)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
