@@ -27,10 +27,11 @@ from mcore_rl.workers.policy import PolicyWorker
 from decoding import check_rollout, checkpoint, eos  # noqa: F401 (module fixtures)
 
 VOCAB, PAD, MAX_TOTAL = 48, 0, 20
-# Head size 32: the smallest vLLM's CPU attention has.
+# Head size 32: the smallest vLLM's CPU attention has. Tied embeddings as in the default
+# config: the refit must re-process the engine's lm_head, which shares the embedding.
 ARCH = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=64, num_attention_heads=2,
                        num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=64,
-                       qkv_bias=True, tie_word_embeddings=False, vocab_size=VOCAB)
+                       qkv_bias=True, tie_word_embeddings=True, vocab_size=VOCAB)
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [20], [3, 4, 30, 31, 32, 33], [44, 45],
            [8, 8, 8, 8], [12, 40]]
 GEN = GenerationConfig(temperature=0.7, max_new_tokens=10, batch_size=4,

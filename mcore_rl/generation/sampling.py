@@ -14,7 +14,8 @@ Randomness: row ``r`` of a ``generate`` call (its index among the call's prompts
 sampling (the inversion method, Devroye 1986, "Non-Uniform Random Variate Generation", ch. II.2:
 the token whose cumulative-probability interval holds the uniform). Rollouts therefore depend only on the seed,
 the prompts and the logits: not on ``generation.batch_size``, on how rows are split over
-data-parallel ranks, or on the backend.
+data-parallel ranks, or on the backend (among those sampling with :class:`Sampler`; the ``vllm``
+backend gives each row's request the seed :func:`row_seed` and samples with vLLM's own method).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def row_seed(seed: int, row: int) -> int:
         ValueError: ``row`` outside ``[0, 2**32)``.
     """
     if not 0 <= row < 2**32:
-        raise ValueError(f"row_uniforms: row index {row} outside [0, 2**32)")
+        raise ValueError(f"row_seed: row index {row} outside [0, 2**32)")
     return (int(seed) * _SEED_MULTIPLIER + int(row)) % 2**32
 
 

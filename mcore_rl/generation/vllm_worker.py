@@ -76,9 +76,17 @@ class RefitWorkerExtension:
         self._mcore_rl_loaded: Set[str] = set()
 
     def _mcore_rl_load(self, tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        loaded = self.model_runner.get_model().load_weights(
-            (name, t.to(self.device) if t.device != self.device else t) for name, t in tensors)
-        self._mcore_rl_loaded |= set(loaded or ())
+        model = self.model_runner.get_model()
+        tensors = [(name, t.to(self.device)) for name, t in tensors]
+        self._mcore_rl_loaded |= set(model.load_weights(iter(tensors)) or ())
+        # Tied embeddings: the model's load_weights skips lm_head (it shares the embedding's
+        # parameter), so the reload would put back lm_head's old kernel state (on CPU a packed
+        # copy of the old weights). Loading the embedding into lm_head too re-processes it.
+        if getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False):
+            for name, t in tensors:
+                if name == "model.embed_tokens.weight" and hasattr(model, "lm_head"):
+                    param = model.lm_head.weight
+                    param.weight_loader(param, t)
 
     def mcore_rl_load_host_bucket(self, path: str, nbytes: int, entries: List[Entry]) -> None:
         """Load a bucket from the host-memory file ``path`` (``nbytes`` long)."""
