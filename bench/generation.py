@@ -5,7 +5,8 @@ Each backend decodes the same prompts (random token ids of ``--prompt-length``; 
 stops a row, so every row gets ``--new-tokens``) with the same weights (the policy's seeded
 initial weights, refitted from one policy worker): ``hf`` (a transformers copy of the weights
 with our own decoding loop), ``megatron`` (the policy worker decodes with its own model) and
-``vllm`` (one vLLM engine in a process of its own, ``generation.vllm.*`` from the config). The
+``vllm`` (one vLLM engine in a process of its own, ``generation.vllm.*`` from the config; on a
+GPU it shares the policy's GPU, refitted through CUDA IPC). The
 time of one ``generate`` call (rows decoded in chunks of ``generation.batch_size``; the median
 of ``--repeats`` calls after one warm-up call) gives response tokens per second.
 
@@ -86,7 +87,7 @@ def main() -> None:
         "megatron": dict(policy=policy, vocab_size=arch.vocab_size),
         "vllm": dict(hf_config=hf_config, device=device, run_dir=run_dir,
                      dtype="bfloat16" if precision == "bf16" else "float32", seed=cfg.run.seed,
-                     use_ray=False, colocated=False, policy_world_size=1),
+                     use_ray=False, colocated=device == "cuda", policy_world_size=1),
     }
     try:
         for name in args.backends.split(","):

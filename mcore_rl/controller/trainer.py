@@ -233,12 +233,12 @@ class RLTrainer:
             self.policy.call(method)
 
     def _logprobs(self, batch: B.Batch, method: str = "get_logprobs") -> torch.Tensor:
-        self.generation.sleep()
+        self.generation.offload()
         self._colocated("prepare_for_lp_inference")
         return self.policy.gather_rows(method, batch, self.cfg.policy.logprob_micro_batch_size)
 
     def _train(self, batch: B.Batch, loss_fn) -> Dict[str, float]:
-        self.generation.sleep()
+        self.generation.offload()
         self._colocated("prepare_for_training")
         return self.policy.train(batch, loss_fn, self.cfg.policy.micro_batch_size)
 
@@ -254,12 +254,12 @@ class RLTrainer:
         training state off the GPU before, weights after). A backend that shares the policy's
         weights (``megatron``) gets none: nothing is exported, 0 bytes."""
         start = time.perf_counter()
-        nbytes = 0
+        stats = {"refit/gbytes": 0.0}
         if not self.generation.shares_policy_weights:
             self._colocated("offload_before_refit")
-            nbytes = self.generation.refit(self.policy)
+            stats = self.generation.refit(self.policy)
         self._offload_for_generation()
-        return {"refit/seconds": time.perf_counter() - start, "refit/gbytes": nbytes / 1e9}
+        return {"refit/seconds": time.perf_counter() - start, **stats}
 
     def _prompts(self, dataset, indices) -> List[List[int]]:
         return [list(dataset.input_ids[i]) for i in indices]

@@ -9,7 +9,7 @@ takes the policy's weights by refit.
 from __future__ import annotations
 
 import abc
-from typing import Iterable, List, NamedTuple, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Tuple
 
 import torch
 
@@ -65,22 +65,25 @@ class GenerationBackend(abc.ABC):
             ValueError: unknown names, shape mismatches, or parameters left unwritten.
         """
 
-    def refit(self, policy) -> int:
+    def refit(self, policy) -> Dict[str, float]:
         """Refit from the policy's worker group (a backend that does not share the policy's
-        weights); returns the bytes moved. Default: the policy's full Hugging Face-named
+        weights) through this backend's channel. Default: the policy's full Hugging Face-named
         weights come to this process (``get_hf_weights`` on rank 0) and go to
         :meth:`update_weights`.
+
+        Returns:
+            stats: ``refit/gbytes``, GB of weights moved.
 
         Raises:
             ValueError: as :meth:`update_weights`.
         """
         weights = policy.call("get_hf_weights")[0]
         self.update_weights(weights.items())
-        return sum(t.numel() * t.element_size() for t in weights.values())
+        return {"refit/gbytes": sum(t.numel() * t.element_size() for t in weights.values()) / 1e9}
 
-    def sleep(self) -> None:
-        """Release device memory while the colocated policy computes and trains (the next
-        :meth:`generate` or refit takes it back). Default: nothing."""
+    def offload(self) -> None:
+        """Colocated: free this backend's device memory for the policy (logprobs, training);
+        the next refit or :meth:`generate` takes it back. Default: nothing."""
 
     def shutdown(self) -> None:
         """Stop what the backend started (processes, engines). Default: nothing."""

@@ -429,6 +429,7 @@ class VLLMGenerationBackend(GenerationBackend):
         self._sleeping: set = set()  # vLLM allocations asleep ("weights", "kv_cache")
         self.last_refit_seconds = 0.0
         self.last_refit_bytes = 0
+        self.last_refit_buckets = 0
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: List[List[int]], seed: int, greedy: bool = False) -> Batch:
@@ -443,7 +444,7 @@ class VLLMGenerationBackend(GenerationBackend):
                                "policy (none loaded yet, a failed refit, or discarded by "
                                "generation.vllm.sleep_level=2); refit from the policy first")
         check_prompts(prompts, self.vocab_size, self.max_total_length)
-        self._wake_up()
+        self.prepare_for_generation()
         budgets = response_budgets(prompts, self.cfg.max_new_tokens, self.max_total_length)
         seeds = [row_seed(seed, row) for row in range(len(prompts))]
         n = self.engines.world_size
@@ -483,7 +484,7 @@ class VLLMGenerationBackend(GenerationBackend):
         """Refit from ``(name, tensor)`` pairs (Hugging Face names, full tensors, any device)
         through host memory: each bucket is written to a file in ``/dev/shm`` that every
         engine worker maps and loads. A tied ``lm_head.weight`` may be absent. Sets
-        ``last_refit_seconds`` and ``last_refit_bytes``. After a failed refit :meth:`generate`
+        ``last_refit_seconds``, ``last_refit_bytes`` and ``last_refit_buckets``. After a failed refit :meth:`generate`
         refuses to run until a good one (the engines' weights are then partly new).
 
         Raises:
@@ -494,10 +495,10 @@ class VLLMGenerationBackend(GenerationBackend):
         start = time.perf_counter()
         written: set = set()
         self._weights_loaded = False
-        self._wake_up(["weights"])
+        self.prepare_for_refit()
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(shm, f"mcore_rl_refit_{os.getpid()}_{uuid.uuid4().hex[:8]}")
-        nbytes, unwritten = 0, []
+        nbytes, count = 0, 0
         self.engines.call("begin_refit")
         try:
             for bucket in buckets(self._checked(named_tensors, written), self.vllm.refit_bucket_mb << 20):
@@ -508,27 +509,32 @@ class VLLMGenerationBackend(GenerationBackend):
                 pack_bucket(buffer, [(n, t.detach().cpu()) for n, t in bucket])
                 self.engines.call("load_host_bucket", path, size, entries)
                 nbytes += size
+                count += 1
         finally:
             unwritten = self.engines.call("finish_refit")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._close_refit(written, unwritten)
-        self._after_refit(start, nbytes)
+        self._after_refit(start, nbytes, count)
 
-    def refit(self, policy) -> int:
+    def refit(self, policy) -> Dict[str, float]:
         """Refit from the policy's worker group. CPU: the policy's full weights to the
         controller, then :meth:`update_weights`. GPU: the policy's ranks stream them to the
-        engines themselves (:class:`RefitSender`: CUDA IPC colocated, NCCL otherwise); a sleeping
-        engine wakes its weights first and its KV cache after. Returns the bytes moved.
+        engines themselves (:class:`RefitSender`: CUDA IPC colocated, NCCL otherwise); sleeping
+        engines take their weight memory back first (:meth:`prepare_for_refit`) and their KV
+        cache after (:meth:`prepare_for_generation`).
+
+        Returns:
+            stats: ``refit/gbytes`` (bucket bytes sent) and ``refit/buckets``.
 
         Raises:
             ValueError: as :meth:`update_weights` (on GPU: parameters left unwritten).
         """
         if self.device == "cpu":
-            return super().refit(policy)
+            return {**super().refit(policy), "refit/buckets": float(self.last_refit_buckets)}
         start = time.perf_counter()
         self._weights_loaded = False
-        self._wake_up(["weights"])
+        self.prepare_for_refit()
         uuids = [u for engine in self.engines.call("device_uuids") for u in engine]
         sender = RefitSender("cuda_ipc" if self.colocated else "nccl", self.vllm.refit_bucket_mb << 20,
                              uuids, self.vllm.tensor_parallel_size)
@@ -541,17 +547,18 @@ class VLLMGenerationBackend(GenerationBackend):
         finally:
             unwritten = self.engines.call("finish_refit")
         self._close_refit(set(self.hf_required), unwritten)
-        self._after_refit(start, nbytes)
-        return nbytes
+        self._after_refit(start, nbytes, buckets=0)
+        return {"refit/gbytes": nbytes / 1e9}
 
-    def _after_refit(self, start: float, nbytes: int) -> None:
-        self._wake_up()
+    def _after_refit(self, start: float, nbytes: int, buckets: int) -> None:
+        self.prepare_for_generation()
         self._weights_loaded = True
         self.last_refit_seconds = time.perf_counter() - start
         self.last_refit_bytes = nbytes
+        self.last_refit_buckets = buckets
 
-    # ------------------------------------------------------------------ sleep mode
-    def sleep(self) -> None:
+    # ------------------------------------------------------------------ colocation (sleep mode)
+    def offload(self) -> None:
         """Colocated GPU engines: vLLM sleep (``generation.vllm.sleep_level``) so the policy
         has the GPU; elsewhere nothing. At level 2 the weights are discarded: :meth:`generate`
         refuses until the next refit."""
@@ -561,8 +568,16 @@ class VLLMGenerationBackend(GenerationBackend):
             if self.vllm.sleep_level == 2:
                 self._weights_loaded = False
 
-    def _wake_up(self, tags: Optional[List[str]] = None) -> None:
-        """Wake what still sleeps of ``tags`` (None: everything; vLLM's ``wake_up`` tags)."""
+    def prepare_for_refit(self) -> None:
+        """Sleeping engines take back their weight memory (vLLM ``wake_up(tags=["weights"])``)."""
+        self._wake_up(["weights"])
+
+    def prepare_for_generation(self) -> None:
+        """Sleeping engines take back all their memory (vLLM ``wake_up``)."""
+        self._wake_up(None)
+
+    def _wake_up(self, tags: Optional[List[str]]) -> None:
+        """Wake what still sleeps of ``tags`` (None: everything)."""
         wake = self._sleeping & set(tags or self._sleeping)
         if wake:
             self.engines.call("wake_up", sorted(wake))
