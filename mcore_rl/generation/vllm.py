@@ -43,6 +43,7 @@ import os
 import pickle
 import re
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -171,9 +172,12 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ refit
     def begin_refit(self) -> None:
+        """Open a refit on every worker (:class:`~mcore_rl.generation.vllm_worker.
+        RefitWorkerExtension`)."""
         self.llm.collective_rpc("mcore_rl_begin_refit")
 
     def load_host_bucket(self, path: str, nbytes: int, entries) -> None:
+        """Every worker loads the bucket in the host-memory file ``path``."""
         self.llm.collective_rpc("mcore_rl_load_host_bucket", args=(path, nbytes, entries))
 
     def device_uuids(self) -> List[str]:
@@ -181,7 +185,7 @@ class VLLMEngine:
         return self.llm.collective_rpc("mcore_rl_device_uuid")
 
     def start_receive(self, transport: Dict[str, Any]) -> None:
-        """Receive buckets from the policy's rank 0 (CUDA IPC or NCCL) in a thread, so the
+        """Receive buckets from the policy's ranks (CUDA IPC or NCCL) in a thread, so the
         controller can start the sender; :meth:`finish_receive` joins it."""
         def run():
             try:
@@ -194,6 +198,7 @@ class VLLMEngine:
         self._receiver.start()
 
     def finish_receive(self) -> None:
+        """Wait for :meth:`start_receive`'s thread; re-raises its error."""
         self._receiver.join()
         self._receiver = None
         if self._receive_error is not None:
@@ -208,12 +213,15 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ sleep mode
     def sleep(self) -> None:
+        """vLLM sleep at ``generation.vllm.sleep_level`` (GPU sleep mode)."""
         self.llm.sleep(level=self.sleep_level)
 
     def wake_up(self, tags: Optional[List[str]] = None) -> None:
+        """vLLM wake-up of ``tags`` (``"weights"``, ``"kv_cache"``; None: all)."""
         self.llm.wake_up(tags)
 
     def shutdown(self) -> None:
+        """Stop the engine core (and the TP workers it spawned)."""
         with contextlib.suppress(Exception):
             self.llm.llm_engine.engine_core.shutdown()
 
@@ -222,7 +230,7 @@ def _redirect_output(path: str) -> None:
     """Send this process's stdout and stderr (and its children's) to ``path``."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for stream, target in (("stdout", 1), ("stderr", 2)):
-        getattr(__import__("sys"), stream).flush()
+        getattr(sys, stream).flush()
         os.dup2(fd, target)
     os.close(fd)
 
@@ -402,7 +410,8 @@ class VLLMGenerationBackend(GenerationBackend):
         self.hf_shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
         self.hf_required = [n for n, _ in model.named_parameters()]  # tied aliases once
         model_dir = os.path.join(run_dir, "vllm_model")
-        hf_config.to_json_file(_makedirs(model_dir, "config.json"), use_diff=False)
+        os.makedirs(model_dir, exist_ok=True)
+        hf_config.to_json_file(os.path.join(model_dir, "config.json"), use_diff=False)
         tp, n = self.vllm.tensor_parallel_size, self.vllm.num_engines
         kwargs = dict(model_dir=model_dir, vllm=self.vllm, sampling=cfg, max_model_len=max_total_length,
                       dtype=dtype, device=device, seed=seed, log_dir=run_dir, colocated=colocated,
@@ -429,7 +438,6 @@ class VLLMGenerationBackend(GenerationBackend):
         self._sleeping: set = set()  # vLLM allocations asleep ("weights", "kv_cache")
         self.last_refit_seconds = 0.0
         self.last_refit_bytes = 0
-        self.last_refit_buckets = 0
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: List[List[int]], seed: int, greedy: bool = False) -> Batch:
@@ -484,7 +492,7 @@ class VLLMGenerationBackend(GenerationBackend):
         """Refit from ``(name, tensor)`` pairs (Hugging Face names, full tensors, any device)
         through host memory: each bucket is written to a file in ``/dev/shm`` that every
         engine worker maps and loads. A tied ``lm_head.weight`` may be absent. Sets
-        ``last_refit_seconds``, ``last_refit_bytes`` and ``last_refit_buckets``. After a failed refit :meth:`generate`
+        ``last_refit_seconds`` and ``last_refit_bytes``. After a failed refit :meth:`generate`
         refuses to run until a good one (the engines' weights are then partly new).
 
         Raises:
@@ -498,7 +506,7 @@ class VLLMGenerationBackend(GenerationBackend):
         self.prepare_for_refit()
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(shm, f"mcore_rl_refit_{os.getpid()}_{uuid.uuid4().hex[:8]}")
-        nbytes, count = 0, 0
+        nbytes = 0
         self.engines.call("begin_refit")
         try:
             for bucket in buckets(self._checked(named_tensors, written), self.vllm.refit_bucket_mb << 20):
@@ -509,13 +517,12 @@ class VLLMGenerationBackend(GenerationBackend):
                 pack_bucket(buffer, [(n, t.detach().cpu()) for n, t in bucket])
                 self.engines.call("load_host_bucket", path, size, entries)
                 nbytes += size
-                count += 1
         finally:
             unwritten = self.engines.call("finish_refit")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._close_refit(written, unwritten)
-        self._after_refit(start, nbytes, count)
+        self._after_refit(start, nbytes)
 
     def refit(self, policy) -> Dict[str, float]:
         """Refit from the policy's worker group. CPU: the policy's full weights to the
@@ -525,13 +532,13 @@ class VLLMGenerationBackend(GenerationBackend):
         cache after (:meth:`prepare_for_generation`).
 
         Returns:
-            stats: ``refit/gbytes`` (bucket bytes sent) and ``refit/buckets``.
+            stats: ``refit/gbytes`` (GB of weights sent).
 
         Raises:
             ValueError: as :meth:`update_weights` (on GPU: parameters left unwritten).
         """
         if self.device == "cpu":
-            return {**super().refit(policy), "refit/buckets": float(self.last_refit_buckets)}
+            return super().refit(policy)
         start = time.perf_counter()
         self._weights_loaded = False
         self.prepare_for_refit()
@@ -547,15 +554,14 @@ class VLLMGenerationBackend(GenerationBackend):
         finally:
             unwritten = self.engines.call("finish_refit")
         self._close_refit(set(self.hf_required), unwritten)
-        self._after_refit(start, nbytes, buckets=0)
+        self._after_refit(start, nbytes)
         return {"refit/gbytes": nbytes / 1e9}
 
-    def _after_refit(self, start: float, nbytes: int, buckets: int) -> None:
+    def _after_refit(self, start: float, nbytes: int) -> None:
         self.prepare_for_generation()
         self._weights_loaded = True
         self.last_refit_seconds = time.perf_counter() - start
         self.last_refit_bytes = nbytes
-        self.last_refit_buckets = buckets
 
     # ------------------------------------------------------------------ colocation (sleep mode)
     def offload(self) -> None:
@@ -588,8 +594,3 @@ class VLLMGenerationBackend(GenerationBackend):
         with contextlib.suppress(Exception):
             self.engines.call("shutdown")
         self.engines.shutdown()
-
-
-def _makedirs(directory: str, name: str) -> str:
-    os.makedirs(directory, exist_ok=True)
-    return os.path.join(directory, name)
