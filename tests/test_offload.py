@@ -260,6 +260,7 @@ def test_bf16_wraps_in_float16_module_and_converts(results):
 
 def test_controller_calls_the_lifecycle_in_order():
     from mcore_rl.controller.trainer import RLTrainer
+    from mcore_rl.generation.base import GenerationBackend
 
     calls = []
     policy = SimpleNamespace(
@@ -271,18 +272,23 @@ def test_controller_calls_the_lifecycle_in_order():
         calls.clear()
         cfg = SimpleNamespace(cluster=SimpleNamespace(colocate_generation=colocate),
                               policy=SimpleNamespace(logprob_micro_batch_size=4, micro_batch_size=2))
-        trainer = SimpleNamespace(cfg=cfg, policy=policy,
-                                  generation=SimpleNamespace(update_weights=lambda w: None,
-                                                             shares_policy_weights=False))
+        generation = SimpleNamespace(update_weights=lambda w: None, shares_policy_weights=False,
+                                     offload=lambda: calls.append("generation.offload"))
+        generation.refit = lambda p, g=generation: GenerationBackend.refit(g, p)
+        trainer = SimpleNamespace(cfg=cfg, policy=policy, generation=generation)
         trainer._colocated = lambda m, t=trainer: RLTrainer._colocated(t, m)
         trainer._offload_for_generation = lambda t=trainer: RLTrainer._offload_for_generation(t)
         RLTrainer._logprobs(trainer, {})
         RLTrainer._train(trainer, {}, LOSS)
         RLTrainer.refit(trainer)
-        expected = ["prepare_for_lp_inference", "get_logprobs", "prepare_for_training", "train",
+        # the backend frees its device memory (a no-op unless colocated on a GPU) before the
+        # policy takes the device back
+        expected = ["generation.offload", "prepare_for_lp_inference", "get_logprobs",
+                    "generation.offload", "prepare_for_training", "train",
                     "offload_before_refit", "get_hf_weights", "offload_after_refit"]
         if not colocate:
-            expected = ["get_logprobs", "train", "get_hf_weights"]
+            expected = ["generation.offload", "get_logprobs", "generation.offload", "train",
+                        "get_hf_weights"]
         assert calls == expected
 
 
