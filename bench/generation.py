@@ -1,9 +1,9 @@
 """Rollout speed of the generation backends (hf, megatron, vllm) on one config's model; prints
 one table (and writes it as JSON with ``--json``).
 
-Each backend decodes the same prompts (random token ids of ``--prompt-length``; eos never
-stops a row, so every row gets ``--new-tokens``) with the same weights (the policy's seeded
-initial weights, refitted from one policy worker): ``hf`` (a transformers copy of the weights
+Each backend decodes the same prompts (random token ids of ``--prompt-length``, up to
+``--new-tokens`` each) greedily, with the same weights (the policy's seeded initial weights,
+refitted from one policy worker), so every backend decodes the same tokens: ``hf`` (a transformers copy of the weights
 with our own decoding loop), ``megatron`` (the policy worker decodes with its own model) and
 ``vllm`` (one vLLM engine in a process of its own, ``generation.vllm.*`` from the config; on a
 GPU it shares the policy's GPU, refitted through CUDA IPC). The
@@ -76,11 +76,10 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, arch.vocab_size, (args.prompts, args.prompt_length), generator=generator)
     prompts = ids.tolist()
-    eos = -1  # no row stops early
     rows = []
     run_dir = tempfile.mkdtemp(prefix="bench_generation_")
-    common = dict(cfg=cfg.generation, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
-                  max_total_length=length)
+    common = dict(cfg=cfg.generation, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, max_total_length=length)
     per_backend = {
         "hf": dict(hf_config=hf_config, device=device,
                    dtype=torch.bfloat16 if precision == "bf16" else torch.float32),
@@ -99,7 +98,7 @@ def main() -> None:
             seconds = []
             for i in range(args.repeats + 1):
                 start = time.perf_counter()
-                batch = backend.generate(prompts, seed=i)
+                batch = backend.generate(prompts, seed=i, greedy=True)
                 seconds.append(time.perf_counter() - start)
                 tokens = int(batch["response_lengths"].sum())
             backend.shutdown()
@@ -110,7 +109,7 @@ def main() -> None:
     finally:
         policy.shutdown()
     print(f"{args.config_name}: {args.prompts} prompts x {args.new_tokens} new tokens, {device}, "
-          f"{precision}, generation.batch_size={cfg.generation.batch_size}; median of "
+          f"{precision}, greedy, generation.batch_size={cfg.generation.batch_size}; median of "
           f"{args.repeats} generate calls after one warm-up")
     print("| backend | start + refit s | generate s | response tokens | tokens/s |")
     print("| --- | ---: | ---: | ---: | ---: |")
