@@ -3,8 +3,8 @@ one table (and writes it as JSON with ``--json``).
 
 Each backend decodes the same prompts (random token ids of ``--prompt-length``, up to
 ``--new-tokens`` each) greedily, with the same weights (the policy's seeded initial weights,
-refitted from one policy worker), so every backend decodes the same tokens: ``hf`` (a transformers copy of the weights
-with our own decoding loop), ``megatron`` (the policy worker decodes with its own model) and
+refitted from one policy worker), so every backend decodes the same tokens: ``hf`` (a
+transformers copy of the weights with our own decoding loop), ``megatron`` (the policy worker decodes with its own model) and
 ``vllm`` (one vLLM engine in a process of its own, ``generation.vllm.*`` from the config; on a
 GPU it shares the policy's GPU, refitted through CUDA IPC). The
 time of one ``generate`` call (rows decoded in chunks of ``generation.batch_size``; the median

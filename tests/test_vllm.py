@@ -142,8 +142,8 @@ def test_bad_prompts_and_refits_give_clear_errors(groups, engine, eos):
 
 
 def test_refit_buckets_round_trip():
-    tensors = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.ones(5, dtype=torch.bfloat16)),
-               ("c", torch.arange(3, dtype=torch.int64))]
+    tensors = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)),
+               ("b", torch.ones(5, dtype=torch.bfloat16)), ("c", torch.arange(3, dtype=torch.int64))]
     entries, size = bucket_layout(tensors)
     assert [e[3] for e in entries] == [0, 64, 128] and size == 192
     buffer = torch.empty(size, dtype=torch.uint8)

@@ -50,8 +50,8 @@ def test_gsm8k_two_steps_with_the_engine_as_a_ray_actor(tmp_path):
 
 def test_engine_that_fails_to_start(tmp_path):
     out = tmp_path / "run"
-    with pytest.raises(RuntimeError, match=r"generation.backend=vllm: vLLM engine failed to start: "
-                                           r".*memory for the cache blocks.*generation.vllm.kv_cache_gb=1e-06"):
+    with pytest.raises(RuntimeError, match=r"generation.backend=vllm: vLLM engine failed to start: .*"
+                                           r"memory for the cache blocks.*generation.vllm.kv_cache_gb=1e-06"):
         main(["train", *VLLM, "cluster.use_ray=false", f"run.output_dir={out}",
               "generation.vllm.kv_cache_gb=1e-6", "sft.steps=0"])
     # what the run wrote before the engine started is kept, with the engine's own log

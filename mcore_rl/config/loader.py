@@ -456,8 +456,8 @@ def vllm_generation_errors(cfg: TrainConfig) -> List[str]:
                           f"num_attention_heads = {arch.hidden_size} / {arch.num_attention_heads}) in "
                           f"{list(VLLM_CPU_HEAD_SIZES)} (vLLM's CPU attention), got {head}")
         if cfg.data.max_total_length > arch.max_position_embeddings:
-            errors.append(f"generation.backend=vllm needs data.max_total_length ({cfg.data.max_total_length}) "
-                          f"<= model.arch.max_position_embeddings ({arch.max_position_embeddings}): "
+            errors.append(f"generation.backend=vllm needs data.max_total_length "
+                          f"({cfg.data.max_total_length}) <= model.arch.max_position_embeddings ({arch.max_position_embeddings}): "
                           f"the engine's max_model_len")
     gpus = cluster.device == "cuda" or cluster.device == "auto" and _cuda_available()
     if gpus and tp >= 1 and engines >= 1:
