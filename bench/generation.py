@@ -4,11 +4,12 @@ one table (and writes it as JSON with ``--json``).
 Each backend decodes the same prompts (random token ids of ``--prompt-length``, up to
 ``--new-tokens`` each) greedily, with the same weights (the policy's seeded initial weights,
 refitted from one policy worker), so every backend decodes the same tokens: ``hf`` (a
-transformers copy of the weights with our own decoding loop), ``megatron`` (the policy worker decodes with its own model) and
-``vllm`` (one vLLM engine in a process of its own, ``generation.vllm.*`` from the config; on a
-GPU it shares the policy's GPU, refitted through CUDA IPC). The
-time of one ``generate`` call (rows decoded in chunks of ``generation.batch_size``; the median
-of ``--repeats`` calls after one warm-up call) gives response tokens per second.
+transformers copy of the weights with our own decoding loop), ``megatron`` (the policy worker
+decodes with its own model) and ``vllm`` (one vLLM engine in a process of its own,
+``generation.vllm.*`` from the config; on a GPU it shares the policy's GPU, refitted through
+CUDA IPC). The time of one ``generate`` call (rows decoded in chunks of
+``generation.batch_size``; the median of ``--repeats`` calls after one warm-up call) gives
+response tokens per second.
 
 CPU (the numbers in bench/RESULTS.md; the default config, fp32, gloo)::
 
