@@ -97,12 +97,14 @@ def main() -> None:
                 backend.refit(policy)
             ready = time.perf_counter() - start
             seconds = []
-            for i in range(args.repeats + 1):
-                start = time.perf_counter()
-                batch = backend.generate(prompts, seed=i, greedy=True)
-                seconds.append(time.perf_counter() - start)
-                tokens = int(batch["response_lengths"].sum())
-            backend.shutdown()
+            try:  # the engine's process must not outlive an error (the exit would wait for it)
+                for i in range(args.repeats + 1):
+                    start = time.perf_counter()
+                    batch = backend.generate(prompts, seed=i, greedy=True)
+                    seconds.append(time.perf_counter() - start)
+                    tokens = int(batch["response_lengths"].sum())
+            finally:
+                backend.shutdown()
             median = statistics.median(seconds[1:])
             rows.append({"backend": name, "start_and_refit_s": round(ready, 2),
                          "generate_s": round(median, 3), "tokens": tokens,
