@@ -13,10 +13,10 @@ from typing import Iterable, List, NamedTuple, Tuple
 
 import torch
 
+from mcore_rl.config.checks import check, check_value
+from mcore_rl.config.schema import GENERATION_BACKENDS as BACKENDS
 from mcore_rl.config.schema import GenerationConfig
 from mcore_rl.data.batch import Batch
-
-BACKENDS = ("hf", "megatron")
 
 
 class GenerationBackend(abc.ABC):
@@ -87,15 +87,11 @@ def get_backend(name: str, **kwargs) -> GenerationBackend:
 
 
 def check_lengths(cfg: GenerationConfig, max_total_length: int) -> None:
-    """Raise ``ValueError`` naming the key when ``generation.max_new_tokens`` or
-    ``generation.batch_size`` is below 1 or ``max_total_length`` (``data.max_total_length``)
-    below 2."""
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"generation.max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.batch_size < 1:
-        raise ValueError(f"generation.batch_size must be >= 1, got {cfg.batch_size}")
-    if max_total_length < 2:
-        raise ValueError(f"max_total_length (data.max_total_length) must be >= 2, got {max_total_length}")
+    """Raise ``ConfigError`` (a ``ValueError``) naming the key when a ``generation`` value or
+    ``max_total_length`` (``data.max_total_length``) is outside what the schema declares
+    (:mod:`mcore_rl.config.checks`, the check config loading runs)."""
+    check(cfg, "generation")
+    check_value("data.max_total_length", max_total_length)
 
 
 def check_prompts(prompts: List[List[int]], vocab_size: int, max_total_length: int) -> None:
