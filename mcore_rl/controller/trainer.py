@@ -118,7 +118,8 @@ class RLTrainer:
                 f"run.output_dir={self.run_dir} already holds a run (metrics.jsonl); continue it "
                 f"with checkpoint.resume=latest or start a new one with another run.output_dir"
             )
-        os.makedirs(self.run_dir, exist_ok=True)
+        # Every input is read and checked before the run directory is written to: a run that
+        # fails on bad input leaves it as it was.
         self.tokenizer = load_tokenizer(cfg.model)
         self.train_data, self.test_data = load_task(cfg.data, self.tokenizer, cfg.run.seed)
         self.sampler = PromptSampler(len(self.train_data), self.loop.num_prompts_per_step, cfg.run.seed)
@@ -127,8 +128,14 @@ class RLTrainer:
         if cfg.model.hf_path:
             from transformers import AutoConfig
 
-            self.hf_config = AutoConfig.from_pretrained(cfg.model.hf_path)
-            self.arch = hf_config_to_arch(self.hf_config)
+            from mcore_rl.config.checks import ConfigError
+
+            try:  # an unreadable config.json, or a model this trainer does not build
+                self.hf_config = AutoConfig.from_pretrained(cfg.model.hf_path)
+                self.arch = hf_config_to_arch(self.hf_config)
+            except (OSError, ValueError) as e:
+                reason = " ".join(str(e).split())
+                raise ConfigError(f"model.hf_path: {cfg.model.hf_path}: {reason}") from e
         else:
             arch = cfg.model.arch
             if arch.vocab_size is None:
@@ -138,6 +145,7 @@ class RLTrainer:
         self.hf_config.eos_token_id = self.tokenizer.eos_token_id
         self.hf_config.pad_token_id = self.tokenizer.pad_token_id
         self.vocab_size = self.arch.vocab_size
+        os.makedirs(self.run_dir, exist_ok=True)
         self.tokenizer.save_pretrained(os.path.join(self.run_dir, "tokenizer"))
         # The policy's shape for `mcore-rl export` (mcore_rl.export reads both).
         self.hf_config.to_json_file(os.path.join(self.run_dir, "hf_config.json"), use_diff=False)
