@@ -137,11 +137,16 @@ def check_value(key: str, value: Any) -> None:
     """Raise :class:`ConfigError` when ``value`` is outside what the schema declares for the
     dotted ``key`` (e.g. ``check_value("ppo.gamma", gamma)``): for functions that take one
     config value rather than its section."""
+    message = _field_error(*_field_at(key), value, key)
+    if message:
+        raise ConfigError(message)
+
+
+@functools.cache
+def _field_at(key: str) -> tuple:
+    """``(dataclass, field)`` of the dotted ``key`` in the schema's ``TrainConfig``."""
     from mcore_rl.config.schema import TrainConfig  # the schema imports this module
 
     *parents, name = key.split(".")
     cls = functools.reduce(lambda c, part: typing.get_type_hints(c)[part], parents, TrainConfig)
-    message = _field_error(cls, next(f for f in dataclasses.fields(cls) if f.name == name),
-                           value, key)
-    if message:
-        raise ConfigError(message)
+    return cls, next(f for f in dataclasses.fields(cls) if f.name == name)

@@ -277,9 +277,8 @@ class LossConfig:
     # mean, divided by valid sequences.
     normalization: str = one_of("token", ("token", "sequence"))
     # Truncated importance weights min(exp(old - generation), cap) (TIS, Yao et al. 2025);
-    # null disables. At least 1 so that a token on which the rollout engine and the trainer
-    # agree (ratio 1) keeps its full weight: a cap below 1 would scale every token down and
-    # bias the gradient even without any mismatch.
+    # null disables. At least 1, so that a token on which rollout engine and trainer agree keeps
+    # its full weight (ClippedPGLoss says why).
     importance_ratio_cap: Optional[float] = bounded(None, ge=1)
 
 
