@@ -17,7 +17,7 @@ import types
 import pytest
 
 from dist_utils import run_distributed
-from mcore_rl.config.schema import OptimizerConfig
+from mcore_rl.config.schema import CheckpointConfig, OptimizerConfig
 from mcore_rl.controller.trainer import RLTrainer
 
 GBS = 8  # rows of test_value_worker._batch: the global batch of every step here
@@ -78,6 +78,7 @@ def test_resume_warns_naming_the_changed_settings(tmp_path, caplog):
     (ckpt / "controller.json").write_text(json.dumps(
         {"step": 4, "sampler": {}, "sft_done": True, "history": []}))
     trainer = RLTrainer.__new__(RLTrainer)
+    trainer.run_dir, trainer.cfg = str(tmp_path), types.SimpleNamespace(checkpoint=CheckpointConfig())
     trainer.sampler = types.SimpleNamespace(load_state_dict=lambda state: None)
     groups = {"policy": _Group({"lr": (1e-3, 5e-4)}), "value": _Group({})}
     trainer._groups = lambda: groups

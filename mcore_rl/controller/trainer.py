@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
-import logging
 import os
-import shutil
 import time
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -24,12 +23,11 @@ import torch
 
 from mcore_rl.algorithms.losses import NLLLoss
 from mcore_rl.config.schema import TrainConfig
+from mcore_rl.controller.checkpoints import CheckpointManager
 from mcore_rl.controller.worker_group import make_worker_group
 from mcore_rl.data import batch as B
 from mcore_rl.utils.logging import RunLogger
 from mcore_rl.utils.timers import PhaseTimer, phase_table
-
-_log = logging.getLogger(__name__)
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -330,57 +328,28 @@ class RLTrainer:
         self.sft_done = True
 
     # ------------------------------------------------------------------ checkpoints
-    def _ckpt_root(self) -> str:
-        return os.path.join(self.run_dir, "checkpoints")
-
-    def _step_dir(self) -> str:
-        """The checkpoint directory of the current RL step."""
-        return os.path.join(self._ckpt_root(), f"step_{self.step}")
+    @functools.cached_property
+    def checkpoints(self) -> CheckpointManager:
+        """The run's checkpoints (:mod:`mcore_rl.controller.checkpoints`), of every group of
+        :meth:`_groups`."""
+        return CheckpointManager(self.run_dir, self.cfg.checkpoint, self._groups)
 
     def save(self) -> str:
-        """Save every worker group (``<step dir>/<group name>``) and the controller state."""
-        path = self._step_dir()
+        """Save every worker group and the controller state at the current RL step; returns
+        the step directory."""
         self._colocated("prepare_for_training")
-        for name, group in self._groups().items():
-            group.call("save_checkpoint", os.path.join(path, name))
+        path = self.checkpoints.save(self.step, {
+            "step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
+            "history": self.history})
         self._offload_for_generation()
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
-                 "history": self.history}
-        with open(os.path.join(path, "controller.json"), "w") as f:
-            json.dump(state, f)
-        self._prune_checkpoints()
         return path
-
-    def _prune_checkpoints(self) -> None:
-        keep = self.cfg.checkpoint.keep_last
-        steps = sorted(int(d.split("_")[1]) for d in os.listdir(self._ckpt_root()) if d.startswith("step_"))
-        for s in steps[:-keep] if keep > 0 else []:
-            shutil.rmtree(os.path.join(self._ckpt_root(), f"step_{s}"), ignore_errors=True)
 
     def resume(self, path: str, warn_schedule: bool = True) -> str:
         """Load a checkpoint directory (or ``"latest"``); returns the directory loaded. Each
         worker group's LR schedule keeps the checkpoint's progress and takes its settings from
         the configuration; with ``warn_schedule`` a warning names the settings that changed.
         Raises ``FileNotFoundError`` naming ``checkpoint.resume`` when there is none."""
-        if path == "latest":
-            root = self._ckpt_root()
-            steps = sorted(int(d.split("_")[1]) for d in os.listdir(root) if d.startswith("step_")) \
-                if os.path.isdir(root) else []
-            if not steps:
-                raise FileNotFoundError(f"checkpoint.resume=latest: no checkpoint under {root}")
-            path = os.path.join(root, f"step_{steps[-1]}")
-        state_file = os.path.join(path, "controller.json")
-        if not os.path.isfile(state_file):
-            raise FileNotFoundError(f"checkpoint.resume={path}: no controller.json there")
-        with open(state_file) as f:
-            state = json.load(f)
-        for name, group in self._groups().items():
-            changed = group.call("load_checkpoint", os.path.join(path, name))[0]
-            if changed and warn_schedule:
-                _log.warning(
-                    "checkpoint.resume: %s.optimizer's LR schedule differs from %s; the "
-                    "configured one applies from step %d on (checkpoint -> config): %s", name,
-                    path, state["step"], ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+        path, state = self.checkpoints.load(path, warn_schedule)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.sft_done = state["sft_done"]
@@ -427,7 +396,7 @@ class RLTrainer:
                 logger.log(self.step, metrics)
                 if cfg.checkpoint.every > 0 and self.step % cfg.checkpoint.every == 0:
                     self.save()
-            if cfg.checkpoint.save_final and not os.path.isdir(self._step_dir()):
+            if cfg.checkpoint.save_final and not os.path.isdir(self.checkpoints.step_dir(self.step)):
                 self.save()
         finally:
             logger.close()
