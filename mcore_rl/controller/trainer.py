@@ -335,8 +335,9 @@ class RLTrainer:
         return CheckpointManager(self.run_dir, self.cfg.checkpoint, self._groups)
 
     def save(self) -> str:
-        """Save every worker group and the controller state at the current RL step; returns
-        the step directory."""
+        """Save every worker group and the controller state at the current RL step (atomic;
+        with ``checkpoint.async_save`` completed later, see :class:`CheckpointManager`);
+        returns the step directory."""
         self._colocated("prepare_for_training")
         path = self.checkpoints.save(self.step, {
             "step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
@@ -348,7 +349,14 @@ class RLTrainer:
         """Load a checkpoint directory (or ``"latest"``); returns the directory loaded. Each
         worker group's LR schedule keeps the checkpoint's progress and takes its settings from
         the configuration; with ``warn_schedule`` a warning names the settings that changed.
-        Raises ``FileNotFoundError`` naming ``checkpoint.resume`` when there is none."""
+        ``"latest"`` is the newest complete checkpoint that loads (a warning names each one
+        skipped and why).
+
+        Raises:
+            DamagedCheckpointError: ``path`` is incomplete, damaged or does not load (naming
+                the file); a ``FileNotFoundError``.
+            FileNotFoundError: ``"latest"`` and no checkpoint loads.
+        """
         path, state = self.checkpoints.load(path, warn_schedule)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
@@ -394,10 +402,12 @@ class RLTrainer:
                         self.phase_totals[k] = self.phase_totals.get(k, 0.0) + v
                 self.steps_timed += 1
                 logger.log(self.step, metrics)
+                self.checkpoints.poll()
                 if cfg.checkpoint.every > 0 and self.step % cfg.checkpoint.every == 0:
                     self.save()
-            if cfg.checkpoint.save_final and not os.path.isdir(self.checkpoints.step_dir(self.step)):
+            if cfg.checkpoint.save_final and self.checkpoints.last_step != self.step:
                 self.save()
+            self.checkpoints.wait()
         finally:
             logger.close()
         summary = self._summary()
