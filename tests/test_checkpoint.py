@@ -262,9 +262,9 @@ def test_asynchronous_save_becomes_a_checkpoint_once_written_and_verified(tmp_pa
 
 # --------------------------------------------------------------------------- end to end
 # The acceptance runs of issue 17 (fp32, CPU, one worker process, no Ray): a run that is
-# SIGKILLed in the middle of a save and one with a truncated shard, each resumed with
-# checkpoint.resume=latest, against a straight run whose checkpoints are written
-# asynchronously (checkpoint.async_save).
+# SIGKILLed in the middle of a save, one with a truncated shard, and one stopped by SIGTERM under
+# the Slurm script's stand-ins, each resumed with checkpoint.resume=latest, against a straight
+# run whose checkpoints are written asynchronously (checkpoint.async_save).
 
 RUN = ["cluster.use_ray=false", "logging.progress=false", "logging.tensorboard=false",
        "data.synthetic.max_value=4", "data.synthetic.num_train=20", "data.synthetic.num_test=4",
@@ -366,3 +366,37 @@ def test_truncated_shard_latest_falls_back_and_explicit_path_is_a_one_line_error
     assert exit_.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"mcore-rl eval: error: checkpoint.resume={step_3}: {shard} has ")
+
+
+@pytest.mark.slow
+def test_sigterm_under_slurm_saves_requeues_and_the_requeued_job_ends_as_a_straight_run(
+        straight, tmp_path):
+    from test_slurm import JOB_ID, Job, requeues
+
+    out = tmp_path / "run"
+    args = RUN + [f"run.output_dir={out}", "checkpoint.every=0"]  # only the preemption saves
+    driver = f"{sys.executable} -m mcore_rl train"
+    (tmp_path / "job").mkdir()
+    job = Job(tmp_path / "job", ["n1"], DRIVER_COMMAND=driver)
+    proc = job.start(*args)
+    try:
+        job.wait_for(lambda: any(r["step"] >= 1 for r in _records(out)), "RL step 1", timeout=900)
+        proc.send_signal(signal.SIGTERM)  # scancel, a preemption or --signal=B:TERM@...
+    finally:
+        rc = job.finish(proc, timeout=900)
+    assert rc == 75, (job.log_dir / "driver.log").read_text()[-3000:]
+    assert len(requeues(job)) == 1 and job.calls[requeues(job)[0]]["args"] == ["requeue", JOB_ID]
+    [saved] = _listing(out)
+    assert saved in ("step_1", "step_2")  # the step the signal came in finished, then saved
+
+    (tmp_path / "requeued").mkdir()
+    requeued = Job(tmp_path / "requeued", ["n1"], DRIVER_COMMAND=driver, SLURM_RESTART_COUNT="1")
+    assert requeued.finish(requeued.start(*args), timeout=900) == 0, \
+        (requeued.log_dir / "driver.log").read_text()[-3000:]
+    assert requeues(requeued) == []
+    _assert_same_final_parameters(out, straight)
+
+
+def _records(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
 import time
 from typing import Any, Dict, Iterator, List, Tuple
@@ -24,10 +25,13 @@ import torch
 from mcore_rl.algorithms.losses import NLLLoss
 from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.checkpoints import CheckpointManager
+from mcore_rl.controller.preemption import EXIT_CODE, Preempted, PreemptionSignals
 from mcore_rl.controller.worker_group import make_worker_group
 from mcore_rl.data import batch as B
 from mcore_rl.utils.logging import RunLogger
 from mcore_rl.utils.timers import PhaseTimer, phase_table
+
+_log = logging.getLogger(__name__)
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -364,11 +368,28 @@ class RLTrainer:
         self.history = state["history"]
         return path
 
+    def _checkpoint_for_preemption(self, signal_name: str) -> Preempted:
+        """A complete checkpoint of the current RL step (saved now unless one was saved or
+        loaded at this step), and the exception that ends the run for ``signal_name``."""
+        if self.checkpoints.last_step != self.step:
+            self.save()
+        self.checkpoints.wait()
+        path = self.checkpoints.step_dir(self.step)
+        _log.warning("%s: stopped after RL step %d with checkpoint %s; exit code %d (continue "
+                     "with checkpoint.resume=latest)", signal_name, self.step, path, EXIT_CODE)
+        return Preempted(signal_name, path)
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:
         """Resume if asked, warm start, then RL steps with validation, logging and checkpoints
         (every ``checkpoint.every`` steps, and after the last with ``checkpoint.save_final``);
-        writes and returns the summary (held-out accuracy at the start and the end)."""
+        writes and returns the summary (held-out accuracy at the start and the end).
+
+        Raises:
+            Preempted: SIGTERM or SIGUSR1 came (:mod:`mcore_rl.controller.preemption`): the
+                open RL step finished and a checkpoint of it is complete; the process exits
+                with ``preemption.EXIT_CODE`` unless the caller catches it.
+        """
         cfg, loop = self.cfg, self.loop
         if cfg.checkpoint.resume:
             self.resume(cfg.checkpoint.resume)
@@ -378,7 +399,9 @@ class RLTrainer:
                          name=cfg.run.name, config=dataclasses.asdict(cfg))
         logger = RunLogger(self.run_dir, loop.max_steps, self.step, cfg.logging.progress,
                            cfg.logging.tensorboard, cfg.logging.jsonl, wandb)
+        preemption = PreemptionSignals()
         try:
+            preemption.install()
             if not self.sft_done:
                 self.warm_start(logger)
             self.refit()
@@ -388,6 +411,8 @@ class RLTrainer:
                     self.history.append({"step": 0, **val})
                     logger.log(0, val, advance=False)
             while self.step < loop.max_steps:
+                if preemption.received:
+                    raise self._checkpoint_for_preemption(preemption.received)
                 metrics = self.rl_step()
                 self.step += 1
                 if loop.val_every > 0 and (self.step % loop.val_every == 0 or self.step == loop.max_steps):
@@ -409,6 +434,7 @@ class RLTrainer:
                 self.save()
             self.checkpoints.wait()
         finally:
+            preemption.restore()
             logger.close()
         summary = self._summary()
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
