@@ -221,8 +221,10 @@ def test_a_checkpoint_that_fails_to_load_falls_back_with_the_workers_error(tmp_p
     with pytest.raises(DamagedCheckpointError, match="EOFError: Ran out of input"):
         ckpts.load(str(step_2))
     group.unreadable = {str(tmp_path / "checkpoints" / f"step_{s}" / "policy") for s in (1, 2)}
-    with pytest.raises(FileNotFoundError, match="no complete checkpoint under .*skipped"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint under .*; skipped .*; skipped "):
         ckpts.load("latest")
+    with pytest.raises(FileNotFoundError, match="step_9: no such directory"):
+        ckpts.load(str(tmp_path / "checkpoints" / "step_9"))
 
 
 def test_pruning_drops_leftovers_and_damaged_checkpoints_never_the_one_just_saved(tmp_path):

@@ -227,10 +227,12 @@ class CheckpointManager:
         Raises:
             DamagedCheckpointError: ``path`` is not a complete checkpoint or does not load (the
                 message names the file).
-            FileNotFoundError: ``"latest"`` and no checkpoint loads (the message lists those
-                skipped).
+            FileNotFoundError: ``path`` is no directory, or ``"latest"`` and no checkpoint
+                loads (the message lists those skipped).
         """
         if path != "latest":
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"checkpoint.resume={path}: no such directory")
             try:
                 verify(path, self.groups())
                 return path, self._load(path, warn_schedule)
@@ -251,7 +253,7 @@ class CheckpointManager:
                 _log.warning("checkpoint.resume=latest: loaded %s (the newest complete checkpoint)",
                              candidate)
             return candidate, state
-        raise FileNotFoundError(f"checkpoint.resume=latest: no complete checkpoint under {self.root}"
+        raise FileNotFoundError(f"checkpoint.resume=latest: no checkpoint under {self.root}"
                                 + "".join(f"; skipped {s}" for s in skipped))
 
     def _load(self, path: str, warn_schedule: bool) -> Dict[str, Any]:

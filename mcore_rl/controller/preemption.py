@@ -4,8 +4,11 @@ the open RL step finishes, a checkpoint is saved, and the process exits with
 :data:`EXIT_CODE`. ``scripts/slurm/ray_job.sbatch`` answers that code by requeueing the job,
 and the requeued job resumes with ``checkpoint.resume=latest``.
 
-Only the controller process acts on the signals; worker processes must outlive them until the
-controller has saved (they exit when the controller closes their pipes or stops their actors).
+Only the controller process handles the signals: the workers must still be there to save. Under
+``ray_job.sbatch`` the signal reaches the driver's step only (``B:`` sends it to the batch
+shell, which passes it on), and Ray's workers live in other steps. Workers that are plain
+processes of the controller (``cluster.use_ray=false``) keep Python's default for these signals,
+so a signal sent to all of the driver step's processes ends them.
 """
 
 from __future__ import annotations

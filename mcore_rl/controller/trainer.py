@@ -359,7 +359,8 @@ class RLTrainer:
         Raises:
             DamagedCheckpointError: ``path`` is incomplete, damaged or does not load (naming
                 the file); a ``FileNotFoundError``.
-            FileNotFoundError: ``"latest"`` and no checkpoint loads.
+            FileNotFoundError: ``path`` is no directory, or ``"latest"`` and no checkpoint
+                loads.
         """
         path, state = self.checkpoints.load(path, warn_schedule)
         self.step = state["step"]
