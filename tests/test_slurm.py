@@ -291,7 +291,7 @@ def test_signal_reaches_the_driver_which_stops_and_is_requeued_after_teardown(tm
     job = Job(tmp_path, ["n1", "n2"], FAKE_DRIVER_BLOCK="1")
     proc = job.start("--config-name", "grpo_gsm8k")
     try:
-        job.wait_for(lambda: (job.state / "driver-started").exists(), "the driver")
+        job.wait_for(lambda: (job.state / "driver-started").exists(), "the driver", timeout=120)
         proc.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@<seconds>
     finally:
         rc = job.finish(proc)
