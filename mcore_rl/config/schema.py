@@ -412,12 +412,20 @@ class CheckpointConfig:
     # Also save after the last RL step (for `mcore-rl eval` and `mcore-rl export`), whatever
     # `every` is.
     save_final: bool = True
-    # Resume from a checkpoint directory, or "latest" for the run directory's newest. The
-    # optimizer.* keys of the config apply (a warning names those that changed); the LR
-    # schedule's progress, the weights and the Adam moments are the checkpoint's.
+    # Resume from a checkpoint directory, or "latest" for the run directory's newest complete
+    # one (those skipped, interrupted or damaged, are named in a warning; one that fails to load
+    # falls back to the one before). The optimizer.* keys of the config apply (a warning names
+    # those that changed); the LR schedule's progress, the weights and the Adam moments are the
+    # checkpoint's.
     resume: Optional[str] = None
-    # Newest checkpoints kept, older ones deleted after each save; 0: keep all.
+    # Newest complete checkpoints kept, older ones deleted after each completed save (never
+    # before a newer one is complete); 0: keep all.
     keep_last: int = bounded(2, ge=0)
+    # Write checkpoints in the background (Megatron's asynchronous dist-checkpoint save): a save
+    # stages the tensors in host memory and training goes on while a forked process per worker
+    # writes them; the checkpoint becomes step_<k> once written and verified. Costs a host copy
+    # of the saved state per worker.
+    async_save: bool = False
 
 
 @dataclass

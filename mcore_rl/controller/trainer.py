@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
-import shutil
 import time
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -24,6 +24,8 @@ import torch
 
 from mcore_rl.algorithms.losses import NLLLoss
 from mcore_rl.config.schema import TrainConfig
+from mcore_rl.controller.checkpoints import CheckpointManager
+from mcore_rl.controller.preemption import EXIT_CODE, Preempted, PreemptionSignals
 from mcore_rl.controller.worker_group import make_worker_group
 from mcore_rl.data import batch as B
 from mcore_rl.utils.logging import RunLogger
@@ -338,68 +340,65 @@ class RLTrainer:
         self.sft_done = True
 
     # ------------------------------------------------------------------ checkpoints
-    def _ckpt_root(self) -> str:
-        return os.path.join(self.run_dir, "checkpoints")
-
-    def _step_dir(self) -> str:
-        """The checkpoint directory of the current RL step."""
-        return os.path.join(self._ckpt_root(), f"step_{self.step}")
+    @functools.cached_property
+    def checkpoints(self) -> CheckpointManager:
+        """The run's checkpoints (:mod:`mcore_rl.controller.checkpoints`), of every group of
+        :meth:`_groups`."""
+        return CheckpointManager(self.run_dir, self.cfg.checkpoint, self._groups)
 
     def save(self) -> str:
-        """Save every worker group (``<step dir>/<group name>``) and the controller state."""
-        path = self._step_dir()
+        """Save every worker group and the controller state at the current RL step (atomic;
+        with ``checkpoint.async_save`` completed later, see :class:`CheckpointManager`);
+        returns the step directory."""
         self._colocated("prepare_for_training")
-        for name, group in self._groups().items():
-            group.call("save_checkpoint", os.path.join(path, name))
+        path = self.checkpoints.save(self.step, {
+            "step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
+            "history": self.history})
         self._offload_for_generation()
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
-                 "history": self.history}
-        with open(os.path.join(path, "controller.json"), "w") as f:
-            json.dump(state, f)
-        self._prune_checkpoints()
         return path
-
-    def _prune_checkpoints(self) -> None:
-        keep = self.cfg.checkpoint.keep_last
-        steps = sorted(int(d.split("_")[1]) for d in os.listdir(self._ckpt_root()) if d.startswith("step_"))
-        for s in steps[:-keep] if keep > 0 else []:
-            shutil.rmtree(os.path.join(self._ckpt_root(), f"step_{s}"), ignore_errors=True)
 
     def resume(self, path: str, warn_schedule: bool = True) -> str:
         """Load a checkpoint directory (or ``"latest"``); returns the directory loaded. Each
         worker group's LR schedule keeps the checkpoint's progress and takes its settings from
         the configuration; with ``warn_schedule`` a warning names the settings that changed.
-        Raises ``FileNotFoundError`` naming ``checkpoint.resume`` when there is none."""
-        if path == "latest":
-            root = self._ckpt_root()
-            steps = sorted(int(d.split("_")[1]) for d in os.listdir(root) if d.startswith("step_")) \
-                if os.path.isdir(root) else []
-            if not steps:
-                raise FileNotFoundError(f"checkpoint.resume=latest: no checkpoint under {root}")
-            path = os.path.join(root, f"step_{steps[-1]}")
-        state_file = os.path.join(path, "controller.json")
-        if not os.path.isfile(state_file):
-            raise FileNotFoundError(f"checkpoint.resume={path}: no controller.json there")
-        with open(state_file) as f:
-            state = json.load(f)
-        for name, group in self._groups().items():
-            changed = group.call("load_checkpoint", os.path.join(path, name))[0]
-            if changed and warn_schedule:
-                _log.warning(
-                    "checkpoint.resume: %s.optimizer's LR schedule differs from %s; the "
-                    "configured one applies from step %d on (checkpoint -> config): %s", name,
-                    path, state["step"], ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+        ``"latest"`` is the newest complete checkpoint that loads (a warning names each one
+        skipped and why).
+
+        Raises:
+            DamagedCheckpointError: ``path`` is incomplete, damaged or does not load (naming
+                the file); a ``FileNotFoundError``.
+            FileNotFoundError: ``path`` is no directory, or ``"latest"`` and no checkpoint
+                loads.
+        """
+        path, state = self.checkpoints.load(path, warn_schedule)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.sft_done = state["sft_done"]
         self.history = state["history"]
         return path
 
+    def _checkpoint_for_preemption(self, signal_name: str) -> Preempted:
+        """A complete checkpoint of the current RL step (saved now unless one was saved or
+        loaded at this step), and the exception that ends the run for ``signal_name``."""
+        if self.checkpoints.last_step != self.step:
+            self.save()
+        self.checkpoints.wait()
+        path = self.checkpoints.step_dir(self.step)
+        _log.warning("%s: stopped after RL step %d with checkpoint %s; exit code %d (continue "
+                     "with checkpoint.resume=latest)", signal_name, self.step, path, EXIT_CODE)
+        return Preempted(signal_name, path)
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:
         """Resume if asked, warm start, then RL steps with validation, logging and checkpoints
         (every ``checkpoint.every`` steps, and after the last with ``checkpoint.save_final``);
-        writes and returns the summary (held-out accuracy at the start and the end)."""
+        writes and returns the summary (held-out accuracy at the start and the end).
+
+        Raises:
+            Preempted: SIGTERM or SIGUSR1 came (:mod:`mcore_rl.controller.preemption`): the
+                open RL step finished and a checkpoint of it is complete; the process exits
+                with ``preemption.EXIT_CODE`` unless the caller catches it.
+        """
         cfg, loop = self.cfg, self.loop
         if cfg.checkpoint.resume:
             self.resume(cfg.checkpoint.resume)
@@ -409,7 +408,9 @@ class RLTrainer:
                          name=cfg.run.name, config=dataclasses.asdict(cfg))
         logger = RunLogger(self.run_dir, loop.max_steps, self.step, cfg.logging.progress,
                            cfg.logging.tensorboard, cfg.logging.jsonl, wandb)
+        preemption = PreemptionSignals()
         try:
+            preemption.install()
             if not self.sft_done:
                 self.warm_start(logger)
             self.refit()
@@ -419,6 +420,8 @@ class RLTrainer:
                     self.history.append({"step": 0, **val})
                     logger.log(0, val, advance=False)
             while self.step < loop.max_steps:
+                if preemption.received:
+                    raise self._checkpoint_for_preemption(preemption.received)
                 metrics = self.rl_step()
                 self.step += 1
                 if loop.val_every > 0 and (self.step % loop.val_every == 0 or self.step == loop.max_steps):
@@ -433,11 +436,14 @@ class RLTrainer:
                         self.phase_totals[k] = self.phase_totals.get(k, 0.0) + v
                 self.steps_timed += 1
                 logger.log(self.step, metrics)
+                self.checkpoints.poll()
                 if cfg.checkpoint.every > 0 and self.step % cfg.checkpoint.every == 0:
                     self.save()
-            if cfg.checkpoint.save_final and not os.path.isdir(self._step_dir()):
+            if cfg.checkpoint.save_final and self.checkpoints.last_step != self.step:
                 self.save()
+            self.checkpoints.wait()
         finally:
+            preemption.restore()
             logger.close()
         summary = self._summary()
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import inspect
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -843,9 +844,16 @@ class MegatronTrainWorker:
         return bool(flag.item())
 
     @requires_device_state(training=True)
-    def save_checkpoint(self, path: str, extra_common: Optional[Dict[str, Any]] = None) -> None:
+    def save_checkpoint(self, path: str, async_save: bool = False) -> None:
         """Save model, optimizer and LR schedule with Megatron dist-checkpointing (torch_dist
-        format: resharding-capable). Collective: every rank calls it."""
+        format: resharding-capable) into directory ``path``; Megatron writes its
+        ``metadata.json`` when the save is complete. Collective: every rank calls it.
+
+        With ``async_save``, Megatron's asynchronous save (``async_sharded_save``, in
+        megatron-core since 0.7; its own ``"mcore"`` writer from 0.17 on, where the default
+        needs nvidia-resiliency-ext): the tensors are staged on the host and each rank forks a
+        writer process; training may go on, and :meth:`finalize_async_save` completes the save.
+        """
         from megatron.core import dist_checkpointing
 
         os.makedirs(path, exist_ok=True)
@@ -855,8 +863,33 @@ class MegatronTrainWorker:
         state["scheduler"] = self.scheduler.state_dict()
         state["trainer_version"] = self.trainer_version
         state["optimizer_has_state"] = has_optimizer_state
-        dist_checkpointing.save(state, path)
-        dist.barrier()
+        if not async_save:
+            dist_checkpointing.save(state, path)
+            dist.barrier()
+            return
+        kwargs = {"async_sharded_save": True}
+        if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+            kwargs["async_strategy"] = "mcore"  # megatron-core >= 0.17; "nvrx" needs another package
+        self._async_saves.schedule_async_request(dist_checkpointing.save(state, path, **kwargs))
+
+    @functools.cached_property
+    def _async_saves(self):
+        """Megatron's queue of this rank's asynchronous checkpoint saves."""
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        return AsyncCallsQueue()
+
+    def finalize_async_save(self, blocking: bool = True) -> bool:
+        """Finish the asynchronous saves (:meth:`save_checkpoint` with ``async_save``) whose
+        writers are done on every rank (with ``blocking``: all, waiting for them); Megatron
+        then writes each one's ``metadata.json``. Returns whether none is left in flight.
+        Collective: every rank calls it.
+
+        Raises:
+            megatron.core.dist_checkpointing.core.CheckpointingException: a writer failed.
+        """
+        self._async_saves.maybe_finalize_async_calls(blocking=blocking)
+        return self._async_saves.get_num_unfinalized_calls() == 0
 
     @requires_device_state(training=True)
     def load_checkpoint(self, path: str) -> Dict[str, Tuple[Any, Any]]:
