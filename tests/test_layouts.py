@@ -32,8 +32,7 @@ from mcore_rl.algorithms.losses import ClippedPGLoss
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.config.schema import DDPConfig, LossConfig, MegatronConfig, ModelArchConfig, OptimizerConfig
 from mcore_rl.controller import parity
-from mcore_rl.controller.trainer import DataParallelGroup
-from mcore_rl.controller.worker_group import ProcessWorkerGroup
+from mcore_rl.controller.worker_group import DataParallelGroup, ProcessWorkerGroup
 from mcore_rl.data import batch as B
 from mcore_rl.data.microbatching import (
     ROW_INDEX,

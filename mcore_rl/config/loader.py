@@ -19,7 +19,7 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, List
+from typing import Any
 
 import yaml
 from hydra import compose, initialize_config_dir
@@ -30,7 +30,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 import mcore_rl
-from mcore_rl.config.schema import MegatronConfig, TrainConfig
+from mcore_rl.config.schema import TrainConfig
+from mcore_rl.generation import registry as generation_registry
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent
 DEFAULT_CONFIG_DIR = PKG_DIR.parent / "configs"
@@ -233,12 +234,13 @@ def load_config(config_name: str, overrides: Sequence[str] = (),
 _CHOICES = {
     "algorithm": ("grpo", "ppo"),
     "cluster.device": ("cpu", "cuda", "auto"),
+    "cluster.placement": ("colocated", "separate"),
     "model.arch.family": ("llama", "qwen2"),
     "policy.megatron.precision": ("fp32", "bf16"),
     "policy.megatron.layer_spec": ("local", "torch", "transformer_engine"),
     "policy.optimizer.name": ("adam", "sgd"),
     "policy.optimizer.lr_decay_style": ("constant", "linear", "cosine"),
-    "generation.backend": ("hf", "megatron"),
+    "generation.backend": generation_registry.backend_names(),
     "data.task": ("synthetic", "gsm8k"),
     "reward.name": ("exact", "math"),
     "loss.kl_estimator": ("k1", "k2", "k3"),
@@ -352,8 +354,7 @@ def validate(cfg: TrainConfig) -> None:
                        for n in gpu_only]
 
     gen, data, loss, grpo = cfg.generation, cfg.data, cfg.loss, cfg.grpo
-    if gen.backend == "megatron":
-        errors += megatron_generation_errors(cfg.policy.megatron)
+    errors += generation_registry.config_errors(cfg)
     check(gen.temperature > 0, f"generation.temperature must be > 0 (got {gen.temperature})")
     check(0 < gen.top_p <= 1, f"generation.top_p must be in (0, 1] (got {gen.top_p})")
     check(data.max_prompt_length + gen.max_new_tokens <= data.max_total_length,
@@ -395,23 +396,6 @@ def validate(cfg: TrainConfig) -> None:
     check(cfg.value.loss.coef > 0, f"value.loss.coef must be > 0 (got {cfg.value.loss.coef})")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-
-
-def megatron_generation_errors(megatron: MegatronConfig) -> List[str]:
-    """Why ``generation.backend=megatron`` (decoding with the policy's own model,
-    :mod:`mcore_rl.generation.megatron`) cannot run on the policy layout ``megatron``
-    (``policy.megatron``), one message per reason naming its keys; empty when it can. Refused:
-    pipeline parallelism (virtual stages included) and sequence parallelism (a one-token decode
-    step cannot be split over TP ranks)."""
-    errors = []
-    if megatron.pipeline_model_parallel_size != 1 or megatron.virtual_pipeline_model_parallel_size:
-        errors.append("generation.backend=megatron needs policy.megatron.pipeline_model_parallel_size"
-                      f"=1 and no virtual_pipeline_model_parallel_size (got "
-                      f"{megatron.pipeline_model_parallel_size}, "
-                      f"{megatron.virtual_pipeline_model_parallel_size}); use generation.backend=hf")
-    if megatron.sequence_parallel:
-        errors.append("generation.backend=megatron needs policy.megatron.sequence_parallel=false")
-    return errors
 
 
 def _cuda_available() -> bool:

@@ -37,6 +37,10 @@ class ClusterConfig:
     use_ray: bool = True
     # Torch CPU threads per worker on the cpu device (set_num_threads); 0: CPU cores / workers.
     threads_per_worker: int = 0
+    # How worker groups share GPUs (Ray placement groups; one GPU per rank of a group):
+    # "colocated": PPO's policy and value on the same cluster.num_workers GPUs (a fraction of
+    # each GPU per rank); "separate": each group on GPUs of its own (PPO: 2 x num_workers).
+    placement: str = "colocated"
     # Rollout engine on the policy's GPUs: the policy's weights, grads and optimizer state leave
     # the GPU after each refit and come back for logprobs and training (offload lifecycle).
     colocate_generation: bool = False
@@ -179,8 +183,8 @@ class PolicyConfig:
 class GenerationConfig:
     """The rollout engine and its decoding."""
 
-    # Rollout engine: "hf" (a transformers model with our own decoding loop, refit by weight
-    # copy) or "megatron" (the policy workers decode with the policy's own Megatron model and
+    # Rollout engine (mcore_rl/generation/registry.py): "hf" (a transformers model with our own
+    # decoding loop, refit by weight copy) or "megatron" (the policy workers decode with the policy's own Megatron model and
     # Megatron-Core's KV cache, weights shared in place: refit copies nothing; needs
     # policy.megatron.pipeline_model_parallel_size=1 and sequence_parallel=false).
     backend: str = "hf"
