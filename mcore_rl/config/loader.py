@@ -31,6 +31,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 import mcore_rl
 from mcore_rl.config.schema import TrainConfig
+from mcore_rl.controller.placement import PLACEMENTS
 from mcore_rl.generation import registry as generation_registry
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent
@@ -234,7 +235,7 @@ def load_config(config_name: str, overrides: Sequence[str] = (),
 _CHOICES = {
     "algorithm": ("grpo", "ppo"),
     "cluster.device": ("cpu", "cuda", "auto"),
-    "cluster.placement": ("colocated", "separate"),
+    "cluster.placement": PLACEMENTS,
     "model.arch.family": ("llama", "qwen2"),
     "policy.megatron.precision": ("fp32", "bf16"),
     "policy.megatron.layer_spec": ("local", "torch", "transformer_engine"),

@@ -26,8 +26,8 @@ import dataclasses
 from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mcore_rl.config.schema import ClusterConfig
-from mcore_rl.controller.worker_group import ProcessWorkerGroup, RayWorkerGroup
 
+# The values of cluster.placement (the config loader's choices: this module imports no torch).
 PLACEMENTS = ("colocated", "separate")
 
 
@@ -192,6 +192,8 @@ class Placement:
         world_size=..., master_addr=..., master_port=...)`` per rank, placed
         (:class:`~mcore_rl.controller.worker_group.RayWorkerGroup` or
         :class:`~mcore_rl.controller.worker_group.ProcessWorkerGroup`)."""
+        from mcore_rl.controller.worker_group import ProcessWorkerGroup, RayWorkerGroup
+
         size = len(self.plan.groups[group].bundles)
         if self.use_ray:
             return RayWorkerGroup(worker_cls, size, kwargs,
