@@ -382,13 +382,13 @@ def test_importance_ratio_cap_is_at_least_one_for_loader_and_loss():
 
 def test_choice_lists_are_the_components_lists():
     from mcore_rl.algorithms.kl import KL_ESTIMATORS
-    from mcore_rl.generation.base import BACKENDS
+    from mcore_rl.generation.registry import BACKENDS
     from mcore_rl.rewards import REWARD_FNS
 
     choices = {key: f.metadata[checks.CHOICES] for key, _, f in _declared(
         ("loss", "generation", "reward", "ppo")) if checks.CHOICES in f.metadata}
     assert choices["loss.kl_estimator"] == choices["ppo.reward_kl_estimator"] == KL_ESTIMATORS
-    assert choices["generation.backend"] == BACKENDS
+    assert choices["generation.backend"] == tuple(BACKENDS)
     assert choices["reward.name"] == tuple(REWARD_FNS)
 
 

@@ -16,7 +16,6 @@ import pytest
 
 from mcore_rl.cli import main
 from mcore_rl.config import ConfigError
-from mcore_rl.data.gsm8k import GSM8K_SAMPLE_DIR
 from mcore_rl.data.tokenizer import build_char_tokenizer
 
 GOOD = json.dumps({"question": "What is 1+1?", "answer": "1+1=2\n#### 2"})

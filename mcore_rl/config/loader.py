@@ -32,8 +32,9 @@ import mcore_rl
 from mcore_rl.config import checks
 from mcore_rl.config.checks import ConfigError
 from mcore_rl.config.paths import file_problem, hf_checkpoint_errors, tokenizer_dir_error
-from mcore_rl.config.schema import CHAR_TOKENIZER, DataConfig, MegatronConfig, TrainConfig
+from mcore_rl.config.schema import CHAR_TOKENIZER, DataConfig, TrainConfig
 from mcore_rl.data.synthetic import synthetic_config_errors
+from mcore_rl.generation import registry as generation_registry
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent
 DEFAULT_CONFIG_DIR = PKG_DIR.parent / "configs"
@@ -297,8 +298,7 @@ def validate(cfg: TrainConfig) -> None:
                        for n in gpu_only]
 
     gen, data, grpo = cfg.generation, cfg.data, cfg.grpo
-    if gen.backend == "megatron":
-        errors += megatron_generation_errors(cfg.policy.megatron)
+    errors += generation_registry.config_errors(cfg)
     check(data.max_prompt_length + gen.max_new_tokens <= data.max_total_length,
           f"data.max_prompt_length + generation.max_new_tokens ({data.max_prompt_length} + "
           f"{gen.max_new_tokens}) must be <= data.max_total_length ({data.max_total_length})")
@@ -354,23 +354,6 @@ def task_errors(data: DataConfig) -> List[str]:
                  "prompts come from data.synthetic)"] if data.train_path or data.test_path else []
         return paths + synthetic_config_errors(data.synthetic)
     return []
-
-
-def megatron_generation_errors(megatron: MegatronConfig) -> List[str]:
-    """Why ``generation.backend=megatron`` (decoding with the policy's own model,
-    :mod:`mcore_rl.generation.megatron`) cannot run on the policy layout ``megatron``
-    (``policy.megatron``), one message per reason naming its keys; empty when it can. Refused:
-    pipeline parallelism (virtual stages included) and sequence parallelism (a one-token decode
-    step cannot be split over TP ranks)."""
-    errors = []
-    if megatron.pipeline_model_parallel_size != 1 or megatron.virtual_pipeline_model_parallel_size:
-        errors.append("generation.backend=megatron needs policy.megatron.pipeline_model_parallel_size"
-                      f"=1 and no virtual_pipeline_model_parallel_size (got "
-                      f"{megatron.pipeline_model_parallel_size}, "
-                      f"{megatron.virtual_pipeline_model_parallel_size}); use generation.backend=hf")
-    if megatron.sequence_parallel:
-        errors.append("generation.backend=megatron needs policy.megatron.sequence_parallel=false")
-    return errors
 
 
 def _cuda_available() -> bool:

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mcore_rl.config.checks import bounded, one_of
+from mcore_rl.generation.registry import backend_names
 
 # Choice lists that components take from here rather than repeat.
-# generation.backend: the rollout engines of mcore_rl.generation.base.get_backend.
-GENERATION_BACKENDS = ("hf", "megatron")
+# cluster.placement: how mcore_rl.controller.placement puts worker groups on GPUs.
+PLACEMENTS = ("colocated", "separate")
 # loss.kl_estimator and ppo.reward_kl_estimator: mcore_rl.algorithms.kl.kl_estimate.
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # model.arch.family: the decoders of mcore_rl.megatron.conversion.
@@ -54,6 +55,10 @@ class ClusterConfig:
     use_ray: bool = True
     # Torch CPU threads per worker on the cpu device (set_num_threads); 0: CPU cores / workers.
     threads_per_worker: int = bounded(0, ge=0)
+    # How worker groups share GPUs (Ray placement groups; one GPU per rank of a group):
+    # "colocated": PPO's policy and value on the same cluster.num_workers GPUs (a fraction of
+    # each GPU per rank); "separate": each group on GPUs of its own (PPO: 2 x num_workers).
+    placement: str = one_of("colocated", PLACEMENTS)
     # Rollout engine on the policy's GPUs: the policy's weights, grads and optimizer state leave
     # the GPU after each refit and come back for logprobs and training (offload lifecycle).
     colocate_generation: bool = False
@@ -196,11 +201,11 @@ class PolicyConfig:
 class GenerationConfig:
     """The rollout engine and its decoding."""
 
-    # Rollout engine: "hf" (a transformers model with our own decoding loop, refit by weight
-    # copy) or "megatron" (the policy workers decode with the policy's own Megatron model and
-    # Megatron-Core's KV cache, weights shared in place: refit copies nothing; needs
+    # Rollout engine (mcore_rl/generation/registry.py): "hf" (a transformers model with our own
+    # decoding loop, refit by weight copy) or "megatron" (the policy workers decode with the
+    # policy's own Megatron model and Megatron-Core's KV cache, weights shared in place: refit copies nothing; needs
     # policy.megatron.pipeline_model_parallel_size=1 and sequence_parallel=false).
-    backend: str = one_of("hf", GENERATION_BACKENDS)
+    backend: str = one_of("hf", backend_names())
     # Sampling temperature; the policy's logprobs use the same temperature.
     temperature: float = bounded(1.0, gt=0)
     # Nucleus sampling mass; 1 disables (logprobs are taken before the filter).
