@@ -6,6 +6,7 @@ through the GRPO CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -124,6 +125,21 @@ def test_rollouts_equal_hf_backend_and_do_not_depend_on_layout(groups, eos):
     assert all(torch.equal(again[k], v) for k, v in expected.items() if k != "generation_logprobs")
     assert again["input_ids"].shape != other["input_ids"].shape or \
         not torch.equal(again["input_ids"], other["input_ids"])
+
+
+def test_compacted_batch_gives_the_rollouts_of_small_chunks(groups, eos):
+    """21 prompts in one chunk (a 32-row bucket): rows end at different steps, so the batch is
+    compacted mid-chunk (32 -> 16 -> 8 rows, cache rows moved); the rollouts are those of chunks
+    of 3 rows, and the logprobs those of get_logprobs."""
+    group, prompts = groups["tp2_local"], PROMPTS * 3
+    one_chunk = MegatronGenerationBackend(group, dataclasses.replace(GEN, batch_size=32), eos, PAD,
+                                          MAX_TOTAL, VOCAB).generate(prompts, seed=4)
+    small = _megatron(group, eos).generate(prompts, seed=4)
+    assert len(set(one_chunk["response_lengths"].tolist())) > 2  # rows end at different steps
+    assert torch.equal(one_chunk["input_ids"], small["input_ids"])
+    assert (one_chunk["generation_logprobs"] - small["generation_logprobs"]).abs().max() < 1e-5
+    logprobs = group.gather_rows("get_logprobs", one_chunk, 8)
+    assert ((logprobs - one_chunk["generation_logprobs"]).abs() * one_chunk["token_mask"]).max() < 1e-5
 
 
 def test_refit_copies_nothing_and_refused_layouts():

@@ -194,6 +194,10 @@ class GenerationConfig:
     batch_size: int = 256
     # Validation decoding: greedy when true.
     greedy_validation: bool = True
+    # backend=megatron on CUDA with tensor parallelism 1: decode steps replayed as CUDA graphs
+    # (captured per batch-size bucket at first use, kept between generate calls); false decodes
+    # the same steps eagerly.
+    cuda_graphs: bool = True
 
 
 @dataclass
