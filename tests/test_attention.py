@@ -89,8 +89,8 @@ def _core_attention_checks(tp: int) -> dict:
         # positions hold other data, against Megatron's module on each row's keys 0..position
         q, k, v = _qkv(1, 8, BATCH, np_, ng, seed=5)
         positions = torch.tensor([7, 2, 0])
-        got = decode_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), positions,
-                               local.softmax_scale)
+        got = decode_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                               torch.arange(8)[None, :] > positions[:, None], local.softmax_scale)
         want = torch.cat([local(q[:, r:r + 1], k[:p + 1, r:r + 1], v[:p + 1, r:r + 1],
                                 torch.zeros(1, 1, 1, p + 1, dtype=torch.bool))
                           for r, p in enumerate(positions.tolist())], dim=1)

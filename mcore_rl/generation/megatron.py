@@ -24,9 +24,10 @@ a step is captured once as a CUDA graph and replayed (``generation.cuda_graphs``
 step that needs it (that step runs eagerly on the capture stream and is the warm-up) and kept
 between ``generate`` calls while the parameters stay at their addresses. Sampling (temperature,
 top-p, per-row random streams) and the bookkeeping (eos, budgets, response buffers) are part of
-the step, so a replay needs no host work beyond one ``int`` read of the rows still running. When
-at most half the rows of a bucket still run, the batch is compacted into the next smaller bucket
-(their cache rows and states moved to the front), so rows that ended stop costing.
+the step, so replays need no host work beyond reading how many rows still run (every
+:data:`_SYNC_EVERY` steps). When at most half the rows of a bucket still run, the batch is
+compacted into the next smaller bucket (their cache rows and states moved to the front), so rows
+that ended stop costing.
 
 Why not Megatron-Core's inference engines or CUDA graphs: its static-batching KV cache keeps one
 sequence offset for the whole batch (prompt tokens past the shortest prompt were fed one position
@@ -77,6 +78,9 @@ _PREFILL_TOKENS = 16384
 # Smallest row bucket and smallest attended span (powers of two): smaller ones would only add
 # graphs to capture for steps that cost no less.
 _MIN_ROWS, _MIN_SPAN = 8, 128
+# The host reads how many rows still run (a device sync) every this many decode steps; in
+# between, a row that ended steps on without effect (nothing of it is read).
+_SYNC_EVERY = 4
 
 
 @contextlib.contextmanager
@@ -274,24 +278,27 @@ class MegatronDecoder:
                    torch.zeros(n, s.slots, dtype=torch.float32, device=self.device),
                    torch.zeros(n, dtype=torch.long, device=self.device))
         row_of = list(range(n)) + [-1] * (bucket - n)  # chunk row of each slot, -1: none
+        longest = max(lengths)
         k = 1  # response index sampled by the next step (the same for every row of a chunk)
-        while True:
-            running = int((~s.done[:bucket]).sum())
-            smaller = _bucket(running, _MIN_ROWS, s.rows)
-            if running == 0 or smaller < bucket:
-                self._collect(results, row_of)
+        while k < steps:
+            if (k - 1) % _SYNC_EVERY == 0:
+                running = int((~s.done[:bucket]).sum())
                 if running == 0:
                     break
-                keep = (~s.done[:bucket]).nonzero().squeeze(1)
-                s.keep(keep)
-                self._cache.swap_rows(keep)
-                s.done[running:smaller] = True
-                row_of = [row_of[i] for i in keep.tolist()] + [-1] * (smaller - running)
-                bucket = smaller
-            longest = max(lengths[r] for r in row_of if r >= 0)
+                smaller = _bucket(running, _MIN_ROWS, s.rows)
+                if smaller < bucket:  # compaction: the running rows to the front
+                    self._collect(results, row_of)
+                    keep = (~s.done[:bucket]).nonzero().squeeze(1)
+                    s.keep(keep)
+                    self._cache.swap_rows(keep)
+                    s.done[running:smaller] = True
+                    row_of = [row_of[i] for i in keep.tolist()] + [-1] * (smaller - running)
+                    bucket = smaller
+                    longest = max(lengths[r] for r in row_of if r >= 0)
             span = _bucket(longest + k, _MIN_SPAN, s.slots)
             self._step_once(bucket, span, greedy, sampler, eos, graphs)
             k += 1
+        self._collect(results, row_of)
         tokens, logprobs, counts = (t.cpu() for t in results)
         out = []
         for i in range(n):

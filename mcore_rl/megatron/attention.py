@@ -200,8 +200,10 @@ class KVCache:
                                                        device=device)
             self.values[attn.layer_number] = torch.zeros(*shape, attn.val_hidden_size,
                                                          dtype=dtype, device=device)
+        self._index = torch.arange(max(rows, slots), device=device)
         self._prefill_rows: Optional[torch.Tensor] = None
         self._positions: Optional[torch.Tensor] = None
+        self._after: Optional[torch.Tensor] = None
         self._span = 0
 
     def prefill(self, rows: torch.Tensor) -> None:
@@ -213,10 +215,11 @@ class KVCache:
         """The next forward runs one token for each of the cache rows ``0 .. B-1``, row ``r`` at
         position ``positions[r]`` (``[B]`` int64, a tensor the decoder updates in place: CUDA
         graphs replay on it); attention reads keys ``0 .. span-1`` (every position a row attends
-        to, ``positions < span``, is inside)."""
+        to, ``positions < span``, is inside). Computes the key mask of that forward's layers."""
         if not 0 < span <= self.slots:
             raise ValueError(f"KVCache.decode: span {span} outside [1, {self.slots}]")
         self._prefill_rows, self._positions, self._span = None, positions, span
+        self._after = self._index[:span] > positions[:, None]  # [B, span]: keys after the row's
 
     def swap_rows(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (``[m]`` int64), moved to rows ``0 .. m-1`` (batch compaction)."""
@@ -261,30 +264,30 @@ class CachedAttention(torch.nn.Module):
             values[:, :, :s].index_copy_(0, rows, value.permute(1, 2, 0, 3))
             return self.core(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                              attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        positions = cache._positions
-        b = query.shape[1]
-        row = torch.arange(b, device=query.device)
+        positions, b = cache._positions, query.shape[1]
+        rows = cache._index[:b]
         keys, values = keys[:b], values[:b]
-        keys[row, :, positions] = key[0]
-        values[row, :, positions] = value[0]
+        keys[rows, :, positions] = key[0]
+        values[rows, :, positions] = value[0]
         return decode_attention(query, keys[:, :, :cache._span], values[:, :, :cache._span],
-                                positions, self.core.softmax_scale)
+                                cache._after, self.core.softmax_scale)
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one query per row over that row's cached keys up to its own position.
+                     attention_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query per row over that row's cached keys.
 
     Grouped-query attention (Ainslie et al. 2023) without repeating the KV heads: the ``np / ng``
     query heads of a group (Megatron's head order: head ``h`` is in group ``h // (np / ng)``) form
     the rows of one batched matrix product with that group's keys, so each key is read once.
-    Scores in the input dtype (fp32 accumulation), softmax in fp32 (as Megatron's
-    ``DotProductAttention``), keys after a row's position masked out.
+    Scores in the input dtype (fp32 accumulation; the query scaled first), softmax in fp32 (as
+    Megatron's ``DotProductAttention``).
 
     Args:
         query: ``[1, B, np, hn]``.
         keys, values: ``[B, ng, S, hn]`` (a row's positions ``0 .. S-1``).
-        positions: ``[B]`` int64, each row's position (``< S``).
+        attention_mask: ``[B, S]`` bool, ``True`` = masked out (keys after the row's position);
+            every row keeps at least one key.
         scale: softmax scale (``1/sqrt(hn)`` unless configured).
 
     Returns:
@@ -292,11 +295,10 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """
     b, ng, s, hn = keys.shape
     np_ = query.shape[2]
-    q = query[0].reshape(b, ng, np_ // ng, hn)
-    scores = torch.matmul(q, keys.transpose(2, 3)).float() * scale  # [B, ng, np/ng, S]
-    after = torch.arange(s, device=keys.device) > positions[:, None]  # [B, S]
-    scores = scores.masked_fill(after[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    q = query[0].reshape(b, ng, np_ // ng, hn) * scale
+    scores = torch.matmul(q, keys.transpose(2, 3))  # [B, ng, np/ng, S]
+    scores = scores.masked_fill(attention_mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     return torch.matmul(probs, values).reshape(1, b, np_ * hn)
 
 

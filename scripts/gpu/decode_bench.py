@@ -70,6 +70,8 @@ def gen(base: str) -> dict:
     for name, args in GEN.items():
         extra = ["--eager-check", "64"] if name == "64x256" else []
         new = _run(["python3", script, "--skip-hf", *args, *extra], HERE, f"gen_{name}_new.log", 280)
+        if not _result(new):  # this checkout failed: no use timing the base
+            raise SystemExit(f"{script} failed on this checkout ({name}); see {OUT}/gen_{name}_new.log")
         old = _run(["python3", "scripts/gpu/megatron_generation_now.py", "--skip-hf", *args], base,
                    f"gen_{name}_base.log", 280)
         out[name] = {"base": _result(old), "new": _result(new)}
