@@ -219,7 +219,7 @@ class KVCache:
         if not 0 < span <= self.slots:
             raise ValueError(f"KVCache.decode: span {span} outside [1, {self.slots}]")
         self._prefill_rows, self._positions, self._span = None, positions, span
-        self._after = self._index[:span] > positions[:, None]  # [B, span]: keys after the row's
+        self._after = self._index[:span] > positions[:, None]  # [B, span], True: after the row
 
     def swap_rows(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (``[m]`` int64), moved to rows ``0 .. m-1`` (batch compaction)."""
