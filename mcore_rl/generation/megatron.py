@@ -102,12 +102,12 @@ def _inference_mode(model: torch.nn.Module, config):
             setattr(config, name, value)
 
 
-def _bucket(n: int, floor: int, cap: int) -> int:
-    """The smallest power of two ``>= max(n, floor)``, at most ``cap``."""
+def _bucket(n: int, floor: int, cap: Optional[int] = None) -> int:
+    """The smallest power of two ``>= max(n, floor)``, at most ``cap`` when given."""
     p = floor
     while p < n:
         p *= 2
-    return min(p, cap)
+    return p if cap is None else min(p, cap)
 
 
 class _Slots:
@@ -134,7 +134,7 @@ class _Slots:
         self.out_tokens = torch.zeros(rows, slots, **long)
         self.out_logprobs = torch.zeros(rows, slots, dtype=torch.float32, device=device)
 
-    def keep(self, index: torch.Tensor) -> None:
+    def keep_rows(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (``[m]`` int64), moved to rows ``0 .. m-1``."""
         m = index.numel()
         for name in self.PER_ROW:
@@ -217,7 +217,7 @@ class MegatronDecoder:
         for start in range(0, len(prompts), cfg.batch_size):
             chunk = prompts[start:start + cfg.batch_size]
             budgets = response_budgets(chunk, cfg.max_new_tokens, max_total_length)
-            self._reserve(_bucket(len(chunk), _MIN_ROWS, 1 << 30),
+            self._reserve(_bucket(len(chunk), _MIN_ROWS),
                           max(len(p) + b for p, b in zip(chunk, budgets)), max_total_length)
             rows = range(first_row + start, first_row + start + len(chunk))
             with _inference_mode(self.model, self.gpt.config), \
@@ -228,10 +228,11 @@ class MegatronDecoder:
 
     # ------------------------------------------------------------------ buffers
     def _reserve(self, rows: int, width: int, max_total_length: int) -> None:
-        """Buffers of at least ``rows`` rows and ``width`` slots (grown, graphs dropped)."""
+        """Buffers of at least ``rows`` rows and ``width`` slots (``width <=
+        max_total_length``); grown when smaller, which drops the graphs."""
         from mcore_rl.megatron.attention import KVCache
 
-        slots = min(-(-width // _MIN_SPAN) * _MIN_SPAN, max(max_total_length, width))
+        slots = min(-(-width // _MIN_SPAN) * _MIN_SPAN, max_total_length)
         have = self._slots
         if have is not None and have.rows >= rows and have.slots >= width:
             return
@@ -267,6 +268,7 @@ class MegatronDecoder:
     def _decode_chunk(self, prompts: List[List[int]], budgets: List[int], rows: range, seed: int,
                       greedy: bool, sampler: Sampler, graphs: bool, eos: int,
                       pad: int) -> List[Response]:
+        """Prefill and decode one chunk in slots ``0 ..`` of the buffers (module docstring)."""
         s, n = self._slots, len(prompts)
         bucket = _bucket(n, _MIN_ROWS, s.rows)
         lengths = [len(p) for p in prompts]
@@ -289,8 +291,8 @@ class MegatronDecoder:
                 if smaller < bucket:  # compaction: the running rows to the front
                     self._collect(results, row_of)
                     keep = (~s.done[:bucket]).nonzero().squeeze(1)
-                    s.keep(keep)
-                    self._cache.swap_rows(keep)
+                    s.keep_rows(keep)
+                    self._cache.keep_rows(keep)
                     s.done[running:smaller] = True
                     row_of = [row_of[i] for i in keep.tolist()] + [-1] * (smaller - running)
                     bucket = smaller

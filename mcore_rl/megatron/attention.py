@@ -221,7 +221,7 @@ class KVCache:
         self._prefill_rows, self._positions, self._span = None, positions, span
         self._after = self._index[:span] > positions[:, None]  # [B, span], True: after the row
 
-    def swap_rows(self, index: torch.Tensor) -> None:
+    def keep_rows(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (``[m]`` int64), moved to rows ``0 .. m-1`` (batch compaction)."""
         m = index.numel()
         for buffers in (self.keys, self.values):

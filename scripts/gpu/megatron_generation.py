@@ -23,7 +23,7 @@ comparison, not checked; ``--skip-hf`` leaves it out), the megatron-core and tor
 last a one-line JSON record of the figures (``RESULT {...}``). The script runs on a checkout
 without ``generation.cuda_graphs`` too (the code before CUDA-graph decoding), without
 ``--eager-check``: that is how the before/after figures of bench/RESULTS.md were taken in one call
-(scripts/gpu/decode_bench.sh).
+(scripts/gpu/decode_bench.py).
 
     python3 scripts/gpu/megatron_generation.py [--layer-spec torch] [--rollouts 64]
 """
@@ -134,14 +134,16 @@ def main() -> int:
                 group, dataclasses.replace(gen, cuda_graphs=graphs), eos_token_id=EOS,
                 pad_token_id=PAD, max_total_length=hi + args.max_new_tokens,
                 vocab_size=VOCAB).generate(subset, seed=0, greedy=True) for graphs in (True, False)}
-            rows = (greedy[True]["input_ids"] != greedy[False]["input_ids"]).any(dim=1).sum() \
-                if greedy[True]["input_ids"].shape == greedy[False]["input_ids"].shape else len(subset)
-            lp = (greedy[True]["generation_logprobs"] - greedy[False]["generation_logprobs"]).abs().max() \
-                if int(rows) == 0 else float("nan")
-            n = int(greedy[True]["response_lengths"].sum())
-            check("greedy decoding, CUDA graphs vs eager: same tokens", int(rows) == 0,
-                  f"{int(rows)} of {len(subset)} rows differ over {n} tokens; logprobs max |diff| {lp:.3g}")
-            result.update(eager_rows_differ=int(rows), eager_logprob_diff=float(lp))
+            graph_run, eager_run = greedy[True], greedy[False]
+            same_shape = graph_run["input_ids"].shape == eager_run["input_ids"].shape
+            rows = int((graph_run["input_ids"] != eager_run["input_ids"]).any(dim=1).sum()) \
+                if same_shape else len(subset)
+            lp = float((graph_run["generation_logprobs"] - eager_run["generation_logprobs"])
+                       .abs().max()) if rows == 0 else float("nan")
+            n = int(graph_run["response_lengths"].sum())
+            check("greedy decoding, CUDA graphs vs eager: same tokens", rows == 0,
+                  f"{rows} of {len(subset)} rows differ over {n} tokens; logprobs max |diff| {lp:.3g}")
+            result.update(eager_rows_differ=rows, eager_logprob_diff=lp)
 
         # The hf backend on the same weights: its throughput, for comparison.
         if args.skip_hf:
