@@ -40,12 +40,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
-from mcore_rl.config.schema import ModelArchConfig
+from mcore_rl.config.schema import MODEL_FAMILIES, ModelArchConfig
 
 _REPLICATED, _ROW, _VOCAB, _QKV, _GATE_UP = "replicated", "row", "vocab", "qkv", "gate_up"
 _EMBED = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
-_FAMILIES = ("llama", "qwen2")
 
 
 @dataclass(frozen=True)
@@ -105,8 +104,8 @@ def hf_config_to_arch(hf_config) -> ModelArchConfig:
     ``attention_bias`` (it biases o_proj too) or ``mlp_bias``.
     """
     family = getattr(hf_config, "model_type", None)
-    if family not in _FAMILIES:
-        raise ValueError(f"config model_type={family!r} is not supported (one of {_FAMILIES})")
+    if family not in MODEL_FAMILIES:
+        raise ValueError(f"config model_type={family!r} is not supported (one of {MODEL_FAMILIES})")
 
     def unsupported(field: str, value, why: str):
         raise ValueError(f"{family} config field {field}={value!r} is not supported: {why}")
@@ -163,8 +162,8 @@ def arch_to_hf_config(arch: ModelArchConfig, vocab_size: int):
     """
     from transformers import LlamaConfig, Qwen2Config
 
-    if arch.family not in _FAMILIES:
-        raise ValueError(f"model.arch.family must be one of {_FAMILIES}, got {arch.family!r}")
+    if arch.family not in MODEL_FAMILIES:
+        raise ValueError(f"model.arch.family must be one of {MODEL_FAMILIES}, got {arch.family!r}")
     if arch.qkv_bias != (arch.family == "qwen2"):
         raise ValueError(
             f"model.arch.qkv_bias={arch.qkv_bias} cannot be expressed by a {arch.family} config "
@@ -445,21 +444,24 @@ def load_hf_checkpoint(path: str | Path):
     from ``model.safetensors`` or from the shards listed in ``model.safetensors.index.json``
     (CPU tensors in the stored dtype).
 
-    Raises ``FileNotFoundError`` naming the directory when ``config.json`` or the safetensors
-    files are missing, ``ValueError`` when the shards do not hold exactly the index's names.
+    Raises ``FileNotFoundError`` naming the directory and the file when ``config.json`` or the
+    safetensors files are missing (:func:`mcore_rl.config.paths.hf_checkpoint_errors`, the
+    check config validation runs), ``ValueError`` when the shards do not hold exactly the
+    index's names.
     """
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from mcore_rl.config.paths import hf_checkpoint_errors
+
+    problems = hf_checkpoint_errors("hf_path", str(path))
+    if problems:
+        raise FileNotFoundError("; ".join(problems))
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json (model.hf_path must be an HF directory)")
     config = AutoConfig.from_pretrained(path)
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.is_file():
         return config, load_file(single)
-    if not index.is_file():
-        raise FileNotFoundError(f"{path}: neither model.safetensors nor {index.name}")
     weight_map = json.loads(index.read_text())["weight_map"]
     state_dict: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):

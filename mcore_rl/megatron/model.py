@@ -25,11 +25,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mcore_rl.config.schema import MegatronConfig, ModelArchConfig
+from mcore_rl.config.schema import LAYER_SPECS, MegatronConfig, ModelArchConfig
 
 _PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Values of ``megatron.layer_spec`` (see :func:`layer_spec`).
-LAYER_SPECS = ("local", "torch", "transformer_engine")
 
 
 def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
