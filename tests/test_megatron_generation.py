@@ -208,9 +208,10 @@ def test_controller_keeps_shared_weights_on_device_and_exports_nothing():
     metrics = colocation.refit()
     assert calls == ["offload_before_refit"]  # once, and never the weights
     assert metrics["refit/gbytes"] == 0
-    colocation.prepare_for_training()
+    colocation.prepare_for_training()  # the decoders' KV caches and graphs leave first
     colocation.prepare_for_generation()  # after a checkpoint save: the weights stay
-    assert calls == ["offload_before_refit", "prepare_for_training", "offload_before_refit"]
+    assert calls == ["offload_before_refit", "release_decoder", "prepare_for_training",
+                     "offload_before_refit"]
 
 
 def test_offload_guard(groups, eos):
@@ -218,6 +219,7 @@ def test_offload_guard(groups, eos):
     group = groups["dp2_torch"]
     backend = _megatron(group, eos)
     before = backend.generate(PROMPTS, seed=3)
+    backend.offload()  # colocated hand-over: the decoders free their buffers, made again below
     group.call("offload_before_refit")  # training state off: the weights still decode
     assert torch.equal(backend.generate(PROMPTS, seed=3)["input_ids"], before["input_ids"])
     group.call("offload_after_refit")

@@ -22,12 +22,13 @@ decode_attention`). Every tensor a step reads or writes has a fixed shape and ad
 a step is captured once as a CUDA graph and replayed (``generation.cuda_graphs``): one graph per
 (rows, attended span) bucket, rows and spans rounded up to powers of two, captured at the first
 step that needs it (that step runs eagerly on the capture stream and is the warm-up) and kept
-between ``generate`` calls while the parameters stay at their addresses. Sampling (temperature,
-top-p, per-row random streams) and the bookkeeping (eos, budgets, response buffers) are part of
-the step, so replays need no host work beyond reading how many rows still run (every
-:data:`_SYNC_EVERY` steps). When at most half the rows of a bucket still run, the batch is
-compacted into the next smaller bucket (their cache rows and states moved to the front), so rows
-that ended stop costing.
+between ``generate`` calls while the parameters stay at their addresses (a colocated run frees
+them with the KV cache before training: :meth:`MegatronGenerationBackend.offload`). Sampling
+(temperature, top-p, per-row random streams) and the bookkeeping (eos, budgets, response
+buffers) are part of the step, so replays need no host work beyond reading how many rows still
+run (every :data:`_SYNC_EVERY` steps). When at most half the rows of a bucket still run, the
+batch is compacted into the next smaller bucket (their cache rows and states moved to the
+front), so rows that ended stop costing.
 
 Why not Megatron-Core's inference engines or CUDA graphs: its static-batching KV cache keeps one
 sequence offset for the whole batch (prompt tokens past the shortest prompt were fed one position
@@ -450,6 +451,13 @@ class MegatronGenerationBackend(GenerationBackend):
         """Shared weights: the workers decode with the policy's current parameters, so nothing
         is exported or copied (``refit/gbytes`` 0)."""
         return {"refit/gbytes": 0.0}
+
+    def offload(self) -> None:
+        """Colocated (:class:`~mcore_rl.controller.colocation.Colocation`, before logprobs and
+        training): every policy worker frees its decoder's KV cache and CUDA graphs
+        (``PolicyWorker.release_decoder``); the next ``generate`` makes them again, recapturing
+        its graphs. Without colocation they stay between calls."""
+        self.policy.call("release_decoder")
 
     def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
                        group_size: int = 1) -> Iterator[FinishedGroup]:

@@ -128,11 +128,17 @@ class PolicyWorker(MegatronTrainWorker):
         return self._decoder.generate(prompts, first_row, seed, greedy, cfg, eos_token_id,
                                       pad_token_id, max_total_length)
 
-    def offload_after_refit(self) -> None:
-        """As :meth:`MegatronTrainWorker.offload_after_refit`; also frees the decoder's KV cache
-        and CUDA graphs (the device is handed over)."""
+    def release_decoder(self) -> None:
+        """Free the decoder's KV cache, row states and CUDA graphs (``MegatronDecoder.release``;
+        the next :meth:`generate` makes them again). Called by the colocated ``megatron``
+        backend before logprobs and training (``MegatronGenerationBackend.offload``)."""
         if self._decoder is not None:
             self._decoder.release()
+
+    def offload_after_refit(self) -> None:
+        """As :meth:`MegatronTrainWorker.offload_after_refit`; also frees the decoder's buffers
+        (:meth:`release_decoder`: the device is handed over)."""
+        self.release_decoder()
         super().offload_after_refit()
 
     # ------------------------------------------------------------------ reference policy
