@@ -3,18 +3,20 @@
 Runs, one at a time on one GPU, each in its own processes:
 
 - ``gen``: scripts/gpu/megatron_generation.py (parity, same-seed and offload-guard checks,
-  ``--skip-hf``) on this checkout and on ``--base`` (a checkout of the code before; the script of
-  this checkout is copied into it, so both take the same measurement), at the issue's two shapes:
-  256 rollouts x 512 new tokens in one chunk of 256, and 64 x 256 in one chunk of 64 (the
-  script's defaults; with ``--eager-check 64`` on this checkout: CUDA graphs vs eager decoding,
-  greedy, token for token).
+  ``--skip-hf``) on this checkout and, with ``--base``, on a checkout of the code before (the
+  script of this checkout is copied into it, so both take the same measurement), at the issue's
+  shapes (``--shapes``): 256 rollouts x 512 new tokens in one chunk of 256, and 64 x 256 in one
+  chunk of 64 (the script's defaults); on this checkout with ``--eager-check 64`` (CUDA graphs
+  vs eager decoding, greedy, token for token) at the first shape given.
 - ``main``: the GPU main job (configs/grpo_synthetic_gpu.yaml, ``grpo.max_steps`` from
-  ``--main-steps``) on each checkout: per-phase seconds per RL step and held-out accuracy.
+  ``--main-steps``) on this checkout and on ``--base``: per-phase seconds per RL step and
+  held-out accuracy.
 
 Logs go to ``$OUT`` (default /tmp/mcore_rl_out); the tables are printed last. Run after
 ``source scripts/gpu/env.sh`` (the carried wheels):
 
-    python3 scripts/gpu/decode_bench.py --base ../base [--parts gen main] [--main-steps 40]
+    python3 scripts/gpu/decode_bench.py [--base ../base] [--parts gen main] [--shapes 256x512]
+        [--main-steps 40]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import List, Optional
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.environ.get("OUT", "/tmp/mcore_rl_out")
@@ -63,24 +66,29 @@ def _result(text: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):]) if lines else {}
 
 
-def gen(base: str) -> dict:
+def gen(base: Optional[str], shapes: List[str]) -> dict:
     script = "scripts/gpu/megatron_generation.py"
-    shutil.copy(os.path.join(HERE, script), os.path.join(base, "scripts/gpu/megatron_generation_now.py"))
+    if base:
+        shutil.copy(os.path.join(HERE, script),
+                    os.path.join(base, "scripts/gpu/megatron_generation_now.py"))
     out = {}
-    for name, args in GEN.items():
-        extra = ["--eager-check", "64"] if name == "64x256" else []
-        new = _run(["python3", script, "--skip-hf", *args, *extra], HERE, f"gen_{name}_new.log", 280)
+    for name in shapes:
+        extra = ["--eager-check", "64"] if name == shapes[0] else []
+        new = _run(["python3", script, "--skip-hf", *GEN[name], *extra], HERE,
+                   f"gen_{name}_new.log", 280)
         if not _result(new):  # this checkout failed: no use timing the base
             raise SystemExit(f"{script} failed on this checkout ({name}); see {OUT}/gen_{name}_new.log")
-        old = _run(["python3", "scripts/gpu/megatron_generation_now.py", "--skip-hf", *args], base,
-                   f"gen_{name}_base.log", 280)
+        old = _run(["python3", "scripts/gpu/megatron_generation_now.py", "--skip-hf", *GEN[name]],
+                   base, f"gen_{name}_base.log", 280) if base else ""
         out[name] = {"base": _result(old), "new": _result(new)}
     return out
 
 
-def main_job(base: str, steps: int) -> dict:
-    out = {}
+def main_job(base: Optional[str], steps: int) -> dict:
+    out = {"base": {}}
     for which, root in (("new", HERE), ("base", base)):
+        if root is None:
+            continue
         run_dir = f"/tmp/runs/main_{which}"
         _run(["python3", "-m", "mcore_rl", "train", "--config-name", "grpo_synthetic_gpu",
               "cluster.use_ray=false", "logging.progress=false", "logging.tensorboard=false",
@@ -101,7 +109,7 @@ def _tables(results: dict) -> None:
             b, n = r["base"].get("tokens_per_s"), r["new"].get("tokens_per_s")
             ratio = f"{n / b:.2f}x" if b and n else "-"
             eager = r["new"].get("eager_rows_differ")
-            print(f"| {name} | {b} | {n} | {ratio} | {r['new'].get('max_abs')} / "
+            print(f"| {name} | {b or '-'} | {n} | {ratio} | {r['new'].get('max_abs')} / "
                   f"{r['new'].get('mean_abs')} | {r['new'].get('same_seed')} | "
                   f"{'-' if eager is None else eager == 0} |")
     if "main" in results:
@@ -117,15 +125,17 @@ def _tables(results: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", required=True, help="checkout of the code before")
+    p.add_argument("--base", help="checkout of the code before (none: this checkout alone)")
     p.add_argument("--parts", nargs="+", default=["gen", "main"], choices=["gen", "main"])
+    p.add_argument("--shapes", nargs="+", default=list(GEN), choices=list(GEN),
+                   help="gen shapes; the eager check runs at the first")
     p.add_argument("--main-steps", type=int, default=40)
     args = p.parse_args()
-    base = os.path.abspath(args.base)
+    base = os.path.abspath(args.base) if args.base else None
     os.makedirs(OUT, exist_ok=True)
     results = {}
     if "gen" in args.parts:
-        results["gen"] = gen(base)
+        results["gen"] = gen(base, args.shapes)
     if "main" in args.parts:
         results["main"] = main_job(base, args.main_steps)
     with open(os.path.join(OUT, "decode_bench.json"), "w") as f:

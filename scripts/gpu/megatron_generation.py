@@ -151,7 +151,7 @@ def main() -> int:
         hf = HFGenerationBackend(arch_to_hf_config(ARCH, VOCAB), gen, eos_token_id=EOS,
                                  pad_token_id=PAD, max_total_length=hi + args.max_new_tokens,
                                  device="cuda", dtype=torch.bfloat16)
-        hf.update_weights(group.call("get_hf_weights")[0].items())
+        hf.refit(group)
         hf.generate(prompts[:4], seed=0)  # warm-up
         start = time.perf_counter()
         hf_tokens = int(hf.generate(prompts, seed=1)["response_lengths"].sum())
