@@ -28,5 +28,15 @@ def megatron_layout_errors(megatron: MegatronConfig) -> List[str]:
 
 def megatron_config_errors(cfg: TrainConfig) -> List[str]:
     """The load-time check of ``generation.backend=megatron``: :func:`megatron_layout_errors`
-    of ``policy.megatron``."""
-    return megatron_layout_errors(cfg.policy.megatron)
+    of ``policy.megatron``; it decodes in the policy's processes, so neither
+    ``generation.num_workers`` nor ``grpo.streaming``."""
+    errors = megatron_layout_errors(cfg.policy.megatron)
+    if cfg.generation.num_workers:
+        errors.append(f"generation.backend=megatron decodes in the policy's processes: "
+                      f"generation.num_workers must be 0 (got {cfg.generation.num_workers}); "
+                      f"use generation.backend=hf")
+    if cfg.algorithm == "grpo" and cfg.grpo.streaming:
+        errors.append("generation.backend=megatron cannot stream (grpo.streaming=true): it decodes "
+                      "with the policy workers' own weights, which the streaming loop trains at "
+                      "the same time; use generation.backend=hf with generation.num_workers >= 1")
+    return errors
