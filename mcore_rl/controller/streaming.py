@@ -191,7 +191,9 @@ class StreamingGRPOTrainer(GRPOTrainer):
             version, (group,) = future.result()
         except WorkerError as e:
             self.todo.appendleft(item)
-            if worker in e.gone:
+            if worker in e.gone:  # its other calls fail too: generated again elsewhere
+                for f in [f for f, (w, _) in self.generating.items() if w == worker]:
+                    self.todo.appendleft(self.generating.pop(f)[1])
                 self.generation.drop(worker)
                 if not self.generation.alive:
                     raise StepFailed(f"RL step {self.step + 1}: every generation process is gone "
