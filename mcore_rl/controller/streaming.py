@@ -1,7 +1,8 @@
 """The streaming GRPO loop (``grpo.streaming: true``): prompt groups train as they finish.
 
 Generation runs in processes of its own (:class:`~mcore_rl.generation.remote.RemoteGeneration`,
-``generation.num_workers``), one prompt group per call, a few calls queued per process. Each
+``generation.num_workers``), a training micro-batch's worth of prompt groups per call, two
+calls queued per process. Each
 finished group comes back with ``trainer_version``, the policy version of the weights that
 generated it (the RL steps the policy had completed when they were taken). The controller
 scores it, computes its GRPO advantages (per group, so the same as over the whole batch), gives
@@ -53,7 +54,7 @@ from mcore_rl.controller.worker_group import WorkerError
 from mcore_rl.data import batch as B
 from mcore_rl.generation.base import assemble_rollout
 
-# Generation calls (one prompt group each) queued per process: one decoding, one waiting.
+# Generation calls queued per process: one decoding, one waiting.
 CALLS_PER_WORKER = 2
 
 
@@ -126,7 +127,8 @@ class StreamingGRPOTrainer(GRPOTrainer):
             raise ValueError("grpo.streaming=true needs generation.backend=hf with "
                              "generation.num_workers >= 1")
         self.todo: Deque[PromptGroup] = collections.deque()  # to generate
-        self.generating: Dict[Future, Tuple[int, PromptGroup]] = {}  # call -> (process, group)
+        # generation call -> (process, its prompt groups)
+        self.generating: Dict[Future, Tuple[int, List[PromptGroup]]] = {}
         self.ready: Deque[ScoredGroup] = collections.deque()  # finished, not trained yet
         self.batches_drawn = 0  # sampler batches drawn (the synchronous loop draws one per step)
 
@@ -134,8 +136,8 @@ class StreamingGRPOTrainer(GRPOTrainer):
     def controller_state(self) -> Dict[str, Any]:
         """:meth:`RLTrainer.controller_state` plus the prompt groups drawn but not trained yet
         (generated again after a resume, with the resumed weights)."""
-        pending = [*(sg.item for sg in self.ready), *(item for _, item in self.generating.values()),
-                   *self.todo]
+        pending = [*(sg.item for sg in self.ready),
+                   *(item for _, items in self.generating.values() for item in items), *self.todo]
         return {**super().controller_state(), "batches_drawn": self.batches_drawn,
                 "pending": [dataclasses.astuple(p) for p in pending]}
 
@@ -165,35 +167,45 @@ class StreamingGRPOTrainer(GRPOTrainer):
 
     def _dispatch(self, wanted: int) -> None:
         """Start generation calls until ``wanted`` groups are generating or finished, or every
-        live process holds :data:`CALLS_PER_WORKER` calls."""
+        live process holds :data:`CALLS_PER_WORKER` calls. A call decodes a training
+        micro-batch's worth of prompt groups (``policy.micro_batch_size`` rows, at most
+        ``generation.batch_size``; at least one group) whose rows follow each other in one
+        sampler batch."""
+        n = self.cfg.grpo.num_generations
+        per_call = max(1, min(self.cfg.policy.micro_batch_size, self.cfg.generation.batch_size) // n)
         load = {w: 0 for w in self.generation.alive}
         for w, _ in self.generating.values():
             if w in load:
                 load[w] += 1
-        n = self.cfg.grpo.num_generations
-        while len(self.ready) + len(self.generating) < wanted and load:
+        generating = sum(len(items) for _, items in self.generating.values())
+        while len(self.ready) + generating < wanted and load:
             worker = min(load, key=load.get)
             if load[worker] >= CALLS_PER_WORKER:
                 return
             if not self.todo:
                 self._draw()
-            item = self.todo.popleft()
-            prompts = [list(self.train_data.input_ids[item.prompt])] * n
-            future = self.generation.submit(worker, prompts, item.seed, n, item.first_row)
-            self.generating[future] = (worker, item)
+            items = [self.todo.popleft()]
+            while (self.todo and len(items) < min(per_call, wanted - len(self.ready) - generating)
+                   and self.todo[0].seed == items[0].seed
+                   and self.todo[0].first_row == items[-1].first_row + n):
+                items.append(self.todo.popleft())
+            prompts = [list(self.train_data.input_ids[item.prompt]) for item in items for _ in range(n)]
+            future = self.generation.submit(worker, prompts, items[0].seed, n, items[0].first_row)
+            self.generating[future] = (worker, items)
+            generating += len(items)
             load[worker] += 1
 
     def _generated(self, future: Future) -> None:
-        """A finished generation call: its group scored into :attr:`ready`; a failed one
+        """A finished generation call: its groups scored into :attr:`ready`; a failed one
         requeued (and its process dropped if it died), then :class:`_Fault`."""
-        worker, item = self.generating.pop(future)
+        worker, items = self.generating.pop(future)
         try:
-            version, (group,) = future.result()
+            version, groups = future.result()
         except WorkerError as e:
-            self.todo.appendleft(item)
+            self.todo.extendleft(reversed(items))
             if worker in e.gone:  # its other calls fail too: generated again elsewhere
                 for f in [f for f, (w, _) in self.generating.items() if w == worker]:
-                    self.todo.appendleft(self.generating.pop(f)[1])
+                    self.todo.extendleft(reversed(self.generating.pop(f)[1]))
                 self.generation.drop(worker)
                 if not self.generation.alive:
                     raise StepFailed(f"RL step {self.step + 1}: every generation process is gone "
@@ -201,17 +213,20 @@ class StreamingGRPOTrainer(GRPOTrainer):
                                      f"the last: {e}") from e
             raise _Fault(f"generation process {worker}: {e}") from e
         g = self.cfg.grpo
-        prompts = [list(self.train_data.input_ids[item.prompt])] * g.num_generations
-        rows = assemble_rollout(prompts, group.responses, self.generation.pad_token_id)
-        with self.timer.phase("reward"):
-            rewards, errors, _ = self._score(rows, [self.train_data.examples[item.prompt]] * len(prompts))
-        rows["rewards"] = rewards
-        rows["sample_mask"] = torch.ones(len(prompts))
-        adv = grpo_advantages(rewards, g.num_generations, rows["sample_mask"],
-                              normalize_std=g.normalize_std, leave_one_out=g.leave_one_out)
-        rows["advantages"] = adv[:, None] * rows["token_mask"]
-        rows["trainer_version"] = torch.full((len(prompts),), version, dtype=torch.long)
-        self.ready.append(ScoredGroup(item, version, rows, errors))
+        for group in groups:
+            item = items[group.rows.start // g.num_generations]
+            prompts = [list(self.train_data.input_ids[item.prompt])] * g.num_generations
+            rows = assemble_rollout(prompts, group.responses, self.generation.pad_token_id)
+            with self.timer.phase("reward"):
+                rewards, errors, _ = self._score(
+                    rows, [self.train_data.examples[item.prompt]] * len(prompts))
+            rows["rewards"] = rewards
+            rows["sample_mask"] = torch.ones(len(prompts))
+            adv = grpo_advantages(rewards, g.num_generations, rows["sample_mask"],
+                                  normalize_std=g.normalize_std, leave_one_out=g.leave_one_out)
+            rows["advantages"] = adv[:, None] * rows["token_mask"]
+            rows["trainer_version"] = torch.full((len(prompts),), version, dtype=torch.long)
+            self.ready.append(ScoredGroup(item, version, rows, errors))
 
     # ------------------------------------------------------------------ the step
     def rl_step(self) -> Dict[str, float]:
