@@ -42,7 +42,7 @@ import collections
 import dataclasses
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Tuple
 
 import torch
 
@@ -131,6 +131,7 @@ class StreamingGRPOTrainer(GRPOTrainer):
         self.generating: Dict[Future, Tuple[int, List[PromptGroup]]] = {}
         self.ready: Deque[ScoredGroup] = collections.deque()  # finished, not trained yet
         self.batches_drawn = 0  # sampler batches drawn (the synchronous loop draws one per step)
+        self.dropped_stale = 0  # prompt groups dropped as stale in this RL step
 
     # ------------------------------------------------------------------ checkpoints
     def controller_state(self) -> Dict[str, Any]:
@@ -239,11 +240,10 @@ class StreamingGRPOTrainer(GRPOTrainer):
         g = self.cfg.grpo
         start = time.perf_counter()
         clock = BusyClock()
-        dropped = retries = 0
+        self.dropped_stale = retries = 0
         while True:
             try:
-                fed, chunks, dropped_now = self._try_step(clock)
-                dropped += dropped_now
+                fed, chunks = self._try_step(clock)
                 break
             except _Fault as fault:
                 retries += 1
@@ -272,7 +272,7 @@ class StreamingGRPOTrainer(GRPOTrainer):
         for j in range(g.max_staleness + 1):
             metrics[f"stream/staleness_{j}"] = float(staleness.count(j))
         metrics["stream/staleness_mean"] = float(sum(staleness)) / len(staleness)
-        metrics["stream/dropped_stale"] = float(dropped)
+        metrics["stream/dropped_stale"] = float(self.dropped_stale)
         metrics["stream/step_retries"] = float(retries)
         metrics["stream/generation_workers"] = float(len(self.generation.alive))
         metrics.update(self.timer.pop())
@@ -280,10 +280,10 @@ class StreamingGRPOTrainer(GRPOTrainer):
         metrics["timing/step_s"] = time.perf_counter() - start
         return metrics
 
-    def _try_step(self, clock: BusyClock) -> Tuple[List[ScoredGroup], List[B.Batch], int]:
-        """One try of the step: begin, feed groups as they are ready, wait for every
-        micro-batch. Returns the groups trained (in feeding order), the chunks fed (with their
-        logprobs) and the groups dropped as stale.
+    def _try_step(self, clock: BusyClock) -> Tuple[List[ScoredGroup], List[B.Batch]]:
+        """One try of the step: begin, feed groups as they are ready (counting those dropped as
+        stale in :attr:`dropped_stale`), wait for every micro-batch. Returns the groups trained
+        (in feeding order) and the chunks fed (with their logprobs).
 
         Raises:
             _Fault: a policy or generation call failed: the step is aborted on every rank and
@@ -299,7 +299,6 @@ class StreamingGRPOTrainer(GRPOTrainer):
         logprobs: Dict[Future, Tuple[int, B.Batch, List[Future]]] = {}
         training: set = set()  # train_microbatch calls outstanding
         chunks: List[B.Batch] = []
-        dropped = 0
 
         def flush(d: int) -> None:
             chunk = B.concat([sg.rows for sg in buffers[d]])
@@ -315,7 +314,7 @@ class StreamingGRPOTrainer(GRPOTrainer):
                     sg = self.ready.popleft()
                     if self.step - sg.version > g.max_staleness:
                         self.todo.append(sg.item)  # generated again with newer weights
-                        dropped += 1
+                        self.dropped_stale += 1
                         continue
                     d = min(range(policy.dp_size), key=dp_rows.__getitem__)
                     buffers[d].append(sg)
@@ -330,7 +329,7 @@ class StreamingGRPOTrainer(GRPOTrainer):
                 self._dispatch(need - len(fed) + g.max_staleness * need)
                 clock.mark(bool(self.generating), bool(logprobs or training))
                 if len(fed) == need and not logprobs and not training:
-                    return fed, chunks, dropped
+                    return fed, chunks
                 done, _ = wait([*self.generating, *logprobs, *training], return_when=FIRST_COMPLETED)
                 clock.mark(bool(self.generating), bool(logprobs or training))
                 for f in done:
