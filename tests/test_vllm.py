@@ -191,6 +191,7 @@ def test_config_checked_at_load_time():
         "generation.vllm.num_engines=0": "generation.vllm.num_engines must be >= 1",
         "data.max_total_length=40": "data.max_total_length (40) <= model.arch.max_position_embeddings (32)",
         "generation.top_p=0.9": "needs generation.temperature=1 or generation.top_p=1",
+        "generation.num_workers=1": "generation.num_workers must be 0 (got 1)",
     }
     for override, message in cases.items():
         extra = ["generation.temperature=0.5"] if "top_p" in override else []

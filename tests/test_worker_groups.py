@@ -12,6 +12,7 @@ must the parameters.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 
@@ -124,3 +125,40 @@ def test_split_step_through_the_dp_group_equals_train(dp):
     again = dp.train(batch, LOSS, MBS)
     assert again == sync
     assert all(torch.equal(a, b) for a, b in zip(dp.call("local_params")[0], sync_params))
+
+
+class Bare:
+    """A worker without a model (the group's own behaviour)."""
+
+    def __init__(self, **kwargs):
+        self.rank = kwargs["rank"]
+
+    def pid(self):
+        return os.getpid()
+
+    def exit(self):
+        os._exit(3)
+
+
+def test_signals_ignored_and_a_dead_worker_fails_its_calls():
+    """SIGTERM and SIGUSR1 (preemption: the controller's to handle) leave a worker running; a
+    worker that exits fails its pending and later calls with WorkerError.gone naming it,
+    instead of hanging, and the other ranks go on."""
+    group = ProcessWorkerGroup(Bare, 2, {})
+    try:
+        pids = group.call("pid")
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            os.kill(pids[0], sig)
+        assert group.call("pid") == pids
+        dying = group.call_async("exit", ranks=[1])
+        later = group.call_async("pid", ranks=[1])
+        for f in (dying, later):
+            with pytest.raises(WorkerError, match=r"\[rank 1\]\nthe worker process is gone") as err:
+                f.result(timeout=120)
+            assert err.value.gone == {1}
+        with pytest.raises(WorkerError) as err:
+            group.call("pid")
+        assert err.value.gone == {1}
+        assert group.call_async("pid", ranks=[0]).result() == pids[:1]
+    finally:
+        group.shutdown()

@@ -246,6 +246,10 @@ class GenerationConfig:
     batch_size: int = bounded(256, ge=1)
     # Validation decoding: greedy when true.
     greedy_validation: bool = True
+    # Processes of the rollout engine's own (Ray actors, or plain processes with
+    # cluster.use_ray=false), prompt groups spread over them; 0: it runs in the controller's
+    # process. generation.backend=hf only; grpo.streaming needs >= 1.
+    num_workers: int = bounded(0, ge=0)
     # backend=megatron on CUDA with tensor parallelism 1: decode steps replayed as CUDA graphs
     # (captured per bucket of rows and attended length at first use, kept between generate
     # calls); false decodes the same steps eagerly.
@@ -344,6 +348,18 @@ class GRPOConfig:
     val_num_prompts: int = bounded(200, ge=1)
     # Validate once before the first RL step (not on a resumed run).
     val_at_start: bool = True
+    # Streaming loop (mcore_rl/controller/streaming.py): finished prompt groups are scored and
+    # trained (split train step) while the rest are still generated, by generation.num_workers
+    # processes of their own; needs optimizer_steps_per_rollout=1.
+    streaming: bool = False
+    # Streaming: how many policy versions (RL steps) a rollout's weights may lag the weights it
+    # trains: 0 is on-policy (parameters of the synchronous loop); k lets generation run up to
+    # k steps ahead. Older rollouts are dropped and their prompts generated again.
+    max_staleness: int = bounded(0, ge=0)
+    # Streaming: times an RL step is tried again after it failed (a micro-batch raised, a
+    # generation worker died): the step is aborted, its rollouts requeued; 0 stops the run
+    # with the error at the first failure.
+    max_step_retries: int = bounded(2, ge=0)
 
 
 @dataclass

@@ -61,12 +61,22 @@ class GRPOTrainer(RLTrainer):
         return metrics
 
 
+def trainer_class(cfg: TrainConfig):
+    """:class:`GRPOTrainer`, or with ``grpo.streaming`` the streaming loop's
+    (:class:`~mcore_rl.controller.streaming.StreamingGRPOTrainer`)."""
+    if cfg.grpo.streaming:
+        from mcore_rl.controller.streaming import StreamingGRPOTrainer
+
+        return StreamingGRPOTrainer
+    return GRPOTrainer
+
+
 def run(cfg: TrainConfig) -> Dict[str, Any]:
     """``mcore-rl train`` with ``algorithm: grpo``: build, train, print the summary. Returns
     the summary dict."""
-    return run_trainer(GRPOTrainer, cfg)
+    return run_trainer(trainer_class(cfg), cfg)
 
 
 def evaluate(cfg: TrainConfig) -> Dict[str, Any]:
     """``mcore-rl eval`` with ``algorithm: grpo``: :meth:`RLTrainer.evaluate`, printed."""
-    return run_eval(GRPOTrainer, cfg)
+    return run_eval(trainer_class(cfg), cfg)

@@ -312,11 +312,22 @@ class RLTrainer:
         with ``checkpoint.async_save`` completed later, see :class:`CheckpointManager`);
         returns the step directory."""
         self.colocation.prepare_for_training()
-        path = self.checkpoints.save(self.step, {
-            "step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
-            "history": self.history})
+        path = self.checkpoints.save(self.step, self.controller_state())
         self.colocation.prepare_for_generation()
         return path
+
+    def controller_state(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of the controller (JSON-serializable): the RL step, the
+        prompt sampler, whether the warm start ran, the validation history."""
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
+                "history": self.history}
+
+    def load_controller_state(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`controller_state`."""
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.sft_done = state["sft_done"]
+        self.history = state["history"]
 
     def resume(self, path: str, warn_schedule: bool = True) -> str:
         """Load a checkpoint directory (or ``"latest"``); returns the directory loaded. Each
@@ -332,10 +343,7 @@ class RLTrainer:
                 loads.
         """
         path, state = self.checkpoints.load(path, warn_schedule)
-        self.step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
-        self.sft_done = state["sft_done"]
-        self.history = state["history"]
+        self.load_controller_state(state)
         return path
 
     def _checkpoint_for_preemption(self, signal_name: str) -> Preempted:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import threading
 import traceback
@@ -48,7 +49,15 @@ def free_port() -> int:
 
 class WorkerError(RuntimeError):
     """A worker method raised (the message carries the rank and the remote traceback), or a
-    worker is gone."""
+    worker is gone.
+
+    Attributes:
+        gone: the ranks whose process (or Ray actor) is gone, as opposed to having raised.
+    """
+
+    def __init__(self, message: str, gone: Sequence[int] = ()):
+        super().__init__(message)
+        self.gone = frozenset(gone)
 
 
 def then(future: Future, fn: Callable[[Any], Any]) -> Future:
@@ -75,23 +84,29 @@ class _Gather:
         self._ranks = list(ranks)
         self._results: List[Any] = [None] * len(self._ranks)
         self._errors: Dict[int, str] = {}
+        self._gone: List[int] = []
         self._left = len(self._ranks)
         self._lock = threading.Lock()
         if not self._ranks:
             self.future.set_result([])
 
-    def put(self, slot: int, ok: bool, value: Any) -> None:
+    def put(self, slot: int, ok: bool, value: Any, gone: bool = False) -> None:
+        """The answer of the rank in ``slot``: its result (``ok``) or its error text; ``gone``:
+        the rank's process is gone."""
         with self._lock:
             if ok:
                 self._results[slot] = value
             else:
                 self._errors[self._ranks[slot]] = value
+                if gone:
+                    self._gone.append(self._ranks[slot])
             self._left -= 1
             if self._left:
                 return
         if self._errors:
             self.future.set_exception(WorkerError(
-                "\n".join(f"[rank {r}]\n{e}" for r, e in sorted(self._errors.items()))))
+                "\n".join(f"[rank {r}]\n{e}" for r, e in sorted(self._errors.items())),
+                gone=self._gone))
         else:
             self.future.set_result(self._results)
 
@@ -139,6 +154,11 @@ class _Host:
 
 
 def _process_main(conn, worker_cls, kwargs, env):
+    # Preemption (SIGTERM, SIGUSR1: a job scheduler's notice, sent to the whole process group)
+    # is the controller's to handle (mcore_rl.controller.preemption): it finishes its step and
+    # saves, which needs the workers alive.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     os.environ.update(env)
     try:
         host = _Host(worker_cls, kwargs)
@@ -200,6 +220,9 @@ class ProcessWorkerGroup(_Group):
             # exits when its pipe closes, so it does not outlive the controller.
             p = ctx.Process(target=_process_main, args=(child, worker_cls, kw, env), daemon=False)
             p.start()
+            # The child's end is the child's: held open here too, a dead child's pipe would
+            # never report EOF to recv (a call on a dead worker would wait forever).
+            child.close()
             self._conns.append(parent)
             self._procs.append(p)
             self._waiting[rank].put((built, rank))
@@ -227,8 +250,10 @@ class ProcessWorkerGroup(_Group):
             try:
                 status, value = self._conns[rank].recv()
             except (EOFError, OSError):
-                status, value = "error", (f"the worker process is gone (exit code "
-                                          f"{self._procs[rank].exitcode})")
+                self._procs[rank].join(timeout=5)
+                gather.put(slot, False, f"the worker process is gone (exit code "
+                                        f"{self._procs[rank].exitcode})", gone=True)
+                continue
             gather.put(slot, status == "ok", value)
 
     def call_each_async(self, method: str, args_per_rank: Sequence[Sequence[Any]],
@@ -240,7 +265,7 @@ class ProcessWorkerGroup(_Group):
                 try:
                     self._conns[r].send((method, tuple(args_per_rank[slot]), kwargs))
                 except (BrokenPipeError, OSError) as e:
-                    gather.put(slot, False, f"the worker process is gone: {e!r}")
+                    gather.put(slot, False, f"the worker process is gone: {e!r}", gone=True)
                     continue
                 self._waiting[r].put((gather, slot))
         return gather.future
@@ -304,11 +329,12 @@ class RayWorkerGroup(_Group):
         return gather.future
 
     def _outcome(self, f: Future):
-        """``(ok, value)`` of one actor call's future (Ray's task and actor errors as text)."""
+        """``(ok, value, gone)`` of one actor call's future (Ray's task and actor errors as
+        text; ``gone``: the actor died)."""
         try:
-            return True, f.result()
+            return True, f.result(), False
         except self._ray.exceptions.RayError as e:  # a raising method, a dead actor, ...
-            return False, str(e)
+            return False, str(e), isinstance(e, self._ray.exceptions.RayActorError)
 
     def shutdown(self) -> None:
         try:

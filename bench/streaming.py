@@ -1,0 +1,98 @@
+"""Wall time per RL step of the streaming GRPO loop against the synchronous one, on the CPU;
+prints one markdown table.
+
+Each mode builds a trainer of the default synthetic run (``configs/grpo_synthetic.yaml``: 32
+prompts x 8 responses per step, the ~0.9M-parameter model, one policy process) with plain
+processes (no Ray), skips validation and checkpoints, runs ``--steps`` RL steps and reports the
+wall time per step after the first (warm-up): the time between the ends of steps, so
+generation that a streaming step leaves running for the next one is counted. For the streaming
+modes the per-phase split of that time is the loop's own (``timing/generation_busy_s``,
+``timing/trainer_busy_s``, ``timing/overlap_s``, ``timing/idle_s``: wall seconds with
+generation calls outstanding, policy calls outstanding, both, neither) and the staleness
+histogram.
+
+    python bench/streaming.py --steps 8 [--sft-steps 0] [--modes sync,stream0,stream1]
+
+No warm start by default (``--sft-steps``): the timing does not depend on the rewards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mcore_rl.config.loader import load_config  # noqa: E402
+from mcore_rl.controller.grpo import trainer_class  # noqa: E402
+
+MODES = {
+    "sync": ("synchronous, hf in the controller's process", []),
+    "sync1": ("synchronous, hf in 1 process of its own", ["generation.num_workers=1"]),
+    "stream0": ("streaming, max_staleness=0", ["grpo.streaming=true", "generation.num_workers=1",
+                                               "grpo.max_staleness=0"]),
+    "stream1": ("streaming, max_staleness=1", ["grpo.streaming=true", "generation.num_workers=1",
+                                               "grpo.max_staleness=1"]),
+}
+PHASES = ("generation_busy", "trainer_busy", "overlap", "idle")
+
+
+def bench(mode: str, steps: int, sft_steps: int, out: str) -> Dict[str, float]:
+    """Seconds per RL step (after the first) of one mode, and the streaming loop's phases."""
+    cfg = load_config("grpo_synthetic", MODES[mode][1] + [
+        "cluster.use_ray=false", f"sft.steps={sft_steps}", f"grpo.max_steps={steps}",
+        "grpo.val_every=0", "grpo.val_at_start=false", "checkpoint.save_final=false",
+        "logging.progress=false", f"run.output_dir={out}"])
+    trainer = trainer_class(cfg)(cfg)
+    try:
+        trainer.refit()
+        ends: List[float] = []
+        metrics = []
+        for _ in range(steps):
+            metrics.append(trainer.rl_step())
+            trainer.step += 1
+            ends.append(time.perf_counter())
+    finally:
+        trainer.close()
+    per_step = [b - a for a, b in zip(ends[:-1], ends[1:])]
+    row = {"mean": statistics.mean(per_step), "median": statistics.median(per_step)}
+    for p in PHASES:
+        if f"timing/{p}_s" in metrics[-1]:
+            row[p] = statistics.mean(m[f"timing/{p}_s"] for m in metrics[1:])
+    stale = [k for k in metrics[-1] if k.startswith("stream/staleness_") and k[-1].isdigit()]
+    if stale:
+        row["staleness"] = " / ".join(f"{sum(m[k] for m in metrics[1:]):g}" for k in sorted(stale))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--sft-steps", type=int, default=0)
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes.split(","):
+            rows[mode] = bench(mode, args.steps, args.sft_steps, os.path.join(tmp, mode))
+            print(f"{mode}: {rows[mode]}", file=sys.stderr, flush=True)
+    base = rows.get("sync", {}).get("mean")
+    print(f"{args.steps} RL steps per mode (the first not counted), load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end\n")
+    print("| loop | s/step mean | median | vs sync | generation busy | trainer busy | overlap "
+          "| idle | groups at staleness 0 / 1 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for mode, r in rows.items():
+        phases = " | ".join(f"{r[p]:.2f}" if p in r else "" for p in PHASES)
+        rel = f"{r['mean'] / base:.2f}x" if base else ""
+        print(f"| {MODES[mode][0]} | {r['mean']:.2f} | {r['median']:.2f} | {rel} | {phases} | "
+              f"{r.get('staleness', '')} |")
+
+
+if __name__ == "__main__":
+    main()
