@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 import mcore_rl
+from mcore_rl.algorithms import registry as algorithm_registry
 from mcore_rl.config import checks
 from mcore_rl.config.checks import ConfigError
 from mcore_rl.config.paths import file_problem, hf_checkpoint_errors, tokenizer_dir_error
@@ -299,6 +300,7 @@ def validate(cfg: TrainConfig) -> None:
 
     gen, data, grpo = cfg.generation, cfg.data, cfg.grpo
     errors += generation_registry.config_errors(cfg)
+    errors += algorithm_registry.config_errors(cfg)
     check(data.max_prompt_length + gen.max_new_tokens <= data.max_total_length,
           f"data.max_prompt_length + generation.max_new_tokens ({data.max_prompt_length} + "
           f"{gen.max_new_tokens}) must be <= data.max_total_length ({data.max_total_length})")
