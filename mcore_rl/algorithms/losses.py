@@ -1,5 +1,6 @@
-"""Training losses: clipped policy gradient with asymmetric and dual clip, truncated importance
-weights and a KL penalty; the token negative log-likelihood for supervised warm starts; the
+"""Training losses: clipped policy gradient with asymmetric and dual clip, truncated and masked
+importance weights, a KL penalty and the field's loss aggregations, with token ratios (PPO-clip)
+or GSPO's sequence ratio; the token negative log-likelihood for supervised warm starts; the
 clipped value (critic) loss of PPO. All return raw sums so the worker can form the exact global
 mean.
 
