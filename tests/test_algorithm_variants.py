@@ -241,3 +241,33 @@ def test_bad_combinations_fail_at_load_time(sections, expected):
     with pytest.raises(ConfigError) as info:
         validate(config(**sections))
     assert str(info.value) == f"invalid config: {expected}"
+
+
+# --------------------------------------------------------------------------- the GRPO loop
+
+@pytest.mark.slow
+def test_dapo_gspo_reinforce_plus_plus_and_mis_run_in_the_grpo_loop(tmp_path):
+    """Every new path of the GRPO step at once, two RL steps of a tiny run: dynamic sampling
+    with its cap, the overlong penalty and filtering, REINFORCE++ with the KL in the reward (a
+    reference policy), GSPO's loss and sequence MIS."""
+    from mcore_rl.config.loader import load_config
+    from mcore_rl.controller.grpo import run
+    from mcore_rl.utils.logging import read_metrics
+
+    run(load_config("dapo_synthetic", [
+        "cluster.use_ray=false", "logging.progress=false", "logging.tensorboard=false",
+        "grpo.num_prompts_per_step=4", "grpo.num_generations=4", "grpo.max_steps=2",
+        "grpo.val_every=0", "grpo.val_at_start=false", "sft.steps=5", "sft.batch_size=16",
+        "data.synthetic.max_value=4", "data.synthetic.num_train=20", "data.synthetic.num_test=5",
+        "policy.micro_batch_size=8", "checkpoint.save_final=false",
+        "grpo.dynamic_sampling_max_tries=2", "grpo.overlong_filtering=true",
+        "grpo.advantage_estimator=reinforce_plus_plus", "grpo.reward_kl_coef=0.05",
+        "loss.name=gspo", "loss.importance_mask=sequence", f"run.output_dir={tmp_path}"]))
+    steps = read_metrics(tmp_path)
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert 1 <= r["train/dynamic_sampling_tries"] <= 2
+        assert r["train/dynamic_sampling_filled"] <= 4 * (r["train/dynamic_sampling_tries"] == 2)
+        assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0
+        assert r["train/is_weight_max"] > 0 and 0 <= r["train/is_masked_fraction"] <= 1
+        assert r["train/kl"] >= 0
