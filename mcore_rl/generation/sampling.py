@@ -14,7 +14,8 @@ Randomness: row ``r`` of a ``generate`` call (its index among the call's prompts
 sampling (the inversion method, Devroye 1986, "Non-Uniform Random Variate Generation", ch. II.2:
 the token whose cumulative-probability interval holds the uniform). Rollouts therefore depend only on the seed,
 the prompts and the logits: not on ``generation.batch_size``, on how rows are split over
-data-parallel ranks, or on the backend.
+data-parallel ranks, or on the backend (among those sampling with :class:`Sampler`; the ``vllm``
+backend gives each row's request the seed :func:`row_seed` and samples with vLLM's own method).
 """
 
 from __future__ import annotations
@@ -33,12 +34,25 @@ from mcore_rl.config.schema import GenerationConfig
 _SEED_MULTIPLIER = 2654435761
 
 
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row``'s random stream in a ``generate`` call seeded with ``seed``:
+    ``(seed * 2654435761 + row) mod 2**32`` (the ``vllm`` backend hands it to the engine as the
+    request's seed).
+
+    Raises:
+        ValueError: ``row`` outside ``[0, 2**32)``.
+    """
+    if not 0 <= row < 2**32:
+        raise ValueError(f"row_seed: row index {row} outside [0, 2**32)")
+    return (int(seed) * _SEED_MULTIPLIER + int(row)) % 2**32
+
+
 def row_uniforms(seed: int, rows: Sequence[int], steps: int,
                  device: torch.device | str = "cpu") -> torch.Tensor:
     """The uniform streams of ``rows``: ``[len(rows), steps]`` float32 in ``[0, 1)`` on ``device``.
 
     Row ``r``'s stream is ``torch.rand(steps)`` from a generator seeded with
-    ``(seed * 2654435761 + r) mod 2**32``, so distinct rows of one seed never share a stream
+    :func:`row_seed` ``(seed, r)``, so distinct rows of one seed never share a stream
     (for ``r < 2**32``) and a prefix of ``steps`` is the same whatever ``steps`` is.
 
     Raises:
@@ -49,9 +63,7 @@ def row_uniforms(seed: int, rows: Sequence[int], steps: int,
     out = torch.empty((len(rows), steps), dtype=torch.float32, device=device)
     generator = torch.Generator(device=device)
     for i, row in enumerate(rows):
-        if not 0 <= row < 2**32:
-            raise ValueError(f"row_uniforms: row index {row} outside [0, 2**32)")
-        generator.manual_seed((int(seed) * _SEED_MULTIPLIER + int(row)) % 2**32)
+        generator.manual_seed(row_seed(seed, row))
         out[i] = torch.rand(steps, generator=generator, device=device)
     return out
 

