@@ -218,14 +218,36 @@ def test_clipped_pg_token_hand_values_and_metrics():
     assert all(not v.requires_grad for v in metrics.values())
 
 
-def test_clipped_pg_sequence_normalization():
+@pytest.mark.parametrize("aggregation, expected", [
+    # Per-token losses: row 0 [-1.3, 0.8, 6, -2.2] (sum 3.3, 4 tokens), row 2 [-0.5, 1.2]
+    # (sum 0.7, 2 tokens); the worker divides by the 2 valid sequences.
+    ("seq-mean-token-mean", 3.3 / 4 + 0.7 / 2),
+    ("seq-mean-token-sum", 3.3 + 0.7),
+    ("seq-mean-token-sum-norm", (3.3 + 0.7) / 5),    # Dr. GRPO: / max_response_length = 5
+])
+def test_clipped_pg_sequence_aggregations(aggregation, expected):
     logprobs, batch = hand_batch()
-    fn = ClippedPGLoss(loss_config(normalization="sequence"))
+    fn = ClippedPGLoss(loss_config(aggregation=aggregation), max_response_length=5)
     loss_sum, count, metrics = fn(logprobs, batch)
-    close(loss_sum, 3.3 / 4 + 0.7 / 2)
+    close(loss_sum, expected)
     close(count, 2.0)
     assert fn.loss_type == "sequence" and fn.metric_kinds["pg_loss"] == "sequences"
     close(metrics["num_valid_tokens"], 6.0)
+
+
+def test_dr_grpo_aggregation_gradient_is_length_independent():
+    # seq-mean-token-sum-norm: every unclipped token's gradient is -A r / L_max, whatever its
+    # response's length (seq-mean-token-mean divides row 0 by 4 and row 2 by 2 instead).
+    logprobs, batch = hand_batch()
+    logprobs.requires_grad_(True)
+    fn = ClippedPGLoss(loss_config(aggregation="seq-mean-token-sum-norm"), max_response_length=5)
+    (grad,) = torch.autograd.grad(fn(logprobs, batch)[0], logprobs)
+    expected = torch.zeros(4, 6)
+    expected[0, 4] = -2.2 / 5
+    expected[2, 2], expected[2, 3] = -0.5 / 5, 1.2 / 5
+    close(grad, expected)
+    with pytest.raises(ValueError, match="max_response_length"):
+        ClippedPGLoss(loss_config(aggregation="seq-mean-token-sum-norm"))
 
 
 def test_clipped_pg_without_dual_clip():
@@ -282,7 +304,7 @@ def test_clipped_pg_gradient_hand_values():
     # Sequence type divides row 0 by its 4 tokens and row 2 by 2.
     logprobs, batch = hand_batch()
     logprobs.requires_grad_(True)
-    fn = ClippedPGLoss(loss_config(normalization="sequence"))
+    fn = ClippedPGLoss(loss_config(aggregation="seq-mean-token-mean"))
     (grad,) = torch.autograd.grad(fn(logprobs, batch)[0], logprobs)
     expected = torch.zeros(4, 6)
     expected[0, 4] = -2.2 / 4
@@ -310,33 +332,41 @@ def test_clipped_pg_gradient_with_kl_against_formula():
     close(grad, expected)
 
 
-def python_reference_loss(logprobs, batch, cfg):
-    """Plain-Python loop of the per-token loss; returns (token_sum, seq_sum, tokens, seqs)."""
+def python_reference_loss(logprobs, batch, cfg, max_length=5):
+    """Plain-Python loop of the per-token loss (token ratios, truncated and masked importance
+    weights, dual clip, k3 KL); returns {aggregation: (loss_sum, count)}."""
     lp, old, adv = logprobs.tolist(), batch["prev_logprobs"].tolist(), batch["advantages"].tolist()
     gen, ref = batch["generation_logprobs"].tolist(), batch["reference_logprobs"].tolist()
     tm, sm = batch["token_mask"].tolist(), batch["sample_mask"].tolist()
-    token_sum = seq_sum = 0.0
+    sums = dict.fromkeys(("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                          "seq-mean-token-sum-norm"), 0.0)
     tokens = seqs = 0
     for b in range(len(lp)):
+        ts = [t for t in range(1, len(lp[b])) if tm[b][t] and sm[b]]
+        seq_weight = math.exp(sum(old[b][t] - gen[b][t] for t in ts))
         row = []
-        for t in range(1, len(lp[b])):
-            if not (tm[b][t] and sm[b]):
-                continue
+        for t in ts:
             r = math.exp(lp[b][t] - old[b][t])
             a = adv[b][t]
             loss = max(-a * r, -a * min(max(r, 1 - cfg.ratio_clip_low), 1 + cfg.ratio_clip_high))
             if a < 0:
                 loss = min(loss, -a * cfg.dual_clip)
-            loss *= min(math.exp(old[b][t] - gen[b][t]), cfg.importance_ratio_cap)
+            w = math.exp(old[b][t] - gen[b][t])
+            tested = {"token": w, "sequence": seq_weight}.get(cfg.importance_mask)
+            if tested is not None and not cfg.importance_mask_low <= tested <= cfg.importance_mask_high:
+                loss = 0.0
+            loss *= min(w, cfg.importance_ratio_cap)
             log_r = ref[b][t] - lp[b][t]
             loss += cfg.kl_coef * (math.exp(log_r) - 1 - log_r)
             row.append(loss)
-        token_sum += sum(row)
+        sums["token-mean"] += sum(row)
+        sums["seq-mean-token-sum"] += sum(row)
+        sums["seq-mean-token-sum-norm"] += sum(row) / max_length
         tokens += len(row)
         if row:
-            seq_sum += sum(row) / len(row)
+            sums["seq-mean-token-mean"] += sum(row) / len(row)
             seqs += 1
-    return token_sum, seq_sum, tokens, seqs
+    return {k: (v, tokens if k == "token-mean" else seqs) for k, v in sums.items()}
 
 
 def random_batch(seed, rows=7, width=8):
@@ -357,24 +387,30 @@ def random_batch(seed, rows=7, width=8):
     return logprobs, batch
 
 
-@pytest.mark.parametrize("normalization", ["token", "sequence"])
-def test_clipped_pg_random_against_python_loop(normalization):
-    cfg = loss_config(normalization=normalization, dual_clip=1.5, importance_ratio_cap=1.2,
-                      kl_coef=0.05, kl_estimator="k3")
-    fn = ClippedPGLoss(cfg)
+AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+@pytest.mark.parametrize("mis", [None, "token", "sequence"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_clipped_pg_random_against_python_loop(aggregation, mis):
+    cfg = loss_config(aggregation=aggregation, dual_clip=1.5, importance_ratio_cap=1.2,
+                      kl_coef=0.05, kl_estimator="k3", importance_mask=mis,
+                      importance_mask_low=0.7, importance_mask_high=1.3)
+    fn = ClippedPGLoss(cfg, max_response_length=5)
     for seed in range(3):
         logprobs, batch = random_batch(seed)
-        token_sum, seq_sum, tokens, seqs = python_reference_loss(logprobs, batch, cfg)
         loss_sum, count, _ = fn(logprobs, batch)
-        close(loss_sum, token_sum if normalization == "token" else seq_sum)
-        close(count, tokens if normalization == "token" else seqs)
+        expected_sum, expected_count = python_reference_loss(logprobs, batch, cfg)[aggregation]
+        close(loss_sum, expected_sum)
+        close(count, expected_count)
 
 
-@pytest.mark.parametrize("normalization", ["token", "sequence"])
-def test_clipped_pg_microbatches_give_exact_global_mean(normalization):
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_clipped_pg_microbatches_give_exact_global_mean(aggregation):
     # Sum of loss_sum over microbatches / sum of counts == whole-batch loss_sum / count,
     # and so are the gradients.
-    fn = ClippedPGLoss(loss_config(normalization=normalization, kl_coef=0.1))
+    fn = ClippedPGLoss(loss_config(aggregation=aggregation, kl_coef=0.1, importance_mask="token"),
+                       max_response_length=5)
     logprobs, batch = random_batch(seed=5, rows=9)
     logprobs.requires_grad_(True)
     whole_sum, whole_count, whole_metrics = fn(logprobs, batch)
@@ -384,7 +420,8 @@ def test_clipped_pg_microbatches_give_exact_global_mean(normalization):
     close(total_count, whole_count)
     close(total_sum / total_count, whole_sum / whole_count)
     for key in whole_metrics:
-        close(sum(p[2][key] for p in parts), whole_metrics[key])
+        combine = max if fn.metric_kinds[key] == "max" else sum
+        close(combine(p[2][key] for p in parts), whole_metrics[key])
     (g_parts,) = torch.autograd.grad(total_sum / total_count, logprobs)
     (g_whole,) = torch.autograd.grad(whole_sum / whole_count, logprobs)
     close(g_parts, g_whole)
@@ -403,8 +440,10 @@ def test_clipped_pg_errors():
         ClippedPGLoss(loss_config(kl_coef=0.1))(logprobs, batch)
     with pytest.raises(ValueError, match="loss.kl_estimator"):
         ClippedPGLoss(loss_config(kl_estimator="k5"))
-    with pytest.raises(ValueError, match="loss.normalization"):
-        ClippedPGLoss(loss_config(normalization="tokens"))
+    with pytest.raises(ValueError, match="loss.aggregation"):
+        ClippedPGLoss(loss_config(aggregation="token"))
+    with pytest.raises(ValueError, match="loss.importance_mask"):
+        ClippedPGLoss(loss_config(importance_mask="row"))
     with pytest.raises(ValueError, match="loss.dual_clip"):
         ClippedPGLoss(loss_config(dual_clip=0.9))
     with pytest.raises(ValueError, match="loss.ratio_clip_low"):
@@ -432,3 +471,70 @@ def test_nll_loss():
     for b, t in valid:
         expected[b, t] = -1.0
     close(grad, expected)
+
+
+# --------------------------------------------------------------------------- importance weights
+
+def mismatched_hand_batch():
+    """hand_batch with generation logprobs: weights exp(old - gen) of row 0 t=1..4 are
+    3, 0.5, 1, 1 and of row 2 t=2..3 are 1, 0.5; the dropped row 1 holds garbage."""
+    logprobs, batch = hand_batch()
+    gen = batch["prev_logprobs"].clone()
+    gen[0, 1] -= math.log(3.0)
+    gen[0, 2] += math.log(2.0)
+    gen[2, 3] += math.log(2.0)
+    gen[1] = 1e4
+    batch["generation_logprobs"] = gen
+    return logprobs, batch
+
+
+@pytest.mark.parametrize("mis, loss, masked", [
+    # Per-token losses -1.3, 0.8, 6, -2.2 | -0.5, 1.2 (token sum 4.0).
+    (None, 4.0, 0.0),
+    # Token MIS keeps weights in [0.6, 2]: drops row 0 t=1 (3), t=2 (0.5), row 2 t=3 (0.5).
+    ("token", 6 - 2.2 - 0.5, 3.0),
+    # Sequence MIS: row 0's weight 3 * 0.5 * 1 * 1 = 1.5 is kept, row 2's 0.5 is not.
+    ("sequence", -1.3 + 0.8 + 6 - 2.2, 2.0),
+])
+def test_masked_importance_sampling_hand_values_and_statistics(mis, loss, masked):
+    logprobs, batch = mismatched_hand_batch()
+    fn = ClippedPGLoss(loss_config(importance_mask=mis, importance_mask_low=0.6,
+                                   importance_mask_high=2.0))
+    loss_sum, count, metrics = fn(logprobs, batch)
+    close(loss_sum, loss)
+    close(count, 6.0)                                  # masked tokens keep their place in N
+    close(metrics["is_weight_mean"], 3 + 0.5 + 1 + 1 + 1 + 0.5)   # raw sum over 6 tokens
+    close(metrics["is_weight_max"], 3.0)               # the dropped row's garbage is ignored
+    close(metrics["is_masked_fraction"], masked)
+    close(metrics["is_truncated_fraction"], 0.0)
+    assert fn.metric_kinds["is_weight_max"] == "max"
+    assert fn.metric_kinds["is_masked_fraction"] == "tokens"
+
+
+def test_truncated_and_masked_importance_sampling_together():
+    # Token MIS in [0.4, 4] keeps every weight; TIS caps row 0 t=1's 3 at 2: the cap test's 1.7.
+    logprobs, batch = mismatched_hand_batch()
+    fn = ClippedPGLoss(loss_config(importance_ratio_cap=2.0, importance_mask="token",
+                                   importance_mask_low=0.4, importance_mask_high=4.0))
+    loss_sum, _, metrics = fn(logprobs, batch)
+    close(loss_sum, 1.7)
+    close(metrics["is_truncated_fraction"], 1.0)
+    close(metrics["is_masked_fraction"], 0.0)
+
+
+def test_on_policy_importance_weights_are_one():
+    # generation == prev: every weight is 1, so TIS and MIS leave the loss and gradient alone.
+    logprobs, batch = hand_batch()
+    batch["generation_logprobs"] = batch["prev_logprobs"].clone()
+    plain = ClippedPGLoss(loss_config())
+    corrected = ClippedPGLoss(loss_config(importance_ratio_cap=1.0, importance_mask="sequence",
+                                          importance_mask_low=1.0, importance_mask_high=1.0))
+    lp = logprobs.clone().requires_grad_(True)
+    (g_plain,) = torch.autograd.grad(plain(lp, batch)[0], lp)
+    loss_sum, _, metrics = corrected(lp, batch)
+    (g_corrected,) = torch.autograd.grad(loss_sum, lp)
+    close(loss_sum, 4.0)
+    close(g_corrected, g_plain)
+    close(metrics["is_weight_mean"], 6.0)
+    close(metrics["is_weight_max"], 1.0)
+    close(metrics["is_masked_fraction"] + metrics["is_truncated_fraction"], 0.0)

@@ -137,9 +137,9 @@ def test_reference_lists_every_key_with_type_default_and_comment():
     assert keys["cluster.ray_address"].type == "str or null"
     assert keys["cluster.ray_address"].default == "null"
     # a comment over two lines, joined
-    assert keys["loss.normalization"].meaning == (
-        '"token": divide by valid tokens of the global batch; "sequence": per-sequence token '
-        'mean, divided by valid sequences.')
+    assert keys["grpo.dynamic_sampling_max_tries"].meaning == (
+        "Generation rounds per RL step with dynamic_sampling; when they run out, the batch is "
+        "filled with dropped groups (zero advantage) and train/dynamic_sampling_filled counts them.")
     # comment at the end of the line
     assert keys["model.arch.family"].meaning == '"llama" or "qwen2"'
     # defaults as typed in an override

@@ -60,7 +60,7 @@ GRADIENT_RTOL = (1e-5, 1e-4)
 # in magnitude at every step (100 x Adam's eps; see the module docstring).
 WELL_CONDITIONED = 100 * OptimizerConfig().adam_eps
 TOKEN_LOSS = ClippedPGLoss(LossConfig(kl_coef=0.0))
-SEQUENCE_LOSS = ClippedPGLoss(LossConfig(normalization="sequence", kl_coef=0.05))
+SEQUENCE_LOSS = ClippedPGLoss(LossConfig(aggregation="seq-mean-token-mean", kl_coef=0.05))
 
 
 class FailOnFlag(ClippedPGLoss):

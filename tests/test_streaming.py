@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from mcore_rl.algorithms.losses import ClippedPGLoss
+from mcore_rl.algorithms.registry import build_policy_loss
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.controller.grpo import GRPOTrainer
 from mcore_rl.controller.streaming import StepFailed, StreamingGRPOTrainer
@@ -250,7 +251,7 @@ def test_microbatch_fault_retries_or_stops(dp2, tmp_path):
         dp2.steps(2)  # the step is closed on every rank: the run can go on
         _assert_same_updates(dp2, dp2.weights(), dp2.sync_weights)
     finally:
-        t.loss_fn = ClippedPGLoss(t.cfg.loss)
+        t.loss_fn = build_policy_loss(t.cfg)
         t.cfg.grpo.max_step_retries = 2
 
 
@@ -275,6 +276,8 @@ def test_generation_process_dies_mid_step(dp2):
     (["generation.backend=vllm"], "the streaming loop does not drive vLLM engines yet"),
     (["grpo.optimizer_steps_per_rollout=2"], "needs grpo.optimizer_steps_per_rollout=1"),
     (["cluster.colocate_generation=true"], "needs cluster.colocate_generation=false"),
+    (["grpo.advantage_estimator=reinforce_plus_plus"], "needs a per-group grpo.advantage_estimator"),
+    (["grpo.dynamic_sampling=true"], "cannot use grpo.dynamic_sampling"),
 ])
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,5 +1,5 @@
 """Advantage estimators: GRPO group statistics (with the RLOO and Dr. GRPO variants), GAE,
-and masked whitening.
+REINFORCE++'s globally whitened reward-to-go, and masked whitening.
 
 Conventions (``DESIGN.md``): tensors are ``[B]`` per sample or ``[B, S]`` per token, float32;
 ``mask`` is 1 on response tokens; a sample with ``sample_mask = 0`` is dropped.
@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from mcore_rl.algorithms.ppo import token_level_rewards
 from mcore_rl.config.checks import check_value
 
 
@@ -139,6 +140,40 @@ def gae(
         last_gae = m_t * g + (1 - m_t) * last_gae
         advantages[:, t] = last_gae
     return advantages, advantages + values
+
+
+def reinforce_plus_plus_advantages(rewards: torch.Tensor, mask: torch.Tensor,
+                                   kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
+                                   gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++ advantages (Hu 2025, "REINFORCE++", arXiv:2501.03262, sec. 3): the
+    reward-to-go of KL-shaped token rewards, normalized over the whole batch.
+
+    Token rewards ``r_t = -kl_coef * KL_t`` on every valid token plus the sample's outcome
+    reward on its last valid token (:func:`mcore_rl.algorithms.ppo.token_level_rewards`, the
+    paper's token-level KL penalty); ``A_t = sum_{s >= t} gamma^(s-t) r_s`` over the valid
+    positions (GAE with ``V = 0`` and ``lambda = 1``: :func:`gae`); then
+    ``A = (A - mean) / std`` with the mean and std over every valid token of the batch (the
+    paper's global advantage normalization, :func:`masked_whiten`), no critic and no group.
+
+    Args:
+        rewards: ``[B]`` float32 outcome reward per sample.
+        mask: ``[B, S]`` float, 1 on valid response tokens (holes allowed: a hole neither
+            earns nor passes on reward; the last 1 of a row takes the outcome reward).
+        kl: ``[B, S]`` float32 per-token KL estimate (required when ``kl_coef > 0``).
+        kl_coef: ``beta`` >= 0 (config ``grpo.reward_kl_coef``).
+        gamma: discount in [0, 1] (REINFORCE++ uses 1).
+
+    Returns:
+        ``[B, S]`` float32, 0 where ``mask = 0``.
+
+    Raises:
+        ValueError: shapes that do not fit, ``kl_coef > 0`` without ``kl``, or fewer than 2
+            valid tokens in the batch.
+    """
+    mask = (mask > 0).float()
+    token_rewards = token_level_rewards(rewards, mask, kl, kl_coef)
+    returns = gae(token_rewards, torch.zeros_like(mask), mask, gamma, 1.0)[0]
+    return masked_whiten(returns, mask) * mask
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 import mcore_rl
+from mcore_rl.algorithms import registry as algorithm_registry
 from mcore_rl.config import checks
 from mcore_rl.config.checks import ConfigError
 from mcore_rl.config.paths import file_problem, hf_checkpoint_errors, tokenizer_dir_error
@@ -299,6 +300,7 @@ def validate(cfg: TrainConfig) -> None:
 
     gen, data, grpo = cfg.generation, cfg.data, cfg.grpo
     errors += generation_registry.config_errors(cfg)
+    errors += algorithm_registry.config_errors(cfg)
     check(data.max_prompt_length + gen.max_new_tokens <= data.max_total_length,
           f"data.max_prompt_length + generation.max_new_tokens ({data.max_prompt_length} + "
           f"{gen.max_new_tokens}) must be <= data.max_total_length ({data.max_total_length})")
@@ -330,6 +332,12 @@ def validate(cfg: TrainConfig) -> None:
         check(not cfg.cluster.colocate_generation,
               "grpo.streaming=true needs cluster.colocate_generation=false: generation and "
               "training run at the same time")
+        check(grpo.advantage_estimator in ("grpo", "rloo"),
+              f"grpo.streaming=true needs a per-group grpo.advantage_estimator (grpo or rloo; got "
+              f"{grpo.advantage_estimator}): a group trains as soon as it is scored")
+        check(not grpo.dynamic_sampling,
+              "grpo.streaming=true cannot use grpo.dynamic_sampling (it draws prompt groups in "
+              "rounds until the batch is full); the streaming loop trains each group as it comes")
     rollouts = grpo.num_prompts_per_step * grpo.num_generations
     check(grpo.optimizer_steps_per_rollout < 1 or rollouts % grpo.optimizer_steps_per_rollout == 0,
           f"grpo.num_prompts_per_step x grpo.num_generations ({grpo.num_prompts_per_step} x "

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mcore_rl.algorithms.registry import advantage_estimator_names, policy_loss_names
 from mcore_rl.config.checks import bounded, one_of
 from mcore_rl.generation.registry import backend_names
 
@@ -23,6 +24,10 @@ from mcore_rl.generation.registry import backend_names
 PLACEMENTS = ("colocated", "separate")
 # loss.kl_estimator and ppo.reward_kl_estimator: mcore_rl.algorithms.kl.kl_estimate.
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# loss.aggregation: how mcore_rl.algorithms.losses.ClippedPGLoss turns per-token losses into the
+# batch's loss (the field's loss_agg_mode names).
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                     "seq-mean-token-sum-norm")
 # model.arch.family: the decoders of mcore_rl.megatron.conversion.
 MODEL_FAMILIES = ("llama", "qwen2")
 # *.megatron.layer_spec: the layer specs of mcore_rl.megatron.model.
@@ -304,8 +309,12 @@ class RewardConfig:
 
 @dataclass
 class LossConfig:
-    """The clipped policy-gradient loss (:class:`mcore_rl.algorithms.losses.ClippedPGLoss`)."""
+    """The policy loss (:mod:`mcore_rl.algorithms.losses`, chosen by ``loss.name``)."""
 
+    # Policy loss (mcore_rl/algorithms/registry.py): "ppo_clip" (token-level ratio, PPO-clip;
+    # Schulman et al. 2017) or "gspo" (sequence-level length-normalized ratio, clipped per
+    # sequence; Zheng et al. 2025: use small clip ranges, e.g. 3e-4 / 4e-4).
+    name: str = one_of("ppo_clip", policy_loss_names())
     # Ratio clipped below at 1 - this (Schulman et al. 2017, eq. 7).
     ratio_clip_low: float = bounded(0.2, ge=0, lt=1)
     # Ratio clipped above at 1 + this; above ratio_clip_low is DAPO's clip-higher (Yu et al. 2025).
@@ -317,13 +326,25 @@ class LossConfig:
     kl_coef: float = bounded(0.0, ge=0)
     # KL estimator (Schulman 2020, "Approximating KL divergence").
     kl_estimator: str = one_of("k3", KL_ESTIMATORS)
-    # "token": divide by valid tokens of the global batch; "sequence": per-sequence token
-    # mean, divided by valid sequences.
-    normalization: str = one_of("token", ("token", "sequence"))
+    # How per-token losses make the batch loss: "token-mean" (sum over the valid tokens of the
+    # global batch / their count; DAPO's token-level loss), "seq-mean-token-mean" (each
+    # sequence's token mean, averaged over sequences; GRPO's), "seq-mean-token-sum" (each
+    # sequence's token sum, averaged over sequences), "seq-mean-token-sum-norm" (token sums
+    # divided by the constant generation.max_new_tokens, averaged over sequences; Dr. GRPO's).
+    aggregation: str = one_of("token-mean", LOSS_AGGREGATIONS)
     # Truncated importance weights min(exp(old - generation), cap) (TIS, Yao et al. 2025);
     # null disables. At least 1, so that a token on which rollout engine and trainer agree keeps
     # its full weight (ClippedPGLoss says why).
     importance_ratio_cap: Optional[float] = bounded(None, ge=1)
+    # Masked importance sampling (MIS) against the rollout engine's mismatch: "token" zeroes the
+    # loss of each token whose weight exp(old - generation) is outside [importance_mask_low,
+    # importance_mask_high]; "sequence" zeroes every token of a sequence whose weight (the
+    # product of its tokens' weights) is outside; null disables.
+    importance_mask: Optional[str] = one_of(None, ("token", "sequence"))
+    # Lower bound of the weights MIS keeps (at most 1: agreement keeps its tokens).
+    importance_mask_low: float = bounded(0.5, ge=0, le=1)
+    # Upper bound of the weights MIS keeps (at least 1).
+    importance_mask_high: float = bounded(2.0, ge=1)
 
 
 @dataclass
@@ -336,10 +357,33 @@ class GRPOConfig:
     num_generations: int = bounded(8, ge=2)
     # RL steps to run: each is one rollout, its optimizer steps and a refit.
     max_steps: int = bounded(100, ge=0)
-    # Divide by the group std (Shao et al. 2024); false gives Dr. GRPO's mean-centering.
+    # Advantage estimator (mcore_rl/algorithms/registry.py): "grpo" (group mean baseline, over
+    # the group std with normalize_std; Shao et al. 2024), "rloo" (leave-one-out mean of the
+    # group; Ahmadian et al. 2024), "reinforce_plus_plus" (reward-to-go with the KL penalty
+    # grpo.reward_kl_coef in the reward, whitened over the global batch; Hu 2025).
+    advantage_estimator: str = one_of("grpo", advantage_estimator_names())
+    # "grpo" estimator: divide by the group std (Shao et al. 2024); false gives Dr. GRPO's
+    # mean-centering (Liu et al. 2025).
     normalize_std: bool = True
-    # Leave-one-out baseline (RLOO, Ahmadian et al. 2024) instead of the group mean.
-    leave_one_out: bool = False
+    # "reinforce_plus_plus": KL(pi_old || pi_ref) penalty per response token in the reward,
+    # -coef * KL_t; 0: none.
+    reward_kl_coef: float = bounded(0.0, ge=0)
+    # Estimator of that KL term (Schulman 2020).
+    reward_kl_estimator: str = one_of("k1", KL_ESTIMATORS)
+    # DAPO dynamic sampling (Yu et al. 2025): drop prompt groups whose rewards are all equal
+    # (zero advantage) and generate more until num_prompts_per_step groups are kept.
+    dynamic_sampling: bool = False
+    # Generation rounds per RL step with dynamic_sampling; when they run out, the batch is
+    # filled with dropped groups (zero advantage) and train/dynamic_sampling_filled counts them.
+    dynamic_sampling_max_tries: int = bounded(4, ge=1)
+    # DAPO overlong reward shaping: a penalty rising linearly from 0 to overlong_penalty_factor
+    # over the last this many tokens of generation.max_new_tokens; 0 disables.
+    overlong_buffer_length: int = bounded(0, ge=0)
+    # The penalty of a response of generation.max_new_tokens tokens or more (DAPO: 1).
+    overlong_penalty_factor: float = bounded(1.0, ge=0)
+    # DAPO overlong filtering: responses cut at generation.max_new_tokens leave the loss
+    # (sample_mask 0 after the advantages are computed).
+    overlong_filtering: bool = False
     # Optimizer steps per RL step (the rollout batch split into this many global batches).
     optimizer_steps_per_rollout: int = bounded(1, ge=1)
     # Validate every k RL steps and after the last one; 0: never during training.

@@ -1,10 +1,13 @@
 """The single controller of a GRPO run.
 
 Per RL step: sample prompts -> generate ``num_generations`` responses each (rollout backend)
--> score with the verifier -> GRPO group advantages -> old (and reference) logprobs from the
-policy -> ``optimizer_steps_per_rollout`` policy updates -> refit the rollout backend with the
-new weights -> log. Validation (greedy accuracy on held-out prompts) every ``grpo.val_every``
-steps; checkpoints every ``checkpoint.every`` steps. An optional supervised warm start on the
+-> score with the verifier (plus DAPO's overlong penalty; with DAPO's dynamic sampling, more
+rounds until the batch holds ``num_prompts_per_step`` groups of unequal rewards) -> old (and
+reference) logprobs from the policy -> advantages (``grpo.advantage_estimator``) -> DAPO's
+overlong filtering -> ``optimizer_steps_per_rollout`` updates with the policy loss
+(``loss.name``) -> refit the rollout backend with the new weights -> log. Validation (greedy
+accuracy on held-out prompts) every ``grpo.val_every`` steps; checkpoints every
+``checkpoint.every`` steps. An optional supervised warm start on the
 task's reference answers runs first (``sft.steps``). The shared machinery is
 :class:`~mcore_rl.controller.trainer.RLTrainer`.
 """
@@ -13,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Tuple
 
-from mcore_rl.algorithms.advantages import grpo_advantages
-from mcore_rl.algorithms.losses import ClippedPGLoss
+from mcore_rl.algorithms import dapo
+from mcore_rl.algorithms.registry import advantage_estimator, build_policy_loss
 from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.trainer import RLTrainer, run_eval, run_trainer
 from mcore_rl.data import batch as B
@@ -25,10 +28,40 @@ class GRPOTrainer(RLTrainer):
     :class:`~mcore_rl.controller.trainer.RLTrainer`: config section ``grpo``."""
 
     algorithm = "grpo"
+    _reward_errors = 0  # reward errors of the RL step so far (every generation round)
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        self.loss_fn = ClippedPGLoss(cfg.loss)
+        self.loss_fn = build_policy_loss(cfg)
+        self.estimator = advantage_estimator(cfg.grpo.advantage_estimator)
+
+    def _needs_reference(self) -> bool:
+        return super()._needs_reference() or self.cfg.grpo.reward_kl_coef > 0
+
+    def _scored_groups(self) -> B.Batch:
+        """One round of the step's prompts, generated and scored, with DAPO's overlong penalty
+        added to the rewards (``grpo.overlong_buffer_length``); counts reward errors."""
+        g = self.cfg.grpo
+        rollout, errors = self.generate_and_score(g.num_generations)
+        self._reward_errors += errors
+        self._shape_rewards(rollout)
+        return rollout
+
+    def _shape_rewards(self, rollout: B.Batch) -> None:
+        """DAPO's overlong penalty (``grpo.overlong_buffer_length``) added to ``rewards`` [B]
+        in place; nothing without a buffer."""
+        g = self.cfg.grpo
+        if g.overlong_buffer_length:
+            rollout["rewards"] = rollout["rewards"] + dapo.overlong_penalty(
+                rollout["response_lengths"], self.cfg.generation.max_new_tokens,
+                g.overlong_buffer_length, g.overlong_penalty_factor)
+
+    def _set_advantages(self, rollout: B.Batch) -> None:
+        """``advantages`` [B, S] of ``grpo.advantage_estimator``, then DAPO's overlong filtering
+        (``grpo.overlong_filtering``: truncated rows leave the loss through ``sample_mask``)."""
+        rollout["advantages"] = self.estimator(rollout, self.cfg)
+        if self.cfg.grpo.overlong_filtering:
+            rollout["sample_mask"] = rollout["sample_mask"] * (1 - rollout["truncated"])
 
     def _policy_schedule(self) -> Tuple[int, int]:
         g = self.cfg.grpo
@@ -40,20 +73,25 @@ class GRPOTrainer(RLTrainer):
         g = self.cfg.grpo
         t = self.timer
         with t.phase("step"):
-            rollout, reward_errors = self.generate_and_score(g.num_generations)
-            adv = grpo_advantages(rollout["rewards"], g.num_generations, rollout["sample_mask"],
-                                  normalize_std=g.normalize_std, leave_one_out=g.leave_one_out)
-            rollout["advantages"] = adv[:, None] * rollout["token_mask"]
+            self._reward_errors, sampling = 0, {}
+            if g.dynamic_sampling:
+                rollout, sampling = dapo.dynamic_sampling(
+                    self._scored_groups, g.num_prompts_per_step, g.num_generations,
+                    g.dynamic_sampling_max_tries)
+            else:
+                rollout = self._scored_groups()
             with t.phase("logprobs"):
                 rollout["prev_logprobs"] = self._logprobs(rollout)
                 if self.use_reference:
                     rollout["reference_logprobs"] = self._logprobs(rollout, "get_reference_logprobs")
+            self._set_advantages(rollout)
             with t.phase("train"):
                 train_metrics = [self._train(part, self.loss_fn)
                                  for part in B.shard(rollout, g.optimizer_steps_per_rollout)]
             with t.phase("refit"):
                 refit = self.refit()
-        metrics = self.rollout_metrics(rollout, reward_errors)
+        metrics = self.rollout_metrics(rollout, self._reward_errors)
+        metrics.update({f"train/{k}": v for k, v in sampling.items()})
         for k in train_metrics[-1]:
             metrics[f"train/{k}"] = sum(m[k] for m in train_metrics) / len(train_metrics)
         metrics.update(refit)

@@ -21,8 +21,9 @@ import torch
 
 from mcore_rl.algorithms.advantages import gae, masked_whiten
 from mcore_rl.algorithms.kl import kl_estimate
-from mcore_rl.algorithms.losses import ClippedPGLoss, ClippedValueLoss, valid_token_mask
+from mcore_rl.algorithms.losses import ClippedValueLoss, valid_token_mask
 from mcore_rl.algorithms.ppo import explained_variance, token_level_rewards
+from mcore_rl.algorithms.registry import build_policy_loss
 from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.trainer import RLTrainer, run_eval, run_trainer, step_seed
 from mcore_rl.controller.worker_group import DataParallelGroup
@@ -50,7 +51,7 @@ class PPOTrainer(RLTrainer):
         self.value = self._megatron_group(
             "value", ValueWorker, v.megatron, v.optimizer, *self._policy_schedule(),
             hf_path=v.hf_path or cfg.model.hf_path, head_fp32=v.head_fp32)
-        self.loss_fn = ClippedPGLoss(cfg.loss)
+        self.loss_fn = build_policy_loss(cfg)
         self.value_loss_fn = ClippedValueLoss(v.loss)
 
     def _policy_schedule(self) -> Tuple[int, int]:

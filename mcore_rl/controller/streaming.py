@@ -46,7 +46,6 @@ from typing import Any, Deque, Dict, List, Tuple
 
 import torch
 
-from mcore_rl.algorithms.advantages import grpo_advantages
 from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.grpo import GRPOTrainer
 from mcore_rl.controller.trainer import step_seed
@@ -223,9 +222,8 @@ class StreamingGRPOTrainer(GRPOTrainer):
                     rows, [self.train_data.examples[item.prompt]] * len(prompts))
             rows["rewards"] = rewards
             rows["sample_mask"] = torch.ones(len(prompts))
-            adv = grpo_advantages(rewards, g.num_generations, rows["sample_mask"],
-                                  normalize_std=g.normalize_std, leave_one_out=g.leave_one_out)
-            rows["advantages"] = adv[:, None] * rows["token_mask"]
+            self._shape_rewards(rows)
+            self._set_advantages(rows)  # a per-group estimator (load-time check)
             rows["trainer_version"] = torch.full((len(prompts),), version, dtype=torch.long)
             self.ready.append(ScoredGroup(item, version, rows, errors))
 

@@ -526,25 +526,36 @@ class MegatronTrainWorker:
 
     def _reduce_metrics(self, outputs: List[Dict[str, torch.Tensor]], loss_fn) -> Dict[str, float]:
         """Sum raw metrics over micro-batches (last stage), all-reduce over DP, broadcast to
-        every pipeline stage, then divide each by the global count of its kind."""
-        names = sorted(loss_fn.metric_kinds)
+        every pipeline stage, then divide each by the global count of its kind; a metric of
+        kind ``"max"`` is the maximum over micro-batches and DP ranks instead (0 when none
+        reports it)."""
         kinds = loss_fn.metric_kinds
         needed = ["num_valid_tokens", "num_valid_sequences"]
-        names = sorted(set(names) | set(needed))
+        names = sorted(set(kinds) | set(needed))
+        maxima = [n for n in names if kinds.get(n) == "max"]
+        sums = [n for n in names if n not in maxima]
         vec = None
         if self._is_last_stage():
-            vec = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+            totals = torch.zeros(len(sums), dtype=torch.float64, device=self.device)
+            peaks = torch.zeros(len(maxima), dtype=torch.float64, device=self.device)
             for out in outputs:
-                for i, n in enumerate(names):
+                for i, n in enumerate(sums):
                     if n in out:
-                        vec[i] += out[n].detach().to(torch.float64)
-            dist.all_reduce(vec, group=self.ps.get_data_parallel_group())
+                        totals[i] += out[n].detach().to(torch.float64)
+                for i, n in enumerate(maxima):
+                    if n in out:
+                        peaks[i] = torch.maximum(peaks[i], out[n].detach().to(torch.float64))
+            dist.all_reduce(totals, group=self.ps.get_data_parallel_group())
+            if maxima:
+                dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
+            vec = torch.cat([totals, peaks])
         vec = self._broadcast_from_last_stage(vec, (len(names),), torch.float64)
-        raw = dict(zip(names, vec.tolist()))
+        raw = dict(zip(sums + maxima, vec.tolist()))
         denominators = {
             "tokens": raw["num_valid_tokens"],
             "sequences": raw["num_valid_sequences"],
             "none": 1.0,
+            "max": 1.0,
         }
         default = "tokens" if loss_fn.loss_type == "token" else "sequences"
         out = {}
