@@ -181,7 +181,7 @@ PAR = "policy.megatron."
      "(32 x 8 = 256) must be divisible by grpo.optimizer_steps_per_rollout (3)"),
     (["policy.micro_batch_size=0"], "policy.micro_batch_size must be >= 1"),
     (["policy.logprob_micro_batch_size=0"], "policy.logprob_micro_batch_size must be >= 1"),
-    (["model.arch.family=gpt"], "model.arch.family must be one of llama, qwen2"),
+    (["model.arch.family=gpt"], "model.arch.family must be one of llama, mistral, qwen2, qwen3"),
     (["policy.optimizer.lr_decay_style=step"], "lr_decay_style must be one of constant, linear"),
     (["policy.optimizer.name=adamw"], "policy.optimizer.name must be one of adam, sgd"),
     (["checkpoint.every=-1"], "checkpoint.every must be >= 0"),

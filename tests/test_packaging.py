@@ -133,7 +133,8 @@ def test_reference_lists_every_key_with_type_default_and_comment():
         '"token": divide by valid tokens of the global batch; "sequence": per-sequence token '
         'mean, divided by valid sequences.')
     # comment at the end of the line
-    assert keys["model.arch.family"].meaning == '"llama" or "qwen2"'
+    assert keys["model.arch.family"].meaning == (
+        "HF model_type: llama, mistral, qwen2, qwen3, qwen2_moe or qwen3_moe")
     # defaults as typed in an override
     assert keys["run.output_dir"].default == "runs/${run.name}"
     assert keys["model.arch.rms_norm_eps"].default == "1e-06"
@@ -142,7 +143,7 @@ def test_reference_lists_every_key_with_type_default_and_comment():
     page = docs.render_reference()
     assert "| `policy.optimizer.lr` | float | `0.001` |" in page
     sections = {s.path: s for s in docs.iter_sections()}
-    assert sections["model.arch"].doc.startswith("Llama/Qwen2-family decoder shape")
+    assert sections["model.arch"].doc.startswith("Decoder shape (Llama/Mistral/Qwen2/Qwen3")
     assert sections["run"].doc == ""  # a dataclass without docstring gets no generated one
 
 

@@ -31,6 +31,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 import mcore_rl
 from mcore_rl.config.schema import MegatronConfig, TrainConfig
+from mcore_rl.megatron.families import FAMILIES, TOKEN_DISPATCHERS, arch_errors, layout_errors
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent
 DEFAULT_CONFIG_DIR = PKG_DIR.parent / "configs"
@@ -233,9 +234,10 @@ def load_config(config_name: str, overrides: Sequence[str] = (),
 _CHOICES = {
     "algorithm": ("grpo", "ppo"),
     "cluster.device": ("cpu", "cuda", "auto"),
-    "model.arch.family": ("llama", "qwen2"),
+    "model.arch.family": tuple(FAMILIES),
     "policy.megatron.precision": ("fp32", "bf16"),
     "policy.megatron.layer_spec": ("local", "torch", "transformer_engine"),
+    "policy.megatron.moe_token_dispatcher_type": TOKEN_DISPATCHERS,
     "policy.optimizer.name": ("adam", "sgd"),
     "policy.optimizer.lr_decay_style": ("constant", "linear", "cosine"),
     "generation.backend": ("hf", "megatron"),
@@ -246,6 +248,7 @@ _CHOICES = {
     "ppo.reward_kl_estimator": ("k1", "k2", "k3"),
     "value.megatron.precision": ("fp32", "bf16"),
     "value.megatron.layer_spec": ("local", "torch", "transformer_engine"),
+    "value.megatron.moe_token_dispatcher_type": TOKEN_DISPATCHERS,
     "value.optimizer.name": ("adam", "sgd"),
     "value.optimizer.lr_decay_style": ("constant", "linear", "cosine"),
 }
@@ -256,6 +259,7 @@ _AT_LEAST = {  # key -> smallest valid value
     "model.arch.num_query_groups": 1,
     "policy.megatron.tensor_model_parallel_size": 1,
     "policy.megatron.pipeline_model_parallel_size": 1,
+    "policy.megatron.expert_model_parallel_size": 1,
     "policy.micro_batch_size": 1,
     "policy.logprob_micro_batch_size": 1,
     "generation.max_new_tokens": 1,
@@ -274,6 +278,7 @@ _AT_LEAST = {  # key -> smallest valid value
     "ppo.reward_kl_coef": 0,
     "value.megatron.tensor_model_parallel_size": 1,
     "value.megatron.pipeline_model_parallel_size": 1,
+    "value.megatron.expert_model_parallel_size": 1,
     "value.micro_batch_size": 1,
     "value.values_micro_batch_size": 1,
 }
@@ -299,6 +304,8 @@ def validate(cfg: TrainConfig) -> None:
             errors.append(message)
 
     arch, device = cfg.model.arch, cfg.cluster.device
+    if cfg.model.hf_path is None and arch.family in FAMILIES:
+        errors += arch_errors(arch)
     heads_ok = arch.num_query_groups >= 1 and arch.num_attention_heads >= 1
     if heads_ok:
         check(arch.num_attention_heads % arch.num_query_groups == 0,
@@ -345,6 +352,8 @@ def validate(cfg: TrainConfig) -> None:
               f"Megatron's DDP refuses to combine with averaging over DP")
         check(ddp.bucket_size is None or ddp.bucket_size >= 1,
               f"{key}.ddp.bucket_size must be null or >= 1 (got {ddp.bucket_size})")
+        if cfg.model.hf_path is None:  # else the model's shape is read from the checkpoint
+            errors += layout_errors(arch, mg, key, cfg.cluster.num_workers)
         gpu_only = [n for n in ("use_distributed_optimizer", "overlap_param_gather") if getattr(ddp, n)]
         if gpu_only and (device == "cpu" or device == "auto" and not _cuda_available()):
             seen = " and torch sees no GPU" if device == "auto" else ""

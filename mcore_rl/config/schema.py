@@ -49,9 +49,10 @@ class ClusterConfig:
 
 @dataclass
 class ModelArchConfig:
-    """Llama/Qwen2-family decoder shape, used when ``model.hf_path`` is null."""
+    """Decoder shape (Llama/Mistral/Qwen2/Qwen3 families, dense or mixture of experts), used
+    when ``model.hf_path`` is null."""
 
-    family: str = "qwen2"  # "llama" or "qwen2"
+    family: str = "qwen2"  # HF model_type: llama, mistral, qwen2, qwen3, qwen2_moe or qwen3_moe
     # Transformer layers; divisible by PP x VPP.
     num_layers: int = 2
     # Hidden (model) dimension; divisible by num_attention_heads.
@@ -60,20 +61,36 @@ class ModelArchConfig:
     num_attention_heads: int = 4
     # Key/value heads (grouped-query attention; = num_attention_heads for MHA); divisible by TP.
     num_query_groups: int = 2
+    # Size of one attention head (HF head_dim); null: hidden_size / num_attention_heads.
+    head_dim: Optional[int] = None
     # Inner size of the SwiGLU MLP (HF intermediate_size).
     ffn_hidden_size: int = 128
     # Longest sequence in tokens the model declares (HF max_position_embeddings).
     max_position_embeddings: int = 128
     # RoPE base frequency.
     rope_theta: float = 10000.0
+    # Llama 3.x RoPE scaling (HF rope_type "llama3" with low/high frequency factors 1 and 4 and an
+    # original context of 8192 tokens): the factor; null: unscaled RoPE.
+    rope_scaling_factor: Optional[float] = None
     # Epsilon of the RMSNorm layers.
     rms_norm_eps: float = 1.0e-6
-    # Bias on the q/k/v projections: must be true for qwen2 and false for llama.
+    # Bias on the q/k/v projections: true for qwen2 and qwen2_moe, false for the other families.
     qkv_bias: bool = True
     # Share the input embedding matrix with the output layer.
     tie_word_embeddings: bool = True
     # null: the tokenizer's vocabulary size.
     vocab_size: Optional[int] = None
+    # Routed experts of every MoE layer (HF num_experts; qwen2_moe and qwen3_moe, all layers
+    # MoE); null for the dense families.
+    num_experts: Optional[int] = None
+    # Experts each token is routed to (HF num_experts_per_tok).
+    moe_router_topk: int = 2
+    # Inner size of each expert's SwiGLU MLP (HF moe_intermediate_size); null: ffn_hidden_size.
+    moe_ffn_hidden_size: Optional[int] = None
+    # Renormalize the top-k routing probabilities to sum to 1 (HF norm_topk_prob).
+    moe_norm_topk_prob: bool = False
+    # Inner size of qwen2_moe's shared expert (HF shared_expert_intermediate_size); null otherwise.
+    moe_shared_expert_ffn_hidden_size: Optional[int] = None
 
 
 @dataclass
@@ -126,6 +143,19 @@ class MegatronConfig:
     # Layer implementation: "local" (Megatron's own modules), "torch" (local with torch SDPA
     # attention: fast without Transformer Engine), "transformer_engine" (needs TE installed).
     layer_spec: str = "local"
+    # EP size: ranks each MoE layer's experts are split over (model.arch.num_experts divisible by
+    # it); expert_tensor_parallel_size x EP x PP divides cluster.num_workers.
+    expert_model_parallel_size: int = 1
+    # Ranks each expert's weights are split over (expert TP); null: tensor_model_parallel_size.
+    expert_tensor_parallel_size: Optional[int] = None
+    # How MoE layers send tokens to their experts' ranks: "alltoall" or "allgather" (both run
+    # on gloo and NCCL).
+    moe_token_dispatcher_type: str = "alltoall"
+    # Router load-balancing loss coefficient (Switch Transformer, Fedus et al. 2022, eq. 4;
+    # summed over MoE layers), added to the loss per loss token; 0: off.
+    moe_aux_loss_coeff: float = 0.0
+    # Router z-loss coefficient (ST-MoE, Zoph et al. 2022, eq. 5), added per loss token; 0: off.
+    moe_z_loss_coeff: float = 0.0
     # torch.compile every transformer layer (GPU only): fuses RoPE, residual adds and the
     # activation; ~8% faster train steps on the 0.85B bench (bench/RESULTS.md), compile time
     # at the first step and at new sequence-length shapes.
