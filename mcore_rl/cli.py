@@ -4,20 +4,34 @@ grpo.num_generations=16``. Overrides use Hydra's grammar (``key=value``, ``+key=
 ``mcore-rl eval`` takes the run's config and overrides, e.g. ``run.output_dir=<run_dir>
 checkpoint.resume=latest``. ``mcore-rl export --checkpoint <run_dir>/checkpoints/step_<k>
 --output DIR`` takes no config.
+
+A mistake in the user's input (:data:`USER_ERRORS`: a bad config value, a data file, model
+directory or checkpoint that is missing or malformed, a run directory already used) is printed
+as ``mcore-rl COMMAND: error: <what and where>`` and exits with status 2, before any worker
+starts; ``--debug`` (or ``MCORE_RL_DEBUG=1``) shows its traceback instead. Any other error keeps
+its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 
 from omegaconf import OmegaConf
 
 import mcore_rl
-from mcore_rl.config.loader import CONFIG_DIR_ENV, ConfigError, load_config
+from mcore_rl.config.checks import ConfigError
+from mcore_rl.config.loader import CONFIG_DIR_ENV, load_config
 from mcore_rl.config.schema import TrainConfig
+
+DEBUG_ENV = "MCORE_RL_DEBUG"
+# What the user's input causes: ConfigError (a ValueError) names the key and the file and line;
+# FileNotFoundError and FileExistsError name the path.
+USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError)
 
 
 def _controller(cfg: TrainConfig, function: str) -> None:
@@ -38,10 +52,10 @@ COMMANDS: dict[str, tuple[str, str, Callable[[TrainConfig], None]]] = {
 EXPORT_HELP = "a run's checkpoint (any TP/PP) to a Hugging Face model directory"
 
 
-def _add_export_parser(commands) -> None:
+def _add_export_parser(commands, parents) -> None:
     """``mcore-rl export --checkpoint DIR --output DIR``: no config composition; the run
     directory holds what the exporter needs (:mod:`mcore_rl.export`)."""
-    sub = commands.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP)
+    sub = commands.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP, parents=parents)
     sub.add_argument("--checkpoint", required=True,
                      help="a checkpoint step directory, <run_dir>/checkpoints/step_<k>")
     sub.add_argument("--output", required=True, help="Hugging Face directory to create")
@@ -61,17 +75,35 @@ def _export(args: argparse.Namespace) -> None:
     print(f"Hugging Face model written to {out}")
 
 
+@contextlib.contextmanager
+def _user_errors(parser: argparse.ArgumentParser, command: str, debug: bool,
+                 errors: tuple = USER_ERRORS) -> Iterator[None]:
+    """Turn ``errors`` raised inside into ``mcore-rl COMMAND: error: <message>`` on stderr and
+    exit status 2; with ``debug`` (``--debug`` or ``$MCORE_RL_DEBUG``) let them propagate."""
+    try:
+        yield
+    except errors as e:
+        if debug:
+            raise
+        parser.exit(2, f"mcore-rl {command}: error: {e}\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), compose the config and run the subcommand.
 
     Returns 0 on success. Exits with status 2 (message on stderr, no traceback) on a usage error
-    or a :class:`~mcore_rl.config.loader.ConfigError`; for ``export``, also on a missing or
-    mismatched input path (see :func:`mcore_rl.export.export_checkpoint`).
+    or one of :data:`USER_ERRORS` (config, data, model directory, run directory); for
+    ``export``, also on a missing or mismatched input path (see
+    :func:`mcore_rl.export.export_checkpoint`). With ``--debug`` or ``MCORE_RL_DEBUG`` set (not
+    empty or ``0``) those errors propagate with their traceback.
     """
     parser = argparse.ArgumentParser(prog="mcore-rl", description=mcore_rl.__doc__)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of an input error (or set {DEBUG_ENV}=1)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, default_config, _) in COMMANDS.items():
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub = commands.add_parser(name, help=help_text, description=help_text, parents=[common])
         sub.add_argument("--config-name", default=default_config,
                          help=f"YAML config, without .yaml (default: {default_config})")
         sub.add_argument("--config-path", default=None,
@@ -80,28 +112,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub.add_argument("--cfg", action="store_true",
                          help="print the composed config as YAML and exit")
         sub.add_argument("overrides", nargs="*", help="key=value, +key=value, ~key")
-    _add_export_parser(commands)
+    _add_export_parser(commands, [common])
     # parse_known_args: overrides may also follow the options (argparse stops '*' at an option).
     args, rest = parser.parse_known_args(argv)
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     if args.command == "export":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        try:
+        with _user_errors(parser, "export", debug, USER_ERRORS + (ValueError,)):
             _export(args)
-        except (FileNotFoundError, FileExistsError, ValueError) as e:
-            parser.exit(2, f"mcore-rl export: error: {e}\n")
         return 0
     if any(a.startswith("-") for a in rest):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    try:
+    with _user_errors(parser, args.command, debug):
         cfg = load_config(args.config_name, args.overrides + rest, args.config_path)
-    except ConfigError as e:
-        parser.exit(2, f"mcore-rl {args.command}: error: {e}\n")
-    if args.cfg:
-        print(OmegaConf.to_yaml(cfg), end="")
-        return 0
-    try:
+        if args.cfg:
+            print(OmegaConf.to_yaml(cfg), end="")
+            return 0
         COMMANDS[args.command][2](cfg)
-    except (FileNotFoundError, FileExistsError, ConfigError) as e:  # the user's input: no traceback
-        parser.exit(2, f"mcore-rl {args.command}: error: {e}\n")
     return 0

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 import types
+import typing
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 import mcore_rl
 from mcore_rl.cli import main
-from mcore_rl.config import ConfigError, TrainConfig, load_config, validate
+from mcore_rl.config import ConfigError, TrainConfig, checks, load_config, schema, validate
 
 HEADER = "defaults:\n  - base_train\n  - _self_\n"
 
@@ -38,7 +42,7 @@ def test_every_shipped_config_composes_and_validates(name):
 
 def test_gsm8k_config_points_at_the_packaged_sample_from_any_cwd(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    cfg = load_config("grpo_gsm8k", ["model.hf_path=/models/m"])
+    cfg = load_config("grpo_gsm8k")
     pkg = Path(mcore_rl.__file__).resolve().parent
     assert cfg.data.train_path == str(pkg / "data/samples/gsm8k/train.jsonl")
     assert cfg.data.test_path == str(pkg / "data/samples/gsm8k/test.jsonl")
@@ -46,15 +50,17 @@ def test_gsm8k_config_points_at_the_packaged_sample_from_any_cwd(monkeypatch, tm
     assert cfg.data.max_prompt_length + cfg.generation.max_new_tokens == cfg.data.max_total_length
 
 
-def test_override_grammar():
+def test_override_grammar(tmp_path):
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):  # an HF directory
+        (tmp_path / name).touch()
     cfg = load_config("grpo_synthetic", [
         "grpo.num_generations=4", "run.name=abc",  # key=value; the interpolation follows
-        "+model.hf_path=/models/m",                # + on a null key sets it
+        f"+model.hf_path={tmp_path}",              # + on a null key sets it
         "++loss.kl_coef=0.1",
         "grpo={max_steps: 7}",                     # a dict merged into a section
     ])
     assert (cfg.grpo.num_generations, cfg.grpo.max_steps, cfg.run.output_dir) == (4, 7, "runs/abc")
-    assert (cfg.model.hf_path, cfg.loss.kl_coef) == ("/models/m", 0.1)
+    assert (cfg.model.hf_path, cfg.loss.kl_coef) == (str(tmp_path), 0.1)
     assert cfg.grpo.num_prompts_per_step == TrainConfig().grpo.num_prompts_per_step  # merged
 
 
@@ -158,25 +164,18 @@ PAR = "policy.megatron."
     (["cluster.device=tpu"], "cluster.device must be one of cpu, cuda, auto (got 'tpu')"),
     ([PAR + "precision=fp16"], "policy.megatron.precision must be one of fp32, bf16"),
     ([PAR + "layer_spec=te"], "policy.megatron.layer_spec must be one of local"),
-    (["generation.backend=vllm"], "generation.backend must be one of hf"),
-    (["generation.temperature=0"], "generation.temperature must be > 0"),
-    (["generation.top_p=0"], "generation.top_p must be in (0, 1]"),
-    (["generation.top_p=1.5"], "generation.top_p must be in (0, 1]"),
-    (["generation.max_new_tokens=0"], "generation.max_new_tokens must be >= 1"),
     (["data.max_prompt_length=60"], "data.max_prompt_length + generation.max_new_tokens (60 + 5)"
      " must be <= data.max_total_length (13)"),
     (["data.task=math"], "data.task must be one of synthetic, gsm8k"),
-    (["data.task=gsm8k"], "data.task 'gsm8k' needs data.train_path"),
-    (["data.test_path=/no/such.jsonl"], "data.test_path: no such file /no/such.jsonl"),
-    (["reward.name=f1"], "reward.name must be one of exact, math"),
-    (["loss.kl_estimator=k4"], "loss.kl_estimator must be one of k1, k2, k3"),
-    (["loss.normalization=batch"], "loss.normalization must be one of token, sequence"),
-    (["loss.ratio_clip_low=-0.1"], "loss.ratio_clip_low must be >= 0"),
-    (["loss.ratio_clip_high=-0.1"], "loss.ratio_clip_high must be >= 0"),
-    (["loss.dual_clip=1.0"], "loss.dual_clip must be null or > 1"),
-    (["loss.importance_ratio_cap=0.5"], "loss.importance_ratio_cap must be null or >= 1"),
-    (["grpo.num_generations=1"], "grpo.num_generations must be >= 2"),
-    (["grpo.num_prompts_per_step=0"], "grpo.num_prompts_per_step must be >= 1"),
+    (["data.task=gsm8k"], "data.task=gsm8k needs data.train_path"),
+    (["data.task=gsm8k", "data.train_path=/no/such.jsonl"],
+     "data.train_path: /no/such.jsonl: no such file"),
+    (["data.train_path=/x.jsonl"], "data.train_path and data.test_path must be null for "
+     "data.task=synthetic"),
+    (["data.synthetic.operations=+/"], "data.synthetic.operations='+/'"),
+    (["data.synthetic.num_train=9600"], "data.synthetic.num_train + data.synthetic.num_test = "
+     "9600 + 500 = 10100 exceeds the 10000 distinct prompts"),
+    (["reward.name=f1"], "reward.name must be one of exact, math (got 'f1')"),
     (["grpo.optimizer_steps_per_rollout=3"], "grpo.num_prompts_per_step x grpo.num_generations "
      "(32 x 8 = 256) must be divisible by grpo.optimizer_steps_per_rollout (3)"),
     (["policy.micro_batch_size=0"], "policy.micro_batch_size must be >= 1"),
@@ -251,3 +250,172 @@ def test_cli_unknown_subcommand_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         main(["sft"])
     assert info.value.code == 2 and "invalid choice: 'sft'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- declared bounds
+
+# The sections whose every numeric key declares a range.
+CHECKED_SECTIONS = ("loss", "generation", "ppo", "grpo", "model.arch", "policy.megatron")
+
+
+def _section(cfg, dotted):
+    """The config section at the dotted key ``dotted`` of ``cfg`` (``"model.arch"``)."""
+    return functools.reduce(getattr, dotted.split("."), cfg)
+
+
+def _declared(sections=CHECKED_SECTIONS):
+    """(dotted key, its dataclass, field) of every field of ``sections`` that declares choices
+    or a range, read from the schema."""
+    out = []
+    for section in sections:
+        cls = type(_section(TrainConfig(), section))
+        out += [(f"{section}.{f.name}", cls, f) for f in dataclasses.fields(cls)
+                if checks.CHOICES in f.metadata or checks.RANGE in f.metadata]
+    return out
+
+
+def _bad_values(cls, f):
+    """Values just outside what field ``f`` of ``cls`` declares: a non-choice, or each side of
+    its range (the open end itself, or one step past the closed end), typed as the field."""
+    if checks.CHOICES in f.metadata:
+        return ["bogus"]
+    r = f.metadata[checks.RANGE]
+    kind = int if typing.get_type_hints(cls)[f.name] in (int, typing.Optional[int]) else float
+    step = 1 if kind is int else 0.5
+    out = []
+    if r.low is not None:
+        out.append(kind(r.low if r.low_open else r.low - step))
+    if r.high is not None:
+        out.append(kind(r.high if r.high_open else r.high + step))
+    return out
+
+
+BAD_VALUES = [(key, cls, f.name, bad) for key, cls, f in _declared() for bad in _bad_values(cls, f)]
+
+
+def test_every_numeric_key_of_the_checked_sections_declares_its_range():
+    declared = {key for key, _, _ in _declared()}
+    numeric = {int, float, typing.Optional[int], typing.Optional[float]}
+    for section in CHECKED_SECTIONS:
+        cls = type(_section(TrainConfig(), section))
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if hints[f.name] in numeric:
+                assert f"{section}.{f.name}" in declared, f"{section}.{f.name} declares no range"
+    assert len(BAD_VALUES) >= 30
+
+
+@pytest.fixture(scope="module")
+def load_errors():
+    """The load errors of grpo_synthetic with every bad value of BAD_VALUES as overrides, in
+    two loads (the first bad value of each key, then the second): composing once per key
+    would take a minute on a loaded machine."""
+    firsts, seconds = {}, {}
+    for key, _, _, bad in BAD_VALUES:
+        (seconds if key in firsts else firsts)[key] = bad
+    return [_error([f"{k}={v}" for k, v in group.items()]).splitlines()
+            for group in (firsts, seconds)]
+
+
+@pytest.mark.parametrize("key, cls, name, bad", BAD_VALUES,
+                         ids=[f"{key}={bad}" for key, _, _, bad in BAD_VALUES])
+def test_bad_value_of_every_bounded_key_fails_at_load_time_naming_it(load_errors, key, cls, name,
+                                                                     bad):
+    message = f"{key} must be {checks.describe(cls, name)} (got {bad!r})"
+    assert any(f"  {message}" in lines for lines in load_errors)
+    # Alone, the same message is the whole error, on one line.
+    cfg = TrainConfig()
+    setattr(_section(cfg, key.rsplit(".", 1)[0]), name, bad)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert str(info.value) == f"invalid config: {message}"
+
+
+def test_closed_ends_of_every_range_load():
+    ends = {"low": {}, "high": {}}
+    for key, _, f in _declared():
+        r = f.metadata.get(checks.RANGE)
+        for side, end, is_open in (("low", r and r.low, r and r.low_open),
+                                   ("high", r and r.high, r and r.high_open)):
+            if r is not None and end is not None and not is_open:
+                ends[side][key] = end
+    assert len(ends["low"]) >= 20
+    # Ends that load only with other values: virtual pipeline stages need PP > 1 (whose own end
+    # is 1), one expert and a shared expert an MoE family.
+    vpp = "policy.megatron.virtual_pipeline_model_parallel_size"
+    groups = [
+        ({vpp: ends["low"].pop(vpp)},
+         ["cluster.num_workers=2", "policy.megatron.pipeline_model_parallel_size=2"]),
+        (ends["low"], ["model.arch.family=qwen2_moe"]),
+        (ends["high"], []),
+    ]
+    for group, others in groups:
+        cfg = load_config("grpo_synthetic", [f"{k}={v}" for k, v in group.items()] + others)
+        for key, end in group.items():
+            section, name = key.rsplit(".", 1)
+            assert getattr(_section(cfg, section), name) == end, key
+
+
+def _component_error(key, bad):
+    """What the component that takes ``key``'s value raises for ``bad``."""
+    from mcore_rl.algorithms.advantages import gae, grpo_advantages
+    from mcore_rl.algorithms.losses import ClippedPGLoss
+    from mcore_rl.algorithms.ppo import token_level_rewards
+    from mcore_rl.generation.base import check_lengths
+    from mcore_rl.generation.sampling import Sampler
+
+    section, name = key.split(".")
+    cfg = dataclasses.replace(getattr(TrainConfig(), section), **{name: bad})
+    z = torch.zeros(2, 3)
+    build = {
+        "loss": lambda: ClippedPGLoss(cfg),
+        "generation": lambda: (Sampler(cfg), check_lengths(cfg, 64)),
+        "grpo": lambda: grpo_advantages(torch.zeros(4), cfg.num_generations),
+        "ppo": lambda: (gae(z, z, z, cfg.gamma, cfg.lam),
+                        token_level_rewards(torch.zeros(2), z, z, cfg.reward_kl_coef)),
+    }[section]
+    with pytest.raises(ConfigError) as info:
+        build()
+    return str(info.value)
+
+
+COMPONENT_KEYS = [row for row in BAD_VALUES if row[0].split(".")[0] in ("loss", "generation")
+                  or row[0] in ("grpo.num_generations", "ppo.gamma", "ppo.lam",
+                                "ppo.reward_kl_coef")]
+
+
+@pytest.mark.parametrize("key, cls, name, bad", COMPONENT_KEYS,
+                         ids=[f"{key}={bad}" for key, _, _, bad in COMPONENT_KEYS])
+def test_components_refuse_a_bad_value_with_the_load_time_message(key, cls, name, bad):
+    assert _component_error(key, bad) == f"{key} must be {checks.describe(cls, name)} (got {bad!r})"
+
+
+def test_importance_ratio_cap_is_at_least_one_for_loader_and_loss():
+    assert "loss.importance_ratio_cap must be null or >= 1 (got 0.5)" in _error(
+        ["loss.importance_ratio_cap=0.5"])
+    assert _component_error("loss.importance_ratio_cap", 0.5) == (
+        "loss.importance_ratio_cap must be null or >= 1 (got 0.5)")
+    cfg = load_config("grpo_synthetic", ["loss.importance_ratio_cap=1"])
+    assert cfg.loss.importance_ratio_cap == 1
+
+
+def test_choice_lists_are_the_components_lists():
+    from mcore_rl.algorithms.kl import KL_ESTIMATORS
+    from mcore_rl.generation.registry import BACKENDS
+    from mcore_rl.megatron.families import FAMILIES
+    from mcore_rl.rewards import REWARD_FNS
+
+    choices = {key: f.metadata[checks.CHOICES] for key, _, f in _declared(
+        ("loss", "generation", "reward", "ppo")) if checks.CHOICES in f.metadata}
+    assert choices["loss.kl_estimator"] == choices["ppo.reward_kl_estimator"] == KL_ESTIMATORS
+    assert choices["generation.backend"] == tuple(BACKENDS)
+    assert choices["reward.name"] == tuple(REWARD_FNS)
+    assert schema.MODEL_FAMILIES == tuple(FAMILIES)
+
+
+def test_range_text():
+    assert [str(checks.Range(**kw)) for kw in (
+        dict(low=1), dict(low=0, low_open=True), dict(high=1), dict(low=0, high=1, high_open=True),
+        dict(low=0, high=1, low_open=True))] == [">= 1", "> 0", "<= 1", "in [0, 1)", "in (0, 1]"]
+    with pytest.raises(TypeError):
+        checks.bounded(0, ge=0, gt=0)

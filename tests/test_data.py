@@ -12,6 +12,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from mcore_rl.config import ConfigError
 from mcore_rl.config.schema import DataConfig, ModelConfig, SyntheticTaskConfig
 from mcore_rl.data.example import Example
 from mcore_rl.data.gsm8k import GSM8K_SAMPLE_DIR, load_gsm8k
@@ -65,7 +66,7 @@ def test_synthetic_exhausts_small_space_and_refuses_too_many():
     ("num_train", 0, "data.synthetic.num_train"),
 ])
 def test_synthetic_bad_config(field, value, key):
-    with pytest.raises(ValueError, match=re.escape(key)):
+    with pytest.raises(ConfigError, match=re.escape(key)):
         make_synthetic_examples(replace(SyntheticTaskConfig(), **{field: value}), seed=0)
 
 
@@ -119,21 +120,42 @@ GOOD = json.dumps({"question": "What is 1+1?", "answer": "1+1=2\n#### 2"})
     ('{"question": "q", "answer": "#### 1"', "malformed JSON"),
     ('["question", "answer"]', "expected a JSON object"),
     (json.dumps({"question": "q"}), "'answer'"),
+    (json.dumps({"q": "q", "a": "#### 1"}), "missing or non-string field 'question' (a GSM8K "
+     "record has string fields 'question' and 'answer'; found 'q', 'a')"),
     (json.dumps({"question": "q", "answer": "no final line"}), "#### N"),
     (json.dumps({"question": "q", "answer": "2\n#### "}), "#### N"),
 ])
-def test_gsm8k_bad_line_names_file_and_line(tmp_path, bad_line, message):
+def test_gsm8k_bad_line_names_key_file_and_line(tmp_path, bad_line, message):
     path = _write(tmp_path, [GOOD, "", bad_line])
-    with pytest.raises(ValueError, match=re.escape(f"{path}:3") + ".*" + re.escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(f"data.train_path: {path}:3: ") + ".*"
+                       + re.escape(message)):
+        load_gsm8k(path, key="data.train_path")
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{path}:3: ")):  # no key given
         load_gsm8k(path)
 
 
-def test_gsm8k_empty_and_missing_file(tmp_path):
-    with pytest.raises(ValueError, match="empty dataset"):
-        load_gsm8k(_write(tmp_path, ["", "  "]))
+def test_gsm8k_empty_missing_and_not_utf8_file(tmp_path):
+    empty = _write(tmp_path, ["", "  "])
+    with pytest.raises(ConfigError, match=re.escape(f"data.train_path: {empty}: empty dataset")):
+        load_gsm8k(empty, key="data.train_path")
     missing = tmp_path / "nope.jsonl"
-    with pytest.raises(FileNotFoundError, match=re.escape(f"data.test_path='{missing}'")):
+    with pytest.raises(ConfigError, match=re.escape(f"data.test_path: {missing}: no such file")):
         load_gsm8k(missing, key="data.test_path")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes((GOOD + "\n").encode() + '{"question": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=re.escape(f"{latin1}:2: not UTF-8 text")):
+        load_gsm8k(latin1)
+
+
+def test_gsm8k_with_a_byte_order_mark_equals_the_file_without(tmp_path):
+    plain = GSM8K_SAMPLE_DIR / "test.jsonl"
+    with_bom = tmp_path / "bom.jsonl"
+    with_bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    expected = load_gsm8k(plain)
+    got = load_gsm8k(with_bom)
+    assert [(e.prompt, e.answer, e.solution) for e in got] == \
+        [(e.prompt, e.answer, e.solution) for e in expected]
+    assert got[0].source == f"{with_bom}:1" and got[0].prompt == expected[0].prompt
 
 
 # ---------------------------------------------------------------------------- tokenizers
@@ -168,7 +190,8 @@ def test_load_tokenizer_sources(tmp_path):
                             unk_token="<unk>").save_pretrained(tmp_path / "nopad")
     tok = load_tokenizer(ModelConfig(hf_path=str(tmp_path / "nopad")))
     assert tok.pad_token == "</s>" and tok.pad_token_id == tok.eos_token_id == 1
-    with pytest.raises(OSError, match=re.escape("model.tokenizer='" + str(tmp_path / "missing"))):
+    with pytest.raises(ConfigError, match=re.escape(f"model.tokenizer: {tmp_path / 'missing'}: "
+                                                    "cannot load a tokenizer")):
         load_tokenizer(ModelConfig(tokenizer=str(tmp_path / "missing")))
 
 
@@ -269,15 +292,16 @@ def test_load_task_synthetic_and_gsm8k():
     assert load_task(replace(gsm, test_path=None), tok, seed=0)[1] is None
 
 
-@pytest.mark.parametrize("changes,error,message", [
-    ({"task": "mmlu"}, ValueError, r"data\.task='mmlu'"),
-    ({"task": "gsm8k"}, ValueError, r"data\.train_path is required"),
-    ({"task": "gsm8k", "train_path": "/no/such.jsonl"}, FileNotFoundError,
-     r"data\.train_path='/no/such\.jsonl'"),
-    ({"train_path": "x.jsonl"}, ValueError, r"must be null for data\.task=synthetic"),
-    ({"task": "gsm8k", "train_path": str(GSM8K_SAMPLE_DIR / "train.jsonl")}, ValueError,
+@pytest.mark.parametrize("changes,message", [
+    ({"task": "mmlu"}, r"data\.task must be one of synthetic, gsm8k \(got 'mmlu'\)"),
+    ({"task": "gsm8k"}, r"data\.task=gsm8k needs data\.train_path"),
+    ({"task": "gsm8k", "train_path": "/no/such.jsonl"},
+     r"data\.train_path: /no/such\.jsonl: no such file"),
+    ({"train_path": "x.jsonl"}, r"must be null for data\.task=synthetic"),
+    ({"max_prompt_length": 0}, r"data\.max_prompt_length must be >= 1 \(got 0\)"),
+    ({"task": "gsm8k", "train_path": str(GSM8K_SAMPLE_DIR / "train.jsonl")},
      r"train\.jsonl:\d+: prompt is \d+ tokens.*data\.max_prompt_length=32"),
 ])
-def test_load_task_errors(changes, error, message):
-    with pytest.raises(error, match=message):
+def test_load_task_errors(changes, message):
+    with pytest.raises(ConfigError, match=message):
         load_task(replace(DataConfig(), **changes), build_char_tokenizer(), seed=0)

@@ -4,15 +4,16 @@
 
 from __future__ import annotations
 
-import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from mcore_rl.config.schema import GenerationConfig
-from mcore_rl.generation import get_backend
+from mcore_rl.config.schema import DataConfig, GenerationConfig, TrainConfig
+from mcore_rl.generation.base import BackendContext, assemble_rollout
 from mcore_rl.generation.hf import HFGenerationBackend
+from mcore_rl.generation.registry import backend_class, backend_names, build_backend
 from mcore_rl.generation.sampling import Sampler, row_uniforms
 
 VOCAB = 50
@@ -180,15 +181,56 @@ def test_tied_embeddings_refit_without_lm_head():
 
 
 def test_config_errors(reference):
-    with pytest.raises(ValueError, match="generation.backend"):
-        get_backend("vllm-typo")
     with pytest.raises(ValueError, match="generation.temperature"):
         _backend(reference, refit=False, temperature=0.0)
     with pytest.raises(ValueError, match="generation.top_p"):
         _backend(reference, refit=False, top_p=1.5)
-    backend = get_backend("hf", hf_config=reference.config, eos_token_id=1, pad_token_id=PAD,
-                          max_total_length=16, cfg=dataclasses.replace(GenerationConfig(), batch_size=2))
-    assert isinstance(backend, HFGenerationBackend)
+
+
+def test_registry_builds_from_the_context_and_refit_pulls_hf_weights(reference):
+    assert {"hf", "megatron"} <= set(backend_names())
+    with pytest.raises(ValueError, match="generation.backend: unknown backend 'vllm-typo'"):
+        backend_class("vllm-typo")
+    assert backend_class("hf") is HFGenerationBackend and backend_class("hf").worker_groups(TrainConfig()) == {}
+    cfg = TrainConfig(generation=GenerationConfig(batch_size=2, max_new_tokens=10),
+                      data=DataConfig(max_total_length=16))
+    backend = build_backend(BackendContext(
+        cfg=cfg, hf_config=reference.config, eos_token_id=VOCAB - 1, pad_token_id=PAD,
+        vocab_size=VOCAB, device="cpu", policy=None, placement=None))
+    assert isinstance(backend, HFGenerationBackend) and not backend.shares_policy_weights
+    assert (backend.cfg.batch_size, backend.max_total_length) == (2, 16)
+    # the hf channel: rank 0's Hugging Face-named tensors, gathered by the policy
+    calls = []
+    state = reference.state_dict()
+    policy = SimpleNamespace(call=lambda method: calls.append(method) or [state, None])
+    stats = backend.refit(policy)
+    assert calls == ["get_hf_weights"]
+    assert stats == {"refit/gbytes": sum(v.numel() * 4 for v in state.values()) / 1e9}
+    expected = _backend(reference, max_total_length=16).generate(PROMPTS, seed=3)
+    got = backend.generate(PROMPTS, seed=3)
+    for key in expected:  # chunks of 2 rows, not 3: logprobs round differently
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_generate_async_hands_out_groups_as_chunks_finish(reference):
+    prompts = PROMPTS + [[7, 7]]  # 6 rows: chunks of 3 (batch_size), groups of 2
+    backend = _backend(reference, temperature=0.7)
+    whole = backend.generate(prompts, seed=4)
+    stream = backend.generate_async(prompts, seed=4, group_size=2)
+    groups = list(stream)
+    # group 0 completes in chunk 0 (rows 0-2); groups 1 and 2 in chunk 1
+    assert [g.rows for g in groups] == [range(0, 2), range(2, 4), range(4, 6)]
+    for g in groups:
+        part = assemble_rollout([prompts[i] for i in g.rows], g.responses, PAD)
+        for j, row in enumerate(g.rows):
+            n = int(whole["input_lengths"][row])
+            assert int(part["input_lengths"][j]) == n
+            for key in ("input_ids", "token_mask", "generation_logprobs"):
+                assert torch.equal(part[key][j, :n], whole[key][row, :n]), key
+    with pytest.raises(ValueError, match="6 prompts do not split into groups of group_size=4"):
+        backend.generate_async(prompts, seed=4, group_size=4)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):  # checked at the call, not later
+        backend.generate_async([[]], seed=0)
 
 
 def test_rollouts_do_not_depend_on_batch_size(reference):

@@ -32,9 +32,7 @@ from mcore_rl.algorithms.losses import ClippedPGLoss
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.config.schema import DDPConfig, LossConfig, MegatronConfig, ModelArchConfig, OptimizerConfig
 from mcore_rl.controller import parity
-from mcore_rl.controller.trainer import DataParallelGroup
-from mcore_rl.controller.worker_group import ProcessWorkerGroup
-from mcore_rl.data import batch as B
+from mcore_rl.controller.worker_group import DataParallelGroup, ProcessWorkerGroup
 from mcore_rl.data.microbatching import (
     ROW_INDEX,
     gather_rows,
@@ -284,8 +282,11 @@ def test_ddp_options_and_sequence_parallel_reach_megatron(results):
     assert all(o["sequence_parallel"] for o in results("tp2_sp")["options"])
 
 
+CLI_BUDGET = 13  # data.max_total_length of the default config: one whole sequence fits
+
+
 @pytest.mark.slow
-def test_cli_train_with_tensor_parallelism(tmp_path):
+def test_cli_train_with_tensor_parallelism_and_a_token_budget(tmp_path):
     from mcore_rl.cli import main
     from mcore_rl.utils.logging import read_metrics
 
@@ -301,6 +302,8 @@ def test_cli_train_with_tensor_parallelism(tmp_path):
         "data.synthetic.num_train=12", "data.synthetic.num_test=2",
         "model.arch.num_layers=2", "model.arch.hidden_size=32", "model.arch.ffn_hidden_size=64",
         "policy.micro_batch_size=4", "policy.logprob_micro_batch_size=8",
+        # 4 rows of >= 6 tokens without it: the workers must cut micro-batches under the budget
+        f"policy.max_tokens_per_microbatch={CLI_BUDGET}",
     ]
     assert main(["train", *overrides]) == 0
     records = read_metrics(out)
@@ -308,6 +311,7 @@ def test_cli_train_with_tensor_parallelism(tmp_path):
     for r in records[-2:]:
         assert r["train/grad_norm"] > 0
         assert r["train/logprob_mismatch_max"] < 1e-4  # trainer (TP=2) vs rollout logprobs
+        assert 0 < r["train/microbatch_tokens_max"] <= CLI_BUDGET
 
 
 # ------------------------------------------------------------------------- no processes

@@ -13,10 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mcore_rl.config.loader import ConfigError, load_config
-from mcore_rl.config.schema import GenerationConfig, MegatronConfig, ModelArchConfig, OptimizerConfig
-from mcore_rl.controller.trainer import DataParallelGroup, RLTrainer
-from mcore_rl.controller.worker_group import ProcessWorkerGroup, WorkerError
-from mcore_rl.generation import get_backend
+from mcore_rl.config.schema import (DataConfig, GenerationConfig, MegatronConfig, ModelArchConfig,
+                                    OptimizerConfig, TrainConfig)
+from mcore_rl.controller.colocation import Colocation
+from mcore_rl.controller.worker_group import DataParallelGroup, ProcessWorkerGroup, WorkerError
+from mcore_rl.generation.base import BackendContext
 from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.generation.megatron import MegatronGenerationBackend, check_layout
 from mcore_rl.megatron.conversion import arch_to_hf_config
@@ -126,13 +127,34 @@ def test_rollouts_equal_hf_backend_and_do_not_depend_on_layout(groups, eos):
         not torch.equal(again["input_ids"], other["input_ids"])
 
 
+def test_generate_async_hands_out_each_dp_ranks_groups(groups, eos):
+    backend = _megatron(groups["dp2_torch"], eos)
+    prompts = PROMPTS[:6]  # groups of 2: DP rank 0 decodes groups 0-1, DP rank 1 group 2
+    whole = backend.generate(prompts, seed=6)
+    finished = list(backend.generate_async(prompts, seed=6, group_size=2))
+    assert sorted((g.rows for g in finished), key=lambda r: r.start) == [range(0, 2), range(2, 4),
+                                                                        range(4, 6)]
+    for g in finished:
+        for row, response in zip(g.rows, g.responses):
+            p, n = len(prompts[row]), int(whole["input_lengths"][row])
+            assert torch.equal(response.tokens, whole["input_ids"][row, p:n])
+            # other rows share its decoding chunk than in `whole`: logprobs round differently
+            torch.testing.assert_close(response.logprobs, whole["generation_logprobs"][row, p:n],
+                                       rtol=0, atol=1e-5)
+
+
 def test_refit_copies_nothing_and_refused_layouts():
-    backend = get_backend("megatron", policy=None, cfg=GEN, eos_token_id=1, pad_token_id=PAD,
-                          max_total_length=MAX_TOTAL, vocab_size=VOCAB)
+    from mcore_rl.generation.registry import build_backend
+
+    cfg = TrainConfig(generation=GenerationConfig(backend="megatron"),
+                      data=DataConfig(max_total_length=MAX_TOTAL))
+    policy = SimpleNamespace(call=lambda *a: pytest.fail(f"a shared-weight refit called {a}"))
+    backend = build_backend(BackendContext(cfg=cfg, hf_config=None, eos_token_id=1, pad_token_id=PAD,
+                                           vocab_size=VOCAB, device="cpu", policy=policy,
+                                           placement=None))
     assert isinstance(backend, MegatronGenerationBackend) and backend.shares_policy_weights
-    backend.update_weights([])
-    with pytest.raises(ValueError, match="takes no tensors"):
-        backend.update_weights([("model.norm.weight", torch.ones(32))])
+    assert backend.policy is policy and backend.max_total_length == MAX_TOTAL
+    assert backend.refit(policy) == {"refit/gbytes": 0.0}
     with pytest.raises(ValueError, match="prompt 0 has token ids outside"):
         backend.generate([[VOCAB]], seed=0)
     with pytest.raises(ValueError, match="generation.top_p"):
@@ -166,14 +188,13 @@ def test_decoding_turns_the_compiled_fusions_off_and_restores_them():
 def test_controller_keeps_shared_weights_on_device_and_exports_nothing():
     calls = []
     policy = SimpleNamespace(call=lambda method, *a: calls.append(method) or [{}])
-    generation = SimpleNamespace(shares_policy_weights=True, update_weights=lambda w: list(w))
-    trainer = SimpleNamespace(cfg=SimpleNamespace(cluster=SimpleNamespace(colocate_generation=True)),
-                              policy=policy, generation=generation)
-    trainer._colocated = lambda m: RLTrainer._colocated(trainer, m)
-    trainer._offload_for_generation = lambda: RLTrainer._offload_for_generation(trainer)
-    metrics = RLTrainer.refit(trainer)
+    colocation = Colocation(policy, _megatron(policy, eos=1), enabled=True)
+    metrics = colocation.refit()
     assert calls == ["offload_before_refit"]  # once, and never the weights
     assert metrics["refit/gbytes"] == 0
+    colocation.prepare_for_training()
+    colocation.prepare_for_generation()  # after a checkpoint save: the weights stay
+    assert calls == ["offload_before_refit", "prepare_for_training", "offload_before_refit"]
 
 
 def test_offload_guard(groups, eos):

@@ -258,7 +258,30 @@ def test_bf16_wraps_in_float16_module_and_converts(results):
     assert r["logit_diff"] < 0.05 * r["logit_std"] + 0.05  # bf16 weights and activations
 
 
+class _RecordingEngine:
+    """A rollout backend that records the colocation hooks (and refits by the hf channel)."""
+
+    shares_policy_weights = False
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def refit(self, policy):
+        policy.call("get_hf_weights")
+        return {"refit/gbytes": 0.0}
+
+    def prepare_for_refit(self):
+        self.calls.append("engine.prepare_for_refit")
+
+    def prepare_for_generation(self):
+        self.calls.append("engine.prepare_for_generation")
+
+    def offload(self):
+        self.calls.append("engine.offload")
+
+
 def test_controller_calls_the_lifecycle_in_order():
+    from mcore_rl.controller.colocation import Colocation
     from mcore_rl.controller.trainer import RLTrainer
 
     calls = []
@@ -269,20 +292,20 @@ def test_controller_calls_the_lifecycle_in_order():
     )
     for colocate in (True, False):
         calls.clear()
-        cfg = SimpleNamespace(cluster=SimpleNamespace(colocate_generation=colocate),
-                              policy=SimpleNamespace(logprob_micro_batch_size=4, micro_batch_size=2))
+        cfg = SimpleNamespace(policy=SimpleNamespace(logprob_micro_batch_size=4, micro_batch_size=2))
         trainer = SimpleNamespace(cfg=cfg, policy=policy,
-                                  generation=SimpleNamespace(update_weights=lambda w: None,
-                                                             shares_policy_weights=False))
-        trainer._colocated = lambda m, t=trainer: RLTrainer._colocated(t, m)
-        trainer._offload_for_generation = lambda t=trainer: RLTrainer._offload_for_generation(t)
+                                  colocation=Colocation(policy, _RecordingEngine(calls), colocate))
         RLTrainer._logprobs(trainer, {})
         RLTrainer._train(trainer, {}, LOSS)
         RLTrainer.refit(trainer)
-        expected = ["prepare_for_lp_inference", "get_logprobs", "prepare_for_training", "train",
-                    "offload_before_refit", "get_hf_weights", "offload_after_refit"]
+        RLTrainer._logprobs(trainer, {})
+        expected = ["engine.offload", "prepare_for_lp_inference", "get_logprobs",
+                    "prepare_for_training", "train",
+                    "offload_before_refit", "engine.prepare_for_refit", "get_hf_weights",
+                    "offload_after_refit", "engine.prepare_for_generation",
+                    "engine.offload", "prepare_for_lp_inference", "get_logprobs"]
         if not colocate:
-            expected = ["get_logprobs", "train", "get_hf_weights"]
+            expected = ["get_logprobs", "train", "get_hf_weights", "get_logprobs"]
         assert calls == expected
 
 

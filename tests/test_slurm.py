@@ -5,8 +5,10 @@ The stand-ins (one Python file, linked under each command's name) append every c
 RAY_ADDRESS) to ``calls.jsonl``. ``srun`` runs the wrapped command locally with ``FAKE_NODE`` set
 from ``-w`` and stdout sent to ``--output``; ``ray start --block`` records the node's CPUs and GPUs
 and blocks until ``ray stop`` on that node; ``ray status`` prints the totals in Ray's format;
-``mcore-rl`` exits with ``FAKE_DRIVER_RC``. The tests check, from the record, the commands each
-node ran, the resource counts, the driver line, the container flags and the teardown.
+``mcore-rl`` exits with ``FAKE_DRIVER_RC`` (blocking, with ``FAKE_DRIVER_BLOCK``, until SIGTERM
+kills it or SIGUSR1 makes it exit with 75 as a driver that saved a checkpoint does);
+``scontrol requeue`` is only recorded. The tests check, from the record, the commands each node
+ran, the resource counts, the driver line, the container flags, the teardown and the requeue.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ with open(state / "calls.jsonl", "a") as f:
     f.write(json.dumps({"tool": tool, "args": args, "node": node,
                         "ray_address": os.environ.get("RAY_ADDRESS")}) + "\n")
 
-if tool == "scontrol":  # scontrol show hostnames NODELIST
+if tool == "scontrol" and args[0] == "show":  # scontrol show hostnames NODELIST
     print("\n".join(os.environ["FAKE_NODES"].split()))
 elif tool == "hostname":  # hostname --ip-address
     print("10.0.0.1 fe80::1")
@@ -91,6 +93,7 @@ elif tool == "ray" and args[0] == "status":
 elif tool == "mcore-rl":
     print("driver ran")
     if os.environ.get("FAKE_DRIVER_BLOCK"):
+        signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75))
         (state / "driver-started").write_text(str(os.getpid()))
         while True:
             time.sleep(0.02)
@@ -202,6 +205,12 @@ def driver_calls(job: Job) -> list[dict]:
     return [c for c in job.calls if c["tool"] == "mcore-rl"]
 
 
+def requeues(job: Job) -> list[int]:
+    """Positions in the record of ``scontrol requeue <this job>``."""
+    return [pos for pos, c in enumerate(job.calls)
+            if c["tool"] == "scontrol" and c["args"] == ["requeue", JOB_ID]]
+
+
 def test_three_nodes_start_run_and_tear_down(tmp_path):
     job = Job(tmp_path, ["n1", "n2", "n3"])
     rc = job.run("--config-name", "grpo_gsm8k", "grpo.num_generations=16")
@@ -259,6 +268,7 @@ def test_failing_driver_exit_code_and_teardown(tmp_path):
     assert len(driver_calls(job)) == 1
     assert stopped_nodes(job) == ["n1", "n2", "n3"]
     assert "driver exited with code 3" in job.stdout
+    assert requeues(job) == []
 
 
 def test_scancel_during_driver_tears_down(tmp_path):
@@ -274,6 +284,41 @@ def test_scancel_during_driver_tears_down(tmp_path):
     driver = int((job.state / "driver-started").read_text())  # the driver step got the TERM
     with pytest.raises(ProcessLookupError):
         os.kill(driver, 0)
+    assert requeues(job) == []  # it died of the signal: no checkpoint, no requeue
+
+
+def test_signal_reaches_the_driver_which_stops_and_is_requeued_after_teardown(tmp_path):
+    job = Job(tmp_path, ["n1", "n2"], FAKE_DRIVER_BLOCK="1")
+    proc = job.start("--config-name", "grpo_gsm8k")
+    try:
+        job.wait_for(lambda: (job.state / "driver-started").exists(), "the driver", timeout=120)
+        proc.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@<seconds>
+    finally:
+        rc = job.finish(proc)
+    assert rc == 75, job.stderr  # the stand-in driver "saved" and exited with 75
+    assert "USR1 received: passed on to the driver" in job.stdout
+    assert stopped_nodes(job) == ["n1", "n2"]
+    [requeue] = requeues(job)
+    stops = [pos for pos, c in enumerate(job.calls) if c["tool"] == "ray" and c["args"][:1] == ["stop"]]
+    assert requeue > max(stops)
+
+
+@pytest.mark.parametrize("requeue", ["1", "0"])
+def test_driver_exit_75_requeues_unless_requeue_is_off(tmp_path, requeue):
+    job = Job(tmp_path, ["n1"], FAKE_DRIVER_RC="75", REQUEUE=requeue)
+    assert job.run() == 75
+    assert len(requeues(job)) == int(requeue)
+
+
+@pytest.mark.parametrize("args, resume", [
+    ((), ["checkpoint.resume=latest"]),
+    (("checkpoint.resume=/runs/a/checkpoints/step_4",), []),  # the user's choice is kept
+])
+def test_requeued_job_resumes_from_the_latest_checkpoint(tmp_path, args, resume):
+    job = Job(tmp_path, ["n1"], SLURM_RESTART_COUNT="1")
+    assert job.run(*args) == 0, job.stderr
+    [(_, _, _, cmd)] = steps(job, "mcore-rl")
+    assert cmd == ["mcore-rl", "train", *args, "cluster.ray_address=auto", *resume]
 
 
 @pytest.mark.parametrize("runtime", ["pyxis", "apptainer"])
@@ -358,6 +403,7 @@ def test_interactive_mode_prints_attach_line_and_waits_for_scancel(tmp_path):
      "CONTAINER_RUNTIME='docker' must be pyxis, apptainer or none"),
     ({"CONTAINER_RUNTIME": "apptainer"}, "CONTAINER_RUNTIME=apptainer needs CONTAINER_IMAGE"),
     ({"GPUS_PER_NODE": "eight"}, "GPUS_PER_NODE='eight' is not a whole number"),
+    ({"REQUEUE": "yes"}, "REQUEUE='yes' must be 0 or 1"),
     ({"SLURM_JOB_NODELIST": None}, "submit this script with sbatch"),
 ])
 def test_bad_settings_fail_before_any_step(tmp_path, env, message):

@@ -6,9 +6,32 @@ other way, in the same layout where it works (see ``VPP_REFERENCE`` for where it
 sync ``train()`` on each DP rank's whole shard versus the split API fed that shard in
 pieces, a different number of pieces on each DP rank, with a mid-step ``get_logprobs``. Two
 steps: token-level loss with a decaying lr, then a sequence-level loss with a KL term, so
-leaked grad-ready state, a wrong normalizer or a double DP reduction show up in the
-parameters (``get_hf_weights``, max abs < 1e-6; Adam turns any gradient difference into an
-lr-sized one) or in the metrics.
+leaked grad-ready state, a wrong normalizer or a double DP reduction show up in the gradient
+each optimizer step is handed, in the parameters after it, or in the metrics.
+
+What may differ, and by how much. The two paths do the same sums in another order and shape:
+``train()`` cuts a shard into micro-batches of ``MBS`` rows as wide as the shard's longest row;
+``train_microbatch`` does the same for each piece, so micro-batches hold other rows (a 3-row
+piece gives a 2-row and a 1-row-plus-padding micro-batch) and are as wide as the piece's
+longest row. Padding is masked, so only float rounding changes (measured: pieces that start
+at micro-batch boundaries, padded to the shard's width, give bitwise-equal gradients in every
+layout). Hence:
+
+* gradients (:meth:`SplitProbe.step_gradient`: reduced over DP, scaled by ``1/N``, before
+  clipping) agree per tensor to ``GRADIENT_RTOL`` of the tensor's largest element (measured:
+  at most 2e-7 at the first step; 4e-6 at the second, which starts from weights that already
+  differ as below);
+* parameters after Adam agree to 1e-5 only where Adam's update is well conditioned (measured:
+  at most 2.5e-7 there). AdamW's first update is ``lr * g / (|g| + eps)``: where ``|g|`` is
+  within ~100 ``eps`` (1e-8), a rounding change ``dg`` moves it by ``lr * eps * dg / (|g| +
+  eps)^2``, up to ``1e6 * dg`` at lr 1e-2. Such gradients exist by construction: softmax is
+  invariant to a key bias, and RoPE breaks that only by the rotation angle, ~1e-3 rad per
+  position at the slowest rotary frequency, so about half of the ``k_proj.bias`` components
+  get ~1e-8 to 1e-6 (and some elements of other weights as little). Their round-off of
+  ~1e-11 made parameters differ by up to 1.07e-6 after two steps with torch's AVX-512
+  kernels, 7.4e-7 with the pinned ones (:mod:`mcore_rl.megatron.cpu_backend`), so they are
+  left out of the parameter comparison (``WELL_CONDITIONED``); their gradients are compared
+  above.
 """
 
 from __future__ import annotations
@@ -31,6 +54,11 @@ ROWS = 12
 MBS = 2
 # Rows of the global batch per DP rank: uneven on purpose.
 SHARD_ROWS = {1: [12], 2: [8, 4], 4: [5, 3, 2, 2]}
+# Per step, max |split - sync| / max |sync| of each gradient tensor (see the module docstring).
+GRADIENT_RTOL = (1e-5, 1e-4)
+# Parameter elements compared after Adam: those whose sync gradient was at least this large
+# in magnitude at every step (100 x Adam's eps; see the module docstring).
+WELL_CONDITIONED = 100 * OptimizerConfig().adam_eps
 TOKEN_LOSS = ClippedPGLoss(LossConfig(kl_coef=0.0))
 SEQUENCE_LOSS = ClippedPGLoss(LossConfig(normalization="sequence", kl_coef=0.05))
 
@@ -72,6 +100,25 @@ class SplitProbe(PolicyWorker):
             if i == 0 and probe is not None:
                 probe_lp = self.get_logprobs(probe, mbs)
         return self.finish_train_step(), probe_lp, self.trainer_version
+
+    def _optimizer_step(self, outputs, loss_fn, global_batch_size):
+        self._step_gradient = [p.main_grad.detach().clone() for p in self._params()]
+        return super()._optimizer_step(outputs, loss_fn, global_batch_size)
+
+    def step_gradient(self):
+        """The gradient the last optimizer step was handed (DDP's ``main_grad`` after
+        ``finalize_model_grads``: reduced over DP, scaled by ``1/N``; before clipping), with
+        Hugging Face names, whole (gathered over TP and PP) on rank 0 and None on other ranks:
+        :meth:`get_hf_weights` with the gradients standing in for the weights."""
+        params = self._params()
+        weights = [p.data for p in params]
+        try:
+            for p, g in zip(params, self._step_gradient):
+                p.data = g
+            return self.get_hf_weights()
+        finally:
+            for p, w in zip(params, weights):
+                p.data = w
 
     def grad_hooks(self):
         """The model config's three gradient hooks, named: ``DDP.<method>`` for a bound
@@ -151,11 +198,29 @@ def _weights(layout):
     return layout.group.call("get_hf_weights")[0]
 
 
-def _assert_same_weights(actual, expected, atol=1e-6):
-    assert actual.keys() == expected.keys()
-    for k in expected:
-        diff = (actual[k] - expected[k]).abs().max().item()
-        assert diff < atol, (k, diff)
+def _gradient(layout):
+    return layout.group.call("step_gradient")[0]
+
+
+def _assert_same_steps(actual, expected):
+    """``actual``, ``expected``: the gradient of each optimizer step (:func:`_gradient`), then
+    the parameters after the last one (:func:`_weights`), of two runs over the same rows.
+    Tolerances: see the module docstring."""
+    *grads, weights = actual
+    *expected_grads, expected_weights = expected
+    assert len(grads) == len(expected_grads) <= len(GRADIENT_RTOL)
+    conditioned = {}
+    for step, (g, e, rtol) in enumerate(zip(grads, expected_grads, GRADIENT_RTOL)):
+        assert g.keys() == e.keys() == expected_weights.keys()
+        for k in e:
+            rel = ((g[k] - e[k]).abs().max() / e[k].abs().max()).item()
+            assert rel < rtol, (f"step {step + 1} gradient", k, rel)
+            conditioned[k] = conditioned.get(k, True) & (e[k].abs() >= WELL_CONDITIONED)
+    kept = sum(int(keep.sum()) for keep in conditioned.values())
+    assert kept > 0.9 * sum(keep.numel() for keep in conditioned.values())  # not vacuous
+    for k, keep in conditioned.items():
+        diff = (weights[k] - expected_weights[k]).abs()[keep].max().item()
+        assert diff < 1e-5, ("weights", k, diff)
 
 
 def _assert_same_metrics(actual, expected):
@@ -176,8 +241,7 @@ LAYOUTS = {
 }
 # Virtual pipeline stages (4 layers: 2 per chunk). Sync train() with VPP does not yet match
 # get_logprobs in this layout (issue 3), so its reference is sync train() at PP=2 alone: another
-# layout, so the parameters agree to 1e-5 (Adam turns rounding noise in the near-zero k_proj
-# bias gradients into ~1e-6 differences), the metrics as tightly as in one layout.
+# layout, whose rounding differs no more than that of the split pieces (the same tolerances).
 VPP = dict(pp=2, vpp=2, overlap=True)
 VPP_REFERENCE = dict(pp=2, overlap=True)
 
@@ -194,8 +258,9 @@ def test_split_equals_sync_for_two_steps(world, name):
     layout = _build(world, reference, num_layers)
     batch, shards, pieces = _batch(layout)
     sync1 = _sync_step(layout, shards, TOKEN_LOSS)
+    expected = [_gradient(layout)]
     sync2 = _sync_step(layout, shards, SEQUENCE_LOSS)
-    w_sync = _weights(layout)
+    expected += [_gradient(layout), _weights(layout)]
 
     layout = _build(world, megatron, num_layers)
     per_rank_pieces = layout.per_rank(pieces)
@@ -205,14 +270,16 @@ def test_split_equals_sync_for_two_steps(world, name):
     # Mid-step inference saw the (unchanged) initial weights and left the grads alone.
     torch.testing.assert_close(probe, batch["prev_logprobs"], rtol=0, atol=1e-6)
     assert version == 1
+    actual = [_gradient(layout)]
     split2 = world.call_each("split_step", [[SEQUENCE_LOSS, ROWS, MBS, p] for p in per_rank_pieces])[0][0]
+    actual += [_gradient(layout), _weights(layout)]
 
     assert sync1["lr"] > sync2["lr"] > 0
     assert split1["num_valid_sequences"] == ROWS - 1
     _assert_same_metrics(split1, sync1)
     _assert_same_metrics(split2, sync2)
     assert split2["kl"] > 0
-    _assert_same_weights(_weights(layout), w_sync, atol=1e-6 if name in LAYOUTS else 1e-5)
+    _assert_same_steps(actual, expected)
     assert world.call("grad_hooks") == [sync_hooks(megatron)] * WORLD
 
 
@@ -235,9 +302,9 @@ def test_fault_abort_and_misuse(world):
     layout = _build(world, megatron)
     batch, shards, pieces = _batch(layout)
     _sync_step(layout, shards, TOKEN_LOSS)
-    w1 = _weights(layout)
+    g1, w1 = _gradient(layout), _weights(layout)
     _sync_step(layout, shards, SEQUENCE_LOSS)
-    w2 = _weights(layout)
+    g2, w2 = _gradient(layout), _weights(layout)
 
     layout = _build(world, megatron)
     faulty = FailOnFlag(LossConfig(kl_coef=0.0))
@@ -271,9 +338,10 @@ def test_fault_abort_and_misuse(world):
 
     out = world.call_each("split_step", [[TOKEN_LOSS, ROWS, MBS, p] for p in layout.per_rank(pieces)])
     assert out[0][2] == 1  # aborted steps do not bump trainer_version
-    _assert_same_weights(_weights(layout), w1)
+    split_g1 = _gradient(layout)
+    _assert_same_steps([split_g1, _weights(layout)], [g1, w1])
     _sync_step(layout, shards, SEQUENCE_LOSS)
-    _assert_same_weights(_weights(layout), w2)
+    _assert_same_steps([split_g1, _gradient(layout), _weights(layout)], [g1, g2, w2])
 
 
 def test_dp_rank_without_microbatches(world):
@@ -284,13 +352,13 @@ def test_dp_rank_without_microbatches(world):
     assert layout.dp_size == 1
     batch, shards, _ = _batch(layout)
     sync = _sync_step(layout, shards, TOKEN_LOSS)
-    expected = _weights(layout)
+    expected = [_gradient(layout), _weights(layout)]
 
     layout = _build(world, _megatron(tp=2))
     pieces = [[B.select(batch, slice(i, i + 2)) for i in range(0, ROWS, 2)], []]
     split = world.call_each("split_step", [[TOKEN_LOSS, ROWS, MBS, p] for p in layout.per_rank(pieces)])
     _assert_same_metrics(split[0][0], sync)
-    _assert_same_weights(_weights(layout), expected)
+    _assert_same_steps([_gradient(layout), _weights(layout)], expected)
 
 
 def test_bad_sizes_raise(world):

@@ -11,6 +11,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from mcore_rl.config.checks import check_value
+
 
 def grpo_advantages(
     rewards: torch.Tensor,
@@ -38,7 +40,8 @@ def grpo_advantages(
 
     Args:
         rewards: ``[B]`` float32 scalar reward per sample.
-        group_size: samples per prompt (config ``grpo.num_generations``); must divide B.
+        group_size: samples per prompt (config ``grpo.num_generations``, >= 2: a group of one
+            has no baseline); must divide B.
         sample_mask: ``[B]`` float (1 keep, 0 drop), or None for all valid.
         normalize_std: divide by the group std (GRPO) or not (Dr. GRPO).
         leave_one_out: leave-one-out baseline (RLOO) instead of the group mean.
@@ -48,13 +51,13 @@ def grpo_advantages(
         ``[B]`` float32 advantages (broadcast over response tokens by the caller).
 
     Raises:
-        ValueError: ``rewards`` not 1-D, ``group_size < 1``, B not divisible by ``group_size``
-            (names ``grpo.num_generations``), or ``sample_mask`` of another shape.
+        ValueError: ``rewards`` not 1-D, B not divisible by ``group_size`` (names
+            ``grpo.num_generations``), or ``sample_mask`` of another shape; ``ConfigError`` (a
+            ``ValueError``) for ``group_size`` outside the bound of ``grpo.num_generations``.
     """
     if rewards.dim() != 1:
         raise ValueError(f"grpo_advantages: rewards must be [B], got shape {tuple(rewards.shape)}")
-    if group_size < 1:
-        raise ValueError(f"grpo.num_generations: group size must be >= 1, got {group_size}")
+    check_value("grpo.num_generations", group_size)
     num_samples = rewards.shape[0]
     if num_samples % group_size != 0:
         raise ValueError(f"grpo.num_generations: batch of {num_samples} samples is not divisible "
@@ -106,8 +109,8 @@ def gae(
             ignored.
         values: ``[B, S]`` float32, ``V(state before token t)``.
         mask: ``[B, S]`` float, 1 on response tokens.
-        gamma: discount factor in [0, 1].
-        lam: GAE lambda in [0, 1].
+        gamma: discount factor in [0, 1] (config ``ppo.gamma``).
+        lam: GAE lambda in [0, 1] (config ``ppo.lam``).
 
     Returns:
         ``(advantages, returns)``, both ``[B, S]`` float32, ``returns = advantages + values``
@@ -115,8 +118,12 @@ def gae(
         position holds the carried-over value of the next valid one (0 after the last).
 
     Raises:
-        ValueError: the three tensors differ in shape or are not 2-D.
+        ValueError: the three tensors differ in shape or are not 2-D; ``ConfigError`` (a
+            ``ValueError``) for ``gamma`` or ``lam`` outside [0, 1] (the bounds of ``ppo.gamma``
+            and ``ppo.lam``).
     """
+    check_value("ppo.gamma", gamma)
+    check_value("ppo.lam", lam)
     if token_rewards.dim() != 2 or token_rewards.shape != values.shape or values.shape != mask.shape:
         raise ValueError(f"gae: token_rewards {tuple(token_rewards.shape)}, values "
                          f"{tuple(values.shape)} and mask {tuple(mask.shape)} must be equal [B, S]")

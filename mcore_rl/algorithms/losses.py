@@ -16,10 +16,9 @@ from typing import Dict, Tuple
 
 import torch
 
-from mcore_rl.algorithms.kl import KL_ESTIMATORS, kl_estimate
+from mcore_rl.algorithms.kl import kl_estimate
+from mcore_rl.config.checks import check
 from mcore_rl.config.schema import LossConfig, ValueLossConfig
-
-LOSS_TYPES = ("token", "sequence")
 
 
 def _require(batch: Dict[str, torch.Tensor], key: str, why: str) -> torch.Tensor:
@@ -72,27 +71,16 @@ class ClippedPGLoss:
             count the worker divides the metric's raw sum by (``"none"``: keep the sum).
 
     Raises:
-        ValueError at construction for a bad ``LossConfig`` value, naming its ``loss.*`` key.
+        ConfigError (a ``ValueError``) at construction for a ``LossConfig`` value outside what
+        the schema declares, naming its ``loss.*`` key (:func:`mcore_rl.config.checks.check`,
+        the check config loading runs). ``importance_ratio_cap`` is at least 1: with trainer
+        and rollout engine in agreement (ratio 1) a token keeps its full weight, and the loss
+        is the plain clipped loss; a cap below 1 would down-weight every token and bias the
+        gradient without any mismatch.
     """
 
     def __init__(self, config: LossConfig):
-        if config.normalization not in LOSS_TYPES:
-            raise ValueError(f"loss.normalization: expected one of {', '.join(LOSS_TYPES)}, "
-                             f"got {config.normalization!r}")
-        if config.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"loss.kl_estimator: unknown KL estimator {config.kl_estimator!r}; "
-                             f"expected one of {', '.join(KL_ESTIMATORS)}")
-        if not 0.0 <= config.ratio_clip_low < 1.0:
-            raise ValueError(f"loss.ratio_clip_low: must be in [0, 1), got {config.ratio_clip_low}")
-        if config.ratio_clip_high < 0.0:
-            raise ValueError(f"loss.ratio_clip_high: must be >= 0, got {config.ratio_clip_high}")
-        if config.dual_clip is not None and config.dual_clip <= 1.0:
-            raise ValueError(f"loss.dual_clip: must be > 1 (or null), got {config.dual_clip}")
-        if config.kl_coef < 0.0:
-            raise ValueError(f"loss.kl_coef: must be >= 0, got {config.kl_coef}")
-        if config.importance_ratio_cap is not None and config.importance_ratio_cap <= 0.0:
-            raise ValueError(f"loss.importance_ratio_cap: must be > 0 (or null), "
-                             f"got {config.importance_ratio_cap}")
+        check(config, "loss")
         self.config = config
         self.loss_type = config.normalization
         loss_kind = self.loss_type + "s"
@@ -266,8 +254,9 @@ class ClippedValueLoss:
             ``num_valid_tokens``/``num_valid_sequences`` raw.
 
     Raises:
-        ValueError at construction: ``value.loss.cliprange`` not null and <= 0, or
-        ``value.loss.coef`` <= 0.
+        ConfigError (a ``ValueError``) at construction: ``value.loss.cliprange`` not null and
+        <= 0, or ``value.loss.coef`` <= 0 (the schema's bounds,
+        :func:`mcore_rl.config.checks.check`).
     """
 
     loss_type = "token"
@@ -275,10 +264,7 @@ class ClippedValueLoss:
                     "num_valid_tokens": "none", "num_valid_sequences": "none"}
 
     def __init__(self, config: ValueLossConfig):
-        if config.cliprange is not None and config.cliprange <= 0:
-            raise ValueError(f"value.loss.cliprange: must be > 0 (or null), got {config.cliprange}")
-        if config.coef <= 0:
-            raise ValueError(f"value.loss.coef: must be > 0, got {config.coef}")
+        check(config, "value.loss")
         self.config = config
 
     def __call__(self, values: torch.Tensor, batch: Dict[str, torch.Tensor]

@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from mcore_rl.config.checks import check_value
+
 
 def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: Optional[torch.Tensor] = None,
                         kl_coef: float = 0.0) -> torch.Tensor:
@@ -34,13 +36,13 @@ def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: Optional[
 
     Raises:
         ValueError: shapes that do not fit (``rewards [B]``, ``mask [B, S]``, ``kl [B, S]``),
-            ``kl_coef < 0``, or ``kl_coef > 0`` without ``kl``.
+            or ``kl_coef > 0`` without ``kl``; ``ConfigError`` (a ``ValueError``) for
+            ``kl_coef < 0`` (the bound of ``ppo.reward_kl_coef``).
     """
     if mask.dim() != 2 or rewards.shape != mask.shape[:1]:
         raise ValueError(f"token_level_rewards: rewards must be [B] and mask [B, S]; got "
                          f"{tuple(rewards.shape)} and {tuple(mask.shape)}")
-    if kl_coef < 0:
-        raise ValueError(f"ppo.reward_kl_coef: must be >= 0, got {kl_coef}")
+    check_value("ppo.reward_kl_coef", kl_coef)
     mask = (mask > 0).float()
     out = torch.zeros_like(mask)
     if kl_coef > 0:

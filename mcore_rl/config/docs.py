@@ -1,9 +1,10 @@
 """Generate the config reference page (``docs/config-reference.md``) from the structured configs.
 
 Every dotted key of :class:`~mcore_rl.config.schema.TrainConfig` is listed with its type, its
-default and its meaning. The meaning is the comment block directly above the field in
-``schema.py`` (or the comment at the end of the field's line), and a section's introduction is
-its dataclass docstring, so the page is written from the code and cannot drift from it. The
+default, its valid values (the choices or range the field declares, :mod:`mcore_rl.config.checks`)
+and its meaning. The meaning is the comment block directly above the field in ``schema.py`` (or
+the comment at the end of the field's line), and a section's introduction is its dataclass
+docstring, so the page is written from the code and cannot drift from it. The
 page ends with example override lines for common changes. Regenerate with::
 
     python -m mcore_rl.config.docs --output docs/config-reference.md
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mcore_rl.config import schema
+from mcore_rl.config.checks import describe
 from mcore_rl.config.schema import TrainConfig
 
 REGENERATE_COMMAND = "python -m mcore_rl.config.docs --output docs/config-reference.md"
@@ -69,12 +71,15 @@ EXAMPLE_OVERRIDES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 class KeyDoc:
     """One leaf config key: ``key`` dotted (``policy.optimizer.lr``), ``type`` as written in the
     page (``float``, ``str or null``), ``default`` as typed in an override, ``meaning`` from the
-    schema's comment (empty when the field has none)."""
+    schema's comment (empty when the field has none), ``valid`` the values the field declares
+    as the page shows them (``one of `hf`, `megatron` ``, ``null or `> 1` ``; empty when it
+    declares none)."""
 
     key: str
     type: str
     default: str
     meaning: str
+    valid: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +172,8 @@ def iter_sections(cls: type = TrainConfig, path: str = "") -> Iterator[SectionDo
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         keys.append(KeyDoc(key, _type_text(hints[f.name]), _default_text(default),
-                           comments.get((cls.__name__, f.name), "")))
+                           comments.get((cls.__name__, f.name), ""),
+                           describe(cls, f.name, quote=lambda text: f"`{text}`")))
     yield SectionDoc(path, docstrings.get(cls.__name__, ""), tuple(keys))
     for sub_cls, sub_path in nested:
         yield from iter_sections(sub_cls, sub_path)
@@ -192,6 +198,8 @@ def render_reference() -> str:
         "Every key below can be set in a YAML file of `configs/` or on the command line as "
         "`key=value` (Hydra override grammar), e.g. "
         "`mcore-rl train --config-name grpo_gsm8k grpo.num_generations=16`. "
+        "Valid values are checked when the config is loaded, so a bad value fails before any "
+        "work starts, naming its key. "
         "The defaults are those of the structured config; the file chosen with "
         "`--config-name` may set other values (`mcore-rl train --config-name NAME --cfg` "
         "prints the composed config). In YAML and overrides, `null` is Python's `None`.",
@@ -205,9 +213,9 @@ def render_reference() -> str:
         if section.doc:
             out += [section.doc, ""]
         if section.keys:
-            out += ["| Key | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
-            out += [f"| `{k.key}` | {k.type} | `{_cell(k.default)}` | {_cell(k.meaning)} |"
-                    for k in section.keys]
+            out += ["| Key | Type | Default | Valid | Meaning |", "| --- | --- | --- | --- | --- |"]
+            out += [f"| `{k.key}` | {k.type} | `{_cell(k.default)}` | {k.valid} | "
+                    f"{_cell(k.meaning)} |" for k in section.keys]
             out.append("")
     out += [
         "## Example overrides",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import importlib.util
 import os
 import re
@@ -30,8 +29,13 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 import mcore_rl
-from mcore_rl.config.schema import MegatronConfig, TrainConfig
-from mcore_rl.megatron.families import FAMILIES, TOKEN_DISPATCHERS, arch_errors, layout_errors
+from mcore_rl.config import checks
+from mcore_rl.config.checks import ConfigError
+from mcore_rl.config.paths import file_problem, hf_checkpoint_errors, tokenizer_dir_error
+from mcore_rl.config.schema import CHAR_TOKENIZER, DataConfig, TrainConfig
+from mcore_rl.data.synthetic import synthetic_config_errors
+from mcore_rl.generation import registry as generation_registry
+from mcore_rl.megatron.families import arch_errors, layout_errors
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent
 DEFAULT_CONFIG_DIR = PKG_DIR.parent / "configs"
@@ -42,10 +46,6 @@ ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
 # ${mcore_rl.pkg_dir:} -> the installed package directory, so that files shipped in the package
 # (e.g. data/samples/gsm8k/train.jsonl) are found whatever the working directory.
 OmegaConf.register_new_resolver("mcore_rl.pkg_dir", lambda: str(PKG_DIR), replace=True)
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message names every offending key and where it came from."""
 
 
 def _schema_types(cls: type, prefix: str = "") -> dict[str, Any]:
@@ -231,87 +231,34 @@ def load_config(config_name: str, overrides: Sequence[str] = (),
     return train_cfg
 
 
-_CHOICES = {
-    "algorithm": ("grpo", "ppo"),
-    "cluster.device": ("cpu", "cuda", "auto"),
-    "model.arch.family": tuple(FAMILIES),
-    "policy.megatron.precision": ("fp32", "bf16"),
-    "policy.megatron.layer_spec": ("local", "torch", "transformer_engine"),
-    "policy.megatron.moe_token_dispatcher_type": TOKEN_DISPATCHERS,
-    "policy.optimizer.name": ("adam", "sgd"),
-    "policy.optimizer.lr_decay_style": ("constant", "linear", "cosine"),
-    "generation.backend": ("hf", "megatron"),
-    "data.task": ("synthetic", "gsm8k"),
-    "reward.name": ("exact", "math"),
-    "loss.kl_estimator": ("k1", "k2", "k3"),
-    "loss.normalization": ("token", "sequence"),
-    "ppo.reward_kl_estimator": ("k1", "k2", "k3"),
-    "value.megatron.precision": ("fp32", "bf16"),
-    "value.megatron.layer_spec": ("local", "torch", "transformer_engine"),
-    "value.megatron.moe_token_dispatcher_type": TOKEN_DISPATCHERS,
-    "value.optimizer.name": ("adam", "sgd"),
-    "value.optimizer.lr_decay_style": ("constant", "linear", "cosine"),
-}
-_AT_LEAST = {  # key -> smallest valid value
-    "cluster.num_workers": 1,
-    "cluster.manual_gc_interval": 0,
-    "model.arch.num_attention_heads": 1,
-    "model.arch.num_query_groups": 1,
-    "policy.megatron.tensor_model_parallel_size": 1,
-    "policy.megatron.pipeline_model_parallel_size": 1,
-    "policy.megatron.expert_model_parallel_size": 1,
-    "policy.micro_batch_size": 1,
-    "policy.logprob_micro_batch_size": 1,
-    "generation.max_new_tokens": 1,
-    "generation.batch_size": 1,
-    "loss.ratio_clip_low": 0,
-    "loss.ratio_clip_high": 0,
-    "grpo.num_generations": 2,
-    "grpo.num_prompts_per_step": 1,
-    "grpo.optimizer_steps_per_rollout": 1,
-    "checkpoint.every": 0,
-    "ppo.num_prompts_per_step": 1,
-    "ppo.num_generations": 1,
-    "ppo.ppo_epochs": 1,
-    "ppo.num_mini_batches": 1,
-    "ppo.critic_warmup_steps": 0,
-    "ppo.reward_kl_coef": 0,
-    "value.megatron.tensor_model_parallel_size": 1,
-    "value.megatron.pipeline_model_parallel_size": 1,
-    "value.megatron.expert_model_parallel_size": 1,
-    "value.micro_batch_size": 1,
-    "value.values_micro_batch_size": 1,
-}
-
-
 def validate(cfg: TrainConfig) -> None:
-    """Check the combinations that no run can satisfy (parallel layout vs model shape and
-    workers (the policy's and, with ``algorithm: ppo``, the critic's), device-only features,
-    sampling ranges, lengths, task/reward choices, loss, GRPO and PPO batch arithmetic).
+    """Check every key's declared choices and bounds (:mod:`mcore_rl.config.checks`, the same
+    checks the components run), the files and directories the config names (data files, the
+    Hugging Face checkpoint directories and their tokenizer: :mod:`mcore_rl.config.paths`), and
+    the combinations that no run can satisfy (parallel layout vs model shape and workers (the
+    policy's and, with ``algorithm: ppo``, the critic's), device-only features, lengths, GRPO
+    and PPO batch arithmetic).
 
     Raises:
-        ConfigError: listing every violation, one per line, each naming its keys.
+        ConfigError: naming every violation's keys: ``invalid config: <problem>`` for one,
+            else one problem per line.
     """
-    def get(key: str) -> Any:
-        return functools.reduce(getattr, key.split("."), cfg)
-
-    errors = [f"{k} must be one of {', '.join(c)} (got {get(k)!r})"
-              for k, c in _CHOICES.items() if get(k) not in c]
-    errors += [f"{k} must be >= {lo} (got {get(k)})" for k, lo in _AT_LEAST.items() if get(k) < lo]
+    field_errors = checks.errors(cfg)
+    errors = list(field_errors)
 
     def check(ok: bool, message: str) -> None:
         if not ok:
             errors.append(message)
 
     arch, device = cfg.model.arch, cfg.cluster.device
-    if cfg.model.hf_path is None and arch.family in FAMILIES:
-        errors += arch_errors(arch)
+    if cfg.model.hf_path is None:  # arch_errors repeats the field checks of model.arch
+        errors += [e for e in arch_errors(arch) if e not in field_errors]
     heads_ok = arch.num_query_groups >= 1 and arch.num_attention_heads >= 1
     if heads_ok:
         check(arch.num_attention_heads % arch.num_query_groups == 0,
               f"model.arch.num_attention_heads ({arch.num_attention_heads}) must be divisible by "
               f"model.arch.num_query_groups ({arch.num_query_groups})")
-        check(arch.hidden_size % arch.num_attention_heads == 0,
+        check(arch.head_dim is not None or arch.hidden_size % arch.num_attention_heads == 0,
               f"model.arch.hidden_size ({arch.hidden_size}) must be divisible by "
               f"model.arch.num_attention_heads ({arch.num_attention_heads})")
     # The PPO critic has a Megatron layout of its own over cluster.num_workers processes.
@@ -330,9 +277,7 @@ def validate(cfg: TrainConfig) -> None:
                 check(tp < 1 or getattr(arch, name) % tp == 0,
                       f"model.arch.{name} ({getattr(arch, name)}) must be divisible by "
                       f"{key}.tensor_model_parallel_size ({tp})")
-        if vpp is not None:
-            check(vpp >= 1, f"{key}.virtual_pipeline_model_parallel_size must be null or "
-                            f">= 1 (got {vpp})")
+        if vpp is not None and vpp >= 1:  # < 1: the field check reports it
             check(pp > 1, f"{key}.virtual_pipeline_model_parallel_size ({vpp}) needs "
                           f"{key}.pipeline_model_parallel_size > 1 (got {pp})")
         if pp >= 1 and (vpp or 1) >= 1:
@@ -350,21 +295,17 @@ def validate(cfg: TrainConfig) -> None:
               f"{key}.ddp.average_in_collective must be false: the losses are normalized by the "
               f"global token/sequence count (Megatron's calculate_per_token_loss), which "
               f"Megatron's DDP refuses to combine with averaging over DP")
-        check(ddp.bucket_size is None or ddp.bucket_size >= 1,
-              f"{key}.ddp.bucket_size must be null or >= 1 (got {ddp.bucket_size})")
         if cfg.model.hf_path is None:  # else the model's shape is read from the checkpoint
-            errors += layout_errors(arch, mg, key, cfg.cluster.num_workers)
+            errors += [e for e in layout_errors(arch, mg, key, cfg.cluster.num_workers)
+                       if e not in field_errors]
         gpu_only = [n for n in ("use_distributed_optimizer", "overlap_param_gather") if getattr(ddp, n)]
         if gpu_only and (device == "cpu" or device == "auto" and not _cuda_available()):
             seen = " and torch sees no GPU" if device == "auto" else ""
             errors += [f"{key}.ddp.{n} needs a GPU: cluster.device is '{device}'{seen}"
                        for n in gpu_only]
 
-    gen, data, loss, grpo = cfg.generation, cfg.data, cfg.loss, cfg.grpo
-    if gen.backend == "megatron":
-        errors += megatron_generation_errors(cfg.policy.megatron)
-    check(gen.temperature > 0, f"generation.temperature must be > 0 (got {gen.temperature})")
-    check(0 < gen.top_p <= 1, f"generation.top_p must be in (0, 1] (got {gen.top_p})")
+    gen, data, grpo = cfg.generation, cfg.data, cfg.grpo
+    errors += generation_registry.config_errors(cfg)
     check(data.max_prompt_length + gen.max_new_tokens <= data.max_total_length,
           f"data.max_prompt_length + generation.max_new_tokens ({data.max_prompt_length} + "
           f"{gen.max_new_tokens}) must be <= data.max_total_length ({data.max_total_length})")
@@ -377,50 +318,49 @@ def validate(cfg: TrainConfig) -> None:
           f": a micro-batch holds at least one whole sequence")
     check(not cfg.logging.wandb or importlib.util.find_spec("wandb") is not None,
           "logging.wandb=true needs the wandb package: pip install wandb")
-    check(data.task != "gsm8k" or data.train_path is not None,
-          "data.task 'gsm8k' needs data.train_path (a GSM8K jsonl file)")
-    for name in ("train_path", "test_path"):
-        path = getattr(data, name)
-        check(path is None or Path(path).is_file(), f"data.{name}: no such file {path}")
-    check(loss.dual_clip is None or loss.dual_clip > 1,
-          f"loss.dual_clip must be null or > 1 (got {loss.dual_clip})")
-    check(loss.importance_ratio_cap is None or loss.importance_ratio_cap >= 1,
-          f"loss.importance_ratio_cap must be null or >= 1 (got {loss.importance_ratio_cap})")
+    errors += task_errors(data)
+    model = cfg.model
+    if model.hf_path is not None:
+        errors += hf_checkpoint_errors("model.hf_path", model.hf_path,
+                                       tokenizer=model.tokenizer is None)
+    if cfg.algorithm == "ppo" and cfg.value.hf_path is not None:
+        errors += hf_checkpoint_errors("value.hf_path", cfg.value.hf_path)
+    if model.tokenizer not in (None, CHAR_TOKENIZER):
+        errors += filter(None, [tokenizer_dir_error("model.tokenizer", model.tokenizer)])
     rollouts = grpo.num_prompts_per_step * grpo.num_generations
     check(grpo.optimizer_steps_per_rollout < 1 or rollouts % grpo.optimizer_steps_per_rollout == 0,
           f"grpo.num_prompts_per_step x grpo.num_generations ({grpo.num_prompts_per_step} x "
           f"{grpo.num_generations} = {rollouts}) must be divisible by "
           f"grpo.optimizer_steps_per_rollout ({grpo.optimizer_steps_per_rollout})")
     ppo = cfg.ppo
-    for name in ("gamma", "lam"):
-        check(0 <= getattr(ppo, name) <= 1, f"ppo.{name} must be in [0, 1] (got {getattr(ppo, name)})")
     samples = ppo.num_prompts_per_step * ppo.num_generations
     check(ppo.num_mini_batches < 1 or samples % ppo.num_mini_batches == 0,
           f"ppo.num_prompts_per_step x ppo.num_generations ({ppo.num_prompts_per_step} x "
           f"{ppo.num_generations} = {samples}) must be divisible by ppo.num_mini_batches "
           f"({ppo.num_mini_batches})")
-    check(cfg.value.loss.cliprange is None or cfg.value.loss.cliprange > 0,
-          f"value.loss.cliprange must be null or > 0 (got {cfg.value.loss.cliprange})")
-    check(cfg.value.loss.coef > 0, f"value.loss.coef must be > 0 (got {cfg.value.loss.coef})")
+    if len(errors) == 1:
+        raise ConfigError(f"invalid config: {errors[0]}")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
 
-def megatron_generation_errors(megatron: MegatronConfig) -> List[str]:
-    """Why ``generation.backend=megatron`` (decoding with the policy's own model,
-    :mod:`mcore_rl.generation.megatron`) cannot run on the policy layout ``megatron``
-    (``policy.megatron``), one message per reason naming its keys; empty when it can. Refused:
-    pipeline parallelism (virtual stages included) and sequence parallelism (a one-token decode
-    step cannot be split over TP ranks)."""
-    errors = []
-    if megatron.pipeline_model_parallel_size != 1 or megatron.virtual_pipeline_model_parallel_size:
-        errors.append("generation.backend=megatron needs policy.megatron.pipeline_model_parallel_size"
-                      f"=1 and no virtual_pipeline_model_parallel_size (got "
-                      f"{megatron.pipeline_model_parallel_size}, "
-                      f"{megatron.virtual_pipeline_model_parallel_size}); use generation.backend=hf")
-    if megatron.sequence_parallel:
-        errors.append("generation.backend=megatron needs policy.megatron.sequence_parallel=false")
-    return errors
+def task_errors(data: DataConfig) -> List[str]:
+    """Why ``data.task`` cannot load its prompts from ``data`` (the ``data`` section), one
+    message per problem naming its keys; empty when it can (checked by :func:`validate` and
+    :func:`mcore_rl.data.prompts.load_task`). ``gsm8k``: ``data.train_path`` set, and each path
+    set an existing file; ``synthetic``: no paths, and
+    :func:`~mcore_rl.data.synthetic.synthetic_config_errors`."""
+    if data.task == "gsm8k":
+        missing = [] if data.train_path else ["data.task=gsm8k needs data.train_path (a GSM8K "
+                                              "JSONL file)"]
+        paths = {f"data.{name}": getattr(data, name) for name in ("train_path", "test_path")}
+        return missing + [f"{key}: {path}: {problem}" for key, path in paths.items()
+                          if path and (problem := file_problem(path))]
+    if data.task == "synthetic":
+        paths = ["data.train_path and data.test_path must be null for data.task=synthetic (its "
+                 "prompts come from data.synthetic)"] if data.train_path or data.test_path else []
+        return paths + synthetic_config_errors(data.synthetic)
+    return []
 
 
 def _cuda_available() -> bool:

@@ -3,14 +3,35 @@
 YAML files in ``configs/`` are composed over these dataclasses by Hydra (see
 :mod:`mcore_rl.config.loader`), so an unknown key or a wrong type is refused before any work.
 Units: learning rates per optimizer step, lengths in tokens, intervals in RL steps.
-Each field's meaning is the comment directly above it (or at the end of its line);
-:mod:`mcore_rl.config.docs` writes them into ``docs/config-reference.md``.
+Each field's meaning is the comment directly above it (or at the end of its line); its valid
+values are declared with :func:`~mcore_rl.config.checks.one_of` (choices) or
+:func:`~mcore_rl.config.checks.bounded` (a range), which config loading and the components
+check (:mod:`mcore_rl.config.checks`); :mod:`mcore_rl.config.docs` writes both into
+``docs/config-reference.md``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+from mcore_rl.config.checks import bounded, one_of
+from mcore_rl.generation.registry import backend_names
+
+# Choice lists that components take from here rather than repeat.
+# cluster.placement: how mcore_rl.controller.placement puts worker groups on GPUs.
+PLACEMENTS = ("colocated", "separate")
+# loss.kl_estimator and ppo.reward_kl_estimator: mcore_rl.algorithms.kl.kl_estimate.
+KL_ESTIMATORS = ("k1", "k2", "k3")
+# model.arch.family: the Hugging Face model_types of mcore_rl.megatron.families.FAMILIES.
+MODEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# *.megatron.moe_token_dispatcher_type: Megatron-Core token dispatchers that run on gloo and
+# NCCL ("flex" needs DeepEP).
+MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
+# *.megatron.layer_spec: the layer specs of mcore_rl.megatron.model.
+LAYER_SPECS = ("local", "torch", "transformer_engine")
+# model.tokenizer: the built-in character tokenizer of mcore_rl.data.tokenizer.
+CHAR_TOKENIZER = "char"
 
 
 @dataclass
@@ -20,7 +41,7 @@ class RunConfig:
     # Run directory: metrics.jsonl, TensorBoard events, checkpoints, summary.json.
     output_dir: str = "runs/${run.name}"
     # Seeds the synthetic split, prompt order, random init (no hf_path) and each step's rollouts.
-    seed: int = 42
+    seed: int = bounded(42, ge=0)
 
 
 @dataclass
@@ -28,15 +49,19 @@ class ClusterConfig:
     """Processes and devices of the run."""
 
     # Processes for the policy's Megatron world (= TP x PP x DP).
-    num_workers: int = 1
+    num_workers: int = bounded(1, ge=1)
     # "cpu" (gloo + the CPU redirects), "cuda" (NCCL), or "auto" (cuda when a GPU is visible).
-    device: str = "auto"
+    device: str = one_of("auto", ("cpu", "cuda", "auto"))
     # Ray: null starts a local cluster; "auto" or "host:port" joins an existing one.
     ray_address: Optional[str] = None
     # False runs workers as plain processes (torch.multiprocessing), without Ray.
     use_ray: bool = True
     # Torch CPU threads per worker on the cpu device (set_num_threads); 0: CPU cores / workers.
-    threads_per_worker: int = 0
+    threads_per_worker: int = bounded(0, ge=0)
+    # How worker groups share GPUs (Ray placement groups; one GPU per rank of a group):
+    # "colocated": PPO's policy and value on the same cluster.num_workers GPUs (a fraction of
+    # each GPU per rank); "separate": each group on GPUs of its own (PPO: 2 x num_workers).
+    placement: str = one_of("colocated", PLACEMENTS)
     # Rollout engine on the policy's GPUs: the policy's weights, grads and optimizer state leave
     # the GPU after each refit and come back for logprobs and training (offload lifecycle).
     colocate_generation: bool = False
@@ -44,7 +69,7 @@ class ClusterConfig:
     # with a full collection after every N-th optimizer step on all ranks at once (Megatron-LM's
     # --manual-gc): automatic collections (~0.2 s each, measured on an H200 host) land on each
     # rank at its own time and stall the others at the next collective.
-    manual_gc_interval: int = 0
+    manual_gc_interval: int = bounded(0, ge=0)
 
 
 @dataclass
@@ -52,45 +77,46 @@ class ModelArchConfig:
     """Decoder shape (Llama/Mistral/Qwen2/Qwen3 families, dense or mixture of experts), used
     when ``model.hf_path`` is null."""
 
-    family: str = "qwen2"  # HF model_type: llama, mistral, qwen2, qwen3, qwen2_moe or qwen3_moe
+    # Hugging Face model_type of the decoder (qwen2_moe and qwen3_moe: experts in every layer).
+    family: str = one_of("qwen2", MODEL_FAMILIES)
     # Transformer layers; divisible by PP x VPP.
-    num_layers: int = 2
+    num_layers: int = bounded(2, ge=1)
     # Hidden (model) dimension; divisible by num_attention_heads.
-    hidden_size: int = 64
+    hidden_size: int = bounded(64, ge=1)
     # Query heads; divisible by num_query_groups and by TP.
-    num_attention_heads: int = 4
+    num_attention_heads: int = bounded(4, ge=1)
     # Key/value heads (grouped-query attention; = num_attention_heads for MHA); divisible by TP.
-    num_query_groups: int = 2
+    num_query_groups: int = bounded(2, ge=1)
     # Size of one attention head (HF head_dim); null: hidden_size / num_attention_heads.
-    head_dim: Optional[int] = None
+    head_dim: Optional[int] = bounded(None, ge=1)
     # Inner size of the SwiGLU MLP (HF intermediate_size).
-    ffn_hidden_size: int = 128
+    ffn_hidden_size: int = bounded(128, ge=1)
     # Longest sequence in tokens the model declares (HF max_position_embeddings).
-    max_position_embeddings: int = 128
+    max_position_embeddings: int = bounded(128, ge=1)
     # RoPE base frequency.
-    rope_theta: float = 10000.0
+    rope_theta: float = bounded(10000.0, gt=0)
     # Llama 3.x RoPE scaling (HF rope_type "llama3" with low/high frequency factors 1 and 4 and an
     # original context of 8192 tokens): the factor; null: unscaled RoPE.
-    rope_scaling_factor: Optional[float] = None
+    rope_scaling_factor: Optional[float] = bounded(None, gt=0)
     # Epsilon of the RMSNorm layers.
-    rms_norm_eps: float = 1.0e-6
+    rms_norm_eps: float = bounded(1.0e-6, gt=0)
     # Bias on the q/k/v projections: true for qwen2 and qwen2_moe, false for the other families.
     qkv_bias: bool = True
     # Share the input embedding matrix with the output layer.
     tie_word_embeddings: bool = True
     # null: the tokenizer's vocabulary size.
-    vocab_size: Optional[int] = None
+    vocab_size: Optional[int] = bounded(None, ge=1)
     # Routed experts of every MoE layer (HF num_experts; qwen2_moe and qwen3_moe, all layers
     # MoE); null for the dense families.
-    num_experts: Optional[int] = None
-    # Experts each token is routed to (HF num_experts_per_tok).
-    moe_router_topk: int = 2
+    num_experts: Optional[int] = bounded(None, ge=1)
+    # Experts each token is routed to (HF num_experts_per_tok); <= num_experts.
+    moe_router_topk: int = bounded(2, ge=1)
     # Inner size of each expert's SwiGLU MLP (HF moe_intermediate_size); null: ffn_hidden_size.
-    moe_ffn_hidden_size: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = bounded(None, ge=1)
     # Renormalize the top-k routing probabilities to sum to 1 (HF norm_topk_prob).
     moe_norm_topk_prob: bool = False
     # Inner size of qwen2_moe's shared expert (HF shared_expert_intermediate_size); null otherwise.
-    moe_shared_expert_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_ffn_hidden_size: Optional[int] = bounded(None, ge=1)
 
 
 @dataclass
@@ -111,7 +137,7 @@ class DDPConfig:
     # Overlap the gradient reduction over DP with the backward pass, bucket by bucket.
     overlap_grad_reduce: bool = False
     # Parameters per gradient bucket with overlap_grad_reduce; null: max(4e7, 1e6 x DP size).
-    bucket_size: Optional[int] = None
+    bucket_size: Optional[int] = bounded(None, ge=1)
     # Keep gradient buffers and their DP reduction in fp32 (matters with precision bf16).
     grad_reduce_in_fp32: bool = True
     # Average over DP in the collective; must stay false: the trainer's per-token loss
@@ -131,31 +157,30 @@ class MegatronConfig:
     layers."""
 
     # TP size: ranks each layer's weights are split over; divides attention heads and query groups.
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = bounded(1, ge=1)
     # PP size: pipeline stages (layers split evenly); TP x PP divides cluster.num_workers.
-    pipeline_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = bounded(1, ge=1)
     # Model chunks per pipeline stage (interleaved schedule); null: off; needs PP > 1.
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = bounded(None, ge=1)
     # Megatron sequence parallelism (activations split over TP ranks); needs TP > 1.
     sequence_parallel: bool = False
-    # "fp32" or "bf16" (bf16 params with fp32 main params and grads in the optimizer).
-    precision: str = "fp32"
+    # bf16: bf16 params with fp32 main params and grads in the optimizer.
+    precision: str = one_of("fp32", ("fp32", "bf16"))
     # Layer implementation: "local" (Megatron's own modules), "torch" (local with torch SDPA
     # attention: fast without Transformer Engine), "transformer_engine" (needs TE installed).
-    layer_spec: str = "local"
+    layer_spec: str = one_of("local", LAYER_SPECS)
     # EP size: ranks each MoE layer's experts are split over (model.arch.num_experts divisible by
     # it); expert_tensor_parallel_size x EP x PP divides cluster.num_workers.
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: int = bounded(1, ge=1)
     # Ranks each expert's weights are split over (expert TP); null: tensor_model_parallel_size.
-    expert_tensor_parallel_size: Optional[int] = None
-    # How MoE layers send tokens to their experts' ranks: "alltoall" or "allgather" (both run
-    # on gloo and NCCL).
-    moe_token_dispatcher_type: str = "alltoall"
+    expert_tensor_parallel_size: Optional[int] = bounded(None, ge=1)
+    # How MoE layers send tokens to their experts' ranks (both run on gloo and NCCL).
+    moe_token_dispatcher_type: str = one_of("alltoall", MOE_TOKEN_DISPATCHERS)
     # Router load-balancing loss coefficient (Switch Transformer, Fedus et al. 2022, eq. 4;
     # summed over MoE layers), added to the loss per loss token; 0: off.
-    moe_aux_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: float = bounded(0.0, ge=0)
     # Router z-loss coefficient (ST-MoE, Zoph et al. 2022, eq. 5), added per loss token; 0: off.
-    moe_z_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = bounded(0.0, ge=0)
     # torch.compile every transformer layer (GPU only): fuses RoPE, residual adds and the
     # activation; ~8% faster train steps on the 0.85B bench (bench/RESULTS.md), compile time
     # at the first step and at new sequence-length shapes.
@@ -169,25 +194,25 @@ class OptimizerConfig:
     schedule."""
 
     # "adam" (AdamW: decoupled weight decay) or "sgd" (momentum 0.9).
-    name: str = "adam"
+    name: str = one_of("adam", ("adam", "sgd"))
     # Peak learning rate, reached after warmup.
-    lr: float = 1.0e-3
+    lr: float = bounded(1.0e-3, ge=0)
     # Learning rate at the end of linear or cosine decay.
-    min_lr: float = 0.0
+    min_lr: float = bounded(0.0, ge=0)
     # Weight decay coefficient; biases and 1-D (norm) weights get none.
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     # Adam beta1: decay of the gradient's running mean.
-    adam_beta1: float = 0.9
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)
     # Adam beta2: decay of the squared gradient's running mean.
-    adam_beta2: float = 0.999
+    adam_beta2: float = bounded(0.999, ge=0, lt=1)
     # Adam epsilon, added to the denominator.
-    adam_eps: float = 1.0e-8
+    adam_eps: float = bounded(1.0e-8, gt=0)
     # Max global grad norm; 0 disables clipping (the norm is still reported).
-    clip_grad: float = 1.0
+    clip_grad: float = bounded(1.0, ge=0)
     # Optimizer steps of linear warmup from 0 to lr; 0: start at lr.
-    lr_warmup_steps: int = 0
-    # "constant", "linear" or "cosine" decay over the run's optimizer steps.
-    lr_decay_style: str = "constant"
+    lr_warmup_steps: int = bounded(0, ge=0)
+    # Decay from lr to min_lr over the run's optimizer steps (after warmup).
+    lr_decay_style: str = one_of("constant", ("constant", "linear", "cosine"))
 
 
 @dataclass
@@ -197,31 +222,31 @@ class PolicyConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # Sequences per training forward/backward on each DP rank (RL and warm-start steps).
-    micro_batch_size: int = 16
+    micro_batch_size: int = bounded(16, ge=1)
     # Sequences per forward-only pass on each DP rank for old and reference logprobs.
-    logprob_micro_batch_size: int = 32
+    logprob_micro_batch_size: int = bounded(32, ge=1)
     # Token budget per micro-batch (rows x padded width, rows sorted by length), used instead of
     # micro_batch_size and logprob_micro_batch_size; >= data.max_total_length; null: fixed sizes.
-    max_tokens_per_microbatch: Optional[int] = None
+    max_tokens_per_microbatch: Optional[int] = bounded(None, ge=1)
 
 
 @dataclass
 class GenerationConfig:
     """The rollout engine and its decoding."""
 
-    # Rollout engine: "hf" (a transformers model with our own decoding loop, refit by weight
-    # copy) or "megatron" (the policy workers decode with the policy's own Megatron model and
-    # Megatron-Core's KV cache, weights shared in place: refit copies nothing; needs
+    # Rollout engine (mcore_rl/generation/registry.py): "hf" (a transformers model with our own
+    # decoding loop, refit by weight copy) or "megatron" (the policy workers decode with the
+    # policy's own Megatron model and Megatron-Core's KV cache, weights shared in place: refit copies nothing; needs
     # policy.megatron.pipeline_model_parallel_size=1 and sequence_parallel=false).
-    backend: str = "hf"
-    # Sampling temperature, > 0; the policy's logprobs use the same temperature.
-    temperature: float = 1.0
-    # Nucleus sampling mass in (0, 1]; 1 disables (logprobs are taken before the filter).
-    top_p: float = 1.0
+    backend: str = one_of("hf", backend_names())
+    # Sampling temperature; the policy's logprobs use the same temperature.
+    temperature: float = bounded(1.0, gt=0)
+    # Nucleus sampling mass; 1 disables (logprobs are taken before the filter).
+    top_p: float = bounded(1.0, gt=0, le=1)
     # Max response tokens; also capped at data.max_total_length minus the prompt length.
-    max_new_tokens: int = 16
+    max_new_tokens: int = bounded(16, ge=1)
     # Sequences per generate chunk (memory bound); a step's rollouts are decoded in chunks.
-    batch_size: int = 256
+    batch_size: int = bounded(256, ge=1)
     # Validation decoding: greedy when true.
     greedy_validation: bool = True
 
@@ -236,18 +261,18 @@ class SyntheticTaskConfig:
     min_value: int = 0
     # Largest operand (inclusive).
     max_value: int = 99
-    # Training prompts, >= 1; with num_test at most the count of distinct prompts.
-    num_train: int = 20000
+    # Training prompts; with num_test at most the count of distinct prompts.
+    num_train: int = bounded(9500, ge=1)
     # Held-out prompts for validation; 0: no validation.
-    num_test: int = 500
+    num_test: int = bounded(500, ge=0)
 
 
 @dataclass
 class DataConfig:
     """The prompt data set and how prompts are rendered."""
 
-    # "synthetic" or "gsm8k".
-    task: str = "synthetic"
+    # "synthetic" (data.synthetic) or "gsm8k" (JSONL files).
+    task: str = one_of("synthetic", ("synthetic", "gsm8k"))
     # JSONL files (GSM8K schema: question, answer with "#### N"); null for synthetic.
     train_path: Optional[str] = None
     # Held-out GSM8K JSONL for validation; null: no validation (must be null for synthetic).
@@ -258,9 +283,9 @@ class DataConfig:
     # Apply the tokenizer's chat template (when it has one) to the prompt.
     use_chat_template: bool = False
     # Max prompt tokens; a longer prompt is an error naming the sample.
-    max_prompt_length: int = 32
+    max_prompt_length: int = bounded(32, ge=1)
     # Max prompt + response tokens; >= max_prompt_length + generation.max_new_tokens.
-    max_total_length: int = 64
+    max_total_length: int = bounded(64, ge=2)
 
 
 @dataclass
@@ -268,28 +293,31 @@ class RewardConfig:
     """The verifier that scores responses."""
 
     # "exact" (synthetic: first line is the integer answer) or "math" (GSM8K, math-verify).
-    name: str = "exact"
+    name: str = one_of("exact", ("exact", "math"))
 
 
 @dataclass
 class LossConfig:
     """The clipped policy-gradient loss (:class:`mcore_rl.algorithms.losses.ClippedPGLoss`)."""
 
-    # Ratio clipped below at 1 - this (Schulman et al. 2017, eq. 7); in [0, 1).
-    ratio_clip_low: float = 0.2
+    # Ratio clipped below at 1 - this (Schulman et al. 2017, eq. 7).
+    ratio_clip_low: float = bounded(0.2, ge=0, lt=1)
     # Ratio clipped above at 1 + this; above ratio_clip_low is DAPO's clip-higher (Yu et al. 2025).
-    ratio_clip_high: float = 0.2
-    # Dual clip constant c > 1 for negative advantages (Ye et al. 2020); null disables.
-    dual_clip: Optional[float] = None
+    ratio_clip_high: float = bounded(0.2, ge=0)
+    # Dual clip constant c for negative advantages (Ye et al. 2020): the loss -A*r is capped at
+    # -A*c, which must stay above the on-policy loss -A (ratio 1); null disables.
+    dual_clip: Optional[float] = bounded(None, gt=1)
     # KL(pi || pi_ref) penalty in the loss; 0 disables the reference model.
-    kl_coef: float = 0.0
-    # "k1", "k2" or "k3" (Schulman 2020, "Approximating KL divergence").
-    kl_estimator: str = "k3"
+    kl_coef: float = bounded(0.0, ge=0)
+    # KL estimator (Schulman 2020, "Approximating KL divergence").
+    kl_estimator: str = one_of("k3", KL_ESTIMATORS)
     # "token": divide by valid tokens of the global batch; "sequence": per-sequence token
     # mean, divided by valid sequences.
-    normalization: str = "token"
-    # Truncated importance weights exp(old - generation) capped at this; null disables.
-    importance_ratio_cap: Optional[float] = None
+    normalization: str = one_of("token", ("token", "sequence"))
+    # Truncated importance weights min(exp(old - generation), cap) (TIS, Yao et al. 2025);
+    # null disables. At least 1, so that a token on which rollout engine and trainer agree keeps
+    # its full weight (ClippedPGLoss says why).
+    importance_ratio_cap: Optional[float] = bounded(None, ge=1)
 
 
 @dataclass
@@ -297,21 +325,21 @@ class GRPOConfig:
     """The GRPO loop (Shao et al. 2024, "DeepSeekMath", sec. 4.1)."""
 
     # Prompts sampled per RL step.
-    num_prompts_per_step: int = 32
-    # Responses per prompt (the GRPO group size), >= 2.
-    num_generations: int = 8
+    num_prompts_per_step: int = bounded(32, ge=1)
+    # Responses per prompt (the GRPO group size): a group of one has no baseline.
+    num_generations: int = bounded(8, ge=2)
     # RL steps to run: each is one rollout, its optimizer steps and a refit.
-    max_steps: int = 100
+    max_steps: int = bounded(100, ge=0)
     # Divide by the group std (Shao et al. 2024); false gives Dr. GRPO's mean-centering.
     normalize_std: bool = True
     # Leave-one-out baseline (RLOO, Ahmadian et al. 2024) instead of the group mean.
     leave_one_out: bool = False
     # Optimizer steps per RL step (the rollout batch split into this many global batches).
-    optimizer_steps_per_rollout: int = 1
+    optimizer_steps_per_rollout: int = bounded(1, ge=1)
     # Validate every k RL steps and after the last one; 0: never during training.
-    val_every: int = 10
+    val_every: int = bounded(10, ge=0)
     # Held-out prompts per validation (the first ones of the test split).
-    val_num_prompts: int = 200
+    val_num_prompts: int = bounded(200, ge=1)
     # Validate once before the first RL step (not on a resumed run).
     val_at_start: bool = True
 
@@ -323,31 +351,31 @@ class PPOConfig:
     arXiv:1506.02438), as in RLHF (Ouyang et al. 2022, arXiv:2203.02155)."""
 
     # Prompts sampled per RL step.
-    num_prompts_per_step: int = 64
-    # Responses per prompt, >= 1 (the critic is the baseline: 1 is usual).
-    num_generations: int = 1
+    num_prompts_per_step: int = bounded(64, ge=1)
+    # Responses per prompt (the critic is the baseline: 1 is usual).
+    num_generations: int = bounded(1, ge=1)
     # RL steps to run: each is one rollout, its critic and policy updates and a refit.
-    max_steps: int = 100
+    max_steps: int = bounded(100, ge=0)
     # Passes over each rollout (critic then policy update on every mini-batch of a pass).
-    ppo_epochs: int = 1
+    ppo_epochs: int = bounded(1, ge=1)
     # Mini-batches per pass (shuffled rows): optimizer steps per pass for critic and policy.
-    num_mini_batches: int = 1
-    # GAE discount gamma in [0, 1] (per token).
-    gamma: float = 1.0
-    # GAE lambda in [0, 1]: 1 gives Monte Carlo returns, 0 one-step TD.
-    lam: float = 0.95
+    num_mini_batches: int = bounded(1, ge=1)
+    # GAE discount gamma (per token).
+    gamma: float = bounded(1.0, ge=0, le=1)
+    # GAE lambda: 1 gives Monte Carlo returns, 0 one-step TD.
+    lam: float = bounded(0.95, ge=0, le=1)
     # Whiten the advantages over the rollout's valid tokens (after the returns are taken).
     whiten_advantages: bool = True
     # RL steps at the start that train the critic only (the policy is frozen).
-    critic_warmup_steps: int = 0
+    critic_warmup_steps: int = bounded(0, ge=0)
     # KL(pi_old || pi_ref) penalty per response token in the reward, -coef * KL_t; 0: none.
-    reward_kl_coef: float = 0.0
-    # Estimator of the reward's KL term: "k1", "k2" or "k3" (Schulman 2020).
-    reward_kl_estimator: str = "k1"
+    reward_kl_coef: float = bounded(0.0, ge=0)
+    # Estimator of the reward's KL term (Schulman 2020).
+    reward_kl_estimator: str = one_of("k1", KL_ESTIMATORS)
     # Validate every k RL steps and after the last one; 0: never during training.
-    val_every: int = 10
+    val_every: int = bounded(10, ge=0)
     # Held-out prompts per validation (the first ones of the test split).
-    val_num_prompts: int = 200
+    val_num_prompts: int = bounded(200, ge=1)
     # Validate once before the first RL step (not on a resumed run).
     val_at_start: bool = True
 
@@ -357,9 +385,9 @@ class ValueLossConfig:
     """The clipped value loss (:class:`mcore_rl.algorithms.losses.ClippedValueLoss`)."""
 
     # Values clipped to the rollout's values +- this before the squared error; null: unclipped.
-    cliprange: Optional[float] = 0.5
+    cliprange: Optional[float] = bounded(0.5, gt=0)
     # Multiplies the value loss (the critic has its own optimizer: it matters with clip_grad).
-    coef: float = 1.0
+    coef: float = bounded(1.0, gt=0)
 
 
 @dataclass
@@ -375,9 +403,9 @@ class ValueConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # Sequences per training forward/backward on each DP rank.
-    micro_batch_size: int = 16
+    micro_batch_size: int = bounded(16, ge=1)
     # Sequences per forward-only pass on each DP rank for the rollout's values.
-    values_micro_batch_size: int = 32
+    values_micro_batch_size: int = bounded(32, ge=1)
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
 
 
@@ -386,11 +414,11 @@ class SFTConfig:
     """Optional supervised warm start on the task's reference answers before RL."""
 
     # Supervised (NLL) optimizer steps before RL; the KL reference is taken after them; 0: none.
-    steps: int = 0
+    steps: int = bounded(0, ge=0)
     # Prompts with their reference answers per supervised step (all DP ranks together).
-    batch_size: int = 64
+    batch_size: int = bounded(64, ge=1)
     # Constant learning rate of the warm start; RL then starts a fresh policy.optimizer.
-    lr: float = 1.0e-3
+    lr: float = bounded(1.0e-3, ge=0)
 
 
 @dataclass
@@ -418,16 +446,24 @@ class CheckpointConfig:
     """Saving and resuming (policy, optimizer, LR schedule, prompt sampler, step)."""
 
     # Save every k RL steps (0: never) under `<output_dir>/checkpoints/step_<k>`.
-    every: int = 0
+    every: int = bounded(0, ge=0)
     # Also save after the last RL step (for `mcore-rl eval` and `mcore-rl export`), whatever
     # `every` is.
     save_final: bool = True
-    # Resume from a checkpoint directory, or "latest" for the run directory's newest. The
-    # optimizer.* keys of the config apply (a warning names those that changed); the LR
-    # schedule's progress, the weights and the Adam moments are the checkpoint's.
+    # Resume from a checkpoint directory, or "latest" for the run directory's newest complete
+    # one (those skipped, interrupted or damaged, are named in a warning; one that fails to load
+    # falls back to the one before). The optimizer.* keys of the config apply (a warning names
+    # those that changed); the LR schedule's progress, the weights and the Adam moments are the
+    # checkpoint's.
     resume: Optional[str] = None
-    # Newest checkpoints kept, older ones deleted after each save; 0: keep all.
-    keep_last: int = 2
+    # Newest complete checkpoints kept, older ones deleted after each completed save (never
+    # before a newer one is complete); 0: keep all.
+    keep_last: int = bounded(2, ge=0)
+    # Write checkpoints in the background (Megatron's asynchronous dist-checkpoint save): a save
+    # stages the tensors in host memory and training goes on while a forked process per worker
+    # writes them; the checkpoint becomes step_<k> once written and verified. Costs a host copy
+    # of the saved state per worker.
+    async_save: bool = False
 
 
 @dataclass
@@ -435,7 +471,7 @@ class TrainConfig:
     """Root config of ``mcore-rl train`` (GRPO or PPO)."""
 
     # "grpo" (the grpo section) or "ppo" (the ppo and value sections).
-    algorithm: str = "grpo"
+    algorithm: str = one_of("grpo", ("grpo", "ppo"))
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -15,7 +15,7 @@ from typing import Dict, Mapping, Sequence
 
 import torch
 
-from mcore_rl.controller.trainer import DataParallelGroup
+from mcore_rl.controller.worker_group import DataParallelGroup
 from mcore_rl.data import batch as B
 
 # compare()'s keys, in table order.

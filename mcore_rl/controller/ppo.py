@@ -24,8 +24,8 @@ from mcore_rl.algorithms.kl import kl_estimate
 from mcore_rl.algorithms.losses import ClippedPGLoss, ClippedValueLoss, valid_token_mask
 from mcore_rl.algorithms.ppo import explained_variance, token_level_rewards
 from mcore_rl.config.schema import TrainConfig
-from mcore_rl.controller.trainer import (DataParallelGroup, RLTrainer, run_eval, run_trainer,
-                                         step_seed)
+from mcore_rl.controller.trainer import RLTrainer, run_eval, run_trainer, step_seed
+from mcore_rl.controller.worker_group import DataParallelGroup
 from mcore_rl.data import batch as B
 from mcore_rl.utils.logging import RunLogger
 
@@ -35,10 +35,12 @@ class PPOTrainer(RLTrainer):
     sections ``ppo`` and ``value``.
 
     Attributes:
-        value: the critic's :class:`~mcore_rl.controller.trainer.DataParallelGroup`.
+        value: the critic's :class:`~mcore_rl.controller.worker_group.DataParallelGroup`,
+            on the policy's GPUs or GPUs of its own (``cluster.placement``).
     """
 
     algorithm = "ppo"
+    group_names = ("policy", "value")
 
     def __init__(self, cfg: TrainConfig):
         from mcore_rl.workers.value import ValueWorker
@@ -46,7 +48,7 @@ class PPOTrainer(RLTrainer):
         super().__init__(cfg)
         v = cfg.value
         self.value = self._megatron_group(
-            ValueWorker, v.megatron, v.optimizer, *self._policy_schedule(),
+            "value", ValueWorker, v.megatron, v.optimizer, *self._policy_schedule(),
             hf_path=v.hf_path or cfg.model.hf_path, head_fp32=v.head_fp32)
         self.loss_fn = ClippedPGLoss(cfg.loss)
         self.value_loss_fn = ClippedValueLoss(v.loss)

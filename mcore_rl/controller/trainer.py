@@ -1,22 +1,25 @@
 """What every RL loop of the single controller shares (GRPO, PPO).
 
-:class:`RLTrainer` holds the run's pieces: tokenizer, prompt data and sampler, the policy worker
-group, the rollout backend, the verifier and the logger; it generates and scores rollouts,
-refits the rollout backend, validates (greedy accuracy on held-out prompts), runs the optional
-supervised warm start (``sft.steps``), saves and resumes checkpoints of every worker group, and
-runs the loop (:meth:`RLTrainer.fit`). A subclass names its config section (``algorithm``, whose
-section has ``num_prompts_per_step``, ``max_steps``, ``val_every``, ``val_num_prompts`` and
-``val_at_start``) and implements :meth:`RLTrainer.rl_step`.
+:class:`RLTrainer` holds the run's pieces: tokenizer, prompt data and sampler, the placement of
+its worker groups (:mod:`~mcore_rl.controller.placement`), the policy worker group, the rollout
+backend (built by name from :mod:`mcore_rl.generation.registry`), the device hand-over between
+them (:mod:`~mcore_rl.controller.colocation`), the verifier and the logger; it generates and
+scores rollouts, refits the rollout backend, validates (greedy accuracy on held-out prompts),
+runs the optional supervised warm start (``sft.steps``), saves and resumes checkpoints of every
+worker group, and runs the loop (:meth:`RLTrainer.fit`). A subclass names its config section
+(``algorithm``, whose section has ``num_prompts_per_step``, ``max_steps``, ``val_every``,
+``val_num_prompts`` and ``val_at_start``) and its worker groups (``group_names``) and implements
+:meth:`RLTrainer.rl_step`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
-import shutil
 import time
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -24,7 +27,9 @@ import torch
 
 from mcore_rl.algorithms.losses import NLLLoss
 from mcore_rl.config.schema import TrainConfig
-from mcore_rl.controller.worker_group import make_worker_group
+from mcore_rl.controller.checkpoints import CheckpointManager
+from mcore_rl.controller.preemption import EXIT_CODE, Preempted, PreemptionSignals
+from mcore_rl.controller.worker_group import DataParallelGroup
 from mcore_rl.data import batch as B
 from mcore_rl.utils.logging import RunLogger
 from mcore_rl.utils.timers import PhaseTimer, phase_table
@@ -38,55 +43,6 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
 
 
-class DataParallelGroup:
-    """A worker group with its data-parallel layout: a batch's rows are split over the DP ranks
-    (every TP/PP rank of one DP group gets the same shard) and per-row results come back in
-    row order.
-
-    Args:
-        group: a :class:`~mcore_rl.controller.worker_group.ProcessWorkerGroup` or
-            ``RayWorkerGroup`` of Megatron workers (they answer ``layout()``).
-    """
-
-    def __init__(self, group):
-        self.group = group
-        layouts = group.call("layout")
-        self.dp_size = layouts[0]["dp_size"]
-        self.dp_rank_of = [lay["dp_rank"] for lay in layouts]
-
-    def call(self, method: str, *args) -> List[Any]:
-        """``method(*args)`` on every rank; the per-rank results."""
-        return self.group.call(method, *args)
-
-    def call_sharded(self, method: str, batch: B.Batch, *args) -> List[Any]:
-        """``method(shard, *args)`` on every rank with its DP shard of ``batch``; the per-rank
-        results."""
-        shards = B.shard(batch, self.dp_size)
-        return self.group.call_each(method, [[shards[d], *args] for d in self.dp_rank_of])
-
-    def call_per_dp(self, method: str, args_per_dp: List[List[Any]], **kwargs) -> List[Any]:
-        """``method(*args_per_dp[d], **kwargs)`` on every rank of DP rank ``d`` (its TP/PP
-        ranks answer alike); one result per DP rank, in DP order."""
-        outs = self.group.call_each(method, [args_per_dp[d] for d in self.dp_rank_of], **kwargs)
-        by_dp: Dict[int, Any] = {}
-        for d, out in zip(self.dp_rank_of, outs):
-            by_dp.setdefault(d, out)
-        return [by_dp[d] for d in range(self.dp_size)]
-
-    def gather_rows(self, method: str, batch: B.Batch, *args) -> torch.Tensor:
-        """A per-row method (``get_logprobs``, ``get_values``: ``[rows, S]``) over the whole
-        batch: each DP shard's result once, concatenated in row order."""
-        shards = B.shard(batch, self.dp_size)
-        return torch.cat(self.call_per_dp(method, [[s, *args] for s in shards]))
-
-    def train(self, batch: B.Batch, loss_fn, micro_batch_size: int) -> Dict[str, float]:
-        """One optimizer step on ``batch`` (the global batch); the step's metrics."""
-        return self.call_sharded("train", batch, loss_fn, B.batch_size(batch), micro_batch_size)[0]
-
-    def shutdown(self) -> None:
-        self.group.shutdown()
-
-
 class RLTrainer:
     """The shared controller; subclasses set :attr:`algorithm` and implement :meth:`rl_step`
     and :meth:`_policy_schedule`. :meth:`fit` runs the loop; :func:`run_trainer` is the CLI
@@ -94,16 +50,26 @@ class RLTrainer:
 
     Attributes:
         algorithm: the config section of the loop (``"grpo"`` or ``"ppo"``).
+        group_names: the Megatron worker groups the subclass builds (the policy first), each of
+            ``cluster.num_workers`` ranks, placed together (:attr:`placement`).
         loop: that section.
-        policy: the policy's :class:`DataParallelGroup`.
+        placement: the :class:`~mcore_rl.controller.placement.Placement` of the worker groups.
+        policy: the policy's :class:`~mcore_rl.controller.worker_group.DataParallelGroup`.
+        generation: the rollout backend (:class:`~mcore_rl.generation.base.GenerationBackend`).
+        colocation: the device hand-over between them
+            (:class:`~mcore_rl.controller.colocation.Colocation`).
     """
 
     algorithm = ""
+    group_names: Tuple[str, ...] = ("policy",)
 
     def __init__(self, cfg: TrainConfig):
+        from mcore_rl.controller.colocation import Colocation
+        from mcore_rl.controller.placement import Placement, config_plan
         from mcore_rl.data.prompts import PromptSampler, load_task
         from mcore_rl.data.tokenizer import load_tokenizer
-        from mcore_rl.generation.base import get_backend
+        from mcore_rl.generation.base import BackendContext
+        from mcore_rl.generation.registry import backend_class, build_backend
         from mcore_rl.megatron.conversion import arch_to_hf_config, hf_config_to_arch
         from mcore_rl.megatron.parallel import resolve_device
         from mcore_rl.rewards import get_reward_fn
@@ -118,7 +84,8 @@ class RLTrainer:
                 f"run.output_dir={self.run_dir} already holds a run (metrics.jsonl); continue it "
                 f"with checkpoint.resume=latest or start a new one with another run.output_dir"
             )
-        os.makedirs(self.run_dir, exist_ok=True)
+        # Every input is read and checked before the run directory is written to: a run that
+        # fails on bad input leaves it as it was.
         self.tokenizer = load_tokenizer(cfg.model)
         self.train_data, self.test_data = load_task(cfg.data, self.tokenizer, cfg.run.seed)
         self.sampler = PromptSampler(len(self.train_data), self.loop.num_prompts_per_step, cfg.run.seed)
@@ -127,8 +94,14 @@ class RLTrainer:
         if cfg.model.hf_path:
             from transformers import AutoConfig
 
-            self.hf_config = AutoConfig.from_pretrained(cfg.model.hf_path)
-            self.arch = hf_config_to_arch(self.hf_config)
+            from mcore_rl.config.checks import ConfigError
+
+            try:  # an unreadable config.json, or a model this trainer does not build
+                self.hf_config = AutoConfig.from_pretrained(cfg.model.hf_path)
+                self.arch = hf_config_to_arch(self.hf_config)
+            except (OSError, ValueError) as e:
+                reason = " ".join(str(e).split())
+                raise ConfigError(f"model.hf_path: {cfg.model.hf_path}: {reason}") from e
         else:
             arch = cfg.model.arch
             if arch.vocab_size is None:
@@ -138,27 +111,28 @@ class RLTrainer:
         self.hf_config.eos_token_id = self.tokenizer.eos_token_id
         self.hf_config.pad_token_id = self.tokenizer.pad_token_id
         self.vocab_size = self.arch.vocab_size
+        os.makedirs(self.run_dir, exist_ok=True)
         self.tokenizer.save_pretrained(os.path.join(self.run_dir, "tokenizer"))
         # The policy's shape for `mcore-rl export` (mcore_rl.export reads both).
         self.hf_config.to_json_file(os.path.join(self.run_dir, "hf_config.json"), use_diff=False)
 
         self.use_reference = self._needs_reference()
+        backend = backend_class(cfg.generation.backend)
+        self.placement = Placement(
+            config_plan(cfg.cluster, {name: cfg.cluster.num_workers for name in self.group_names},
+                        backend.worker_groups(cfg)),
+            use_ray=cfg.cluster.use_ray, gpus=self.device == "cuda",
+            ray_address=cfg.cluster.ray_address)
         self.policy = self._megatron_group(
-            PolicyWorker, cfg.policy.megatron, cfg.policy.optimizer, *self._policy_schedule(),
-            hf_path=cfg.model.hf_path, temperature=cfg.generation.temperature,
-            use_reference=self.use_reference)
-        # "megatron" decodes on the policy workers with their weights; "hf" has a model of its own.
-        engine = (dict(policy=self.policy, vocab_size=self.vocab_size)
-                  if cfg.generation.backend == "megatron" else
-                  dict(hf_config=self.hf_config, device="cuda" if self.device == "cuda" else "cpu"))
-        self.generation = get_backend(
-            cfg.generation.backend,
-            cfg=cfg.generation,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            max_total_length=cfg.data.max_total_length,
-            **engine,
-        )
+            "policy", PolicyWorker, cfg.policy.megatron, cfg.policy.optimizer,
+            *self._policy_schedule(), hf_path=cfg.model.hf_path,
+            temperature=cfg.generation.temperature, use_reference=self.use_reference,
+            max_tokens_per_microbatch=cfg.policy.max_tokens_per_microbatch)
+        self.generation = build_backend(BackendContext(
+            cfg=cfg, hf_config=self.hf_config, eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id, vocab_size=self.vocab_size,
+            device=self.device, policy=self.policy, placement=self.placement))
+        self.colocation = Colocation(self.policy, self.generation, cfg.cluster.colocate_generation)
         self.timer = PhaseTimer()
         self.step = 0
         self.sft_done = cfg.sft.steps == 0
@@ -186,13 +160,14 @@ class RLTrainer:
         return {"policy": self.policy}
 
     # ------------------------------------------------------------------ helpers
-    def _megatron_group(self, worker_cls, megatron, optimizer, total_steps: int, global_batch_size: int,
-                        **kwargs) -> DataParallelGroup:
-        """A group of ``cluster.num_workers`` Megatron workers of the run's model."""
+    def _megatron_group(self, name: str, worker_cls, megatron, optimizer, total_steps: int,
+                        global_batch_size: int, **kwargs) -> DataParallelGroup:
+        """The worker group ``name`` (one of :attr:`group_names`): ``cluster.num_workers``
+        Megatron workers of the run's model, placed by :attr:`placement`."""
         cfg = self.cfg
-        group = make_worker_group(
+        group = self.placement.make_group(
+            name,
             worker_cls,
-            cfg.cluster.num_workers,
             dict(
                 hf_config=self.hf_config.to_dict(),
                 vocab_size=self.vocab_size,
@@ -207,47 +182,25 @@ class RLTrainer:
                 manual_gc_interval=cfg.cluster.manual_gc_interval,
                 **kwargs,
             ),
-            use_ray=cfg.cluster.use_ray,
-            device=self.device,
-            ray_address=cfg.cluster.ray_address,
         )
         return DataParallelGroup(group)
 
-    def _colocated(self, method: str) -> None:
-        """With ``cluster.colocate_generation``: a step of the policy's offload lifecycle
-        (``offload_before_refit``, ``offload_after_refit``, ``prepare_for_lp_inference``,
-        ``prepare_for_training``) on every rank; otherwise nothing."""
-        if self.cfg.cluster.colocate_generation:
-            self.policy.call(method)
-
     def _logprobs(self, batch: B.Batch, method: str = "get_logprobs") -> torch.Tensor:
-        self._colocated("prepare_for_lp_inference")
+        self.colocation.prepare_for_lp_inference()
         return self.policy.gather_rows(method, batch, self.cfg.policy.logprob_micro_batch_size)
 
     def _train(self, batch: B.Batch, loss_fn) -> Dict[str, float]:
-        self._colocated("prepare_for_training")
+        self.colocation.prepare_for_training()
         return self.policy.train(batch, loss_fn, self.cfg.policy.micro_batch_size)
 
-    def _offload_for_generation(self) -> None:
-        """Colocated: hand the GPU to the rollout backend: the policy's training state leaves
-        it, and its weights too unless the backend decodes with them
-        (``shares_policy_weights``)."""
-        self._colocated("offload_before_refit" if self.generation.shares_policy_weights
-                        else "offload_after_refit")
-
     def refit(self) -> Dict[str, float]:
-        """Stream the policy's Hugging Face-named weights into the rollout backend (colocated:
-        training state off the GPU before, weights after). A backend that shares the policy's
-        weights (``megatron``) gets none: nothing is exported, 0 bytes."""
+        """The policy's weights into the rollout backend through the backend's refit channel
+        (:meth:`GenerationBackend.refit`: pulled, shared in place, or streamed), in colocation
+        order (:meth:`Colocation.refit`). Returns the backend's stats (``refit/gbytes``) and
+        ``refit/seconds``."""
         start = time.perf_counter()
-        weights = {}
-        if not self.generation.shares_policy_weights:
-            self._colocated("offload_before_refit")
-            weights = self.policy.call("get_hf_weights")[0]
-        self.generation.update_weights(weights.items())
-        self._offload_for_generation()
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        return {"refit/seconds": time.perf_counter() - start, "refit/gbytes": nbytes / 1e9}
+        stats = self.colocation.refit()
+        return {"refit/seconds": time.perf_counter() - start, **stats}
 
     def _prompts(self, dataset, indices) -> List[List[int]]:
         return [list(dataset.input_ids[i]) for i in indices]
@@ -330,68 +283,65 @@ class RLTrainer:
         self.sft_done = True
 
     # ------------------------------------------------------------------ checkpoints
-    def _ckpt_root(self) -> str:
-        return os.path.join(self.run_dir, "checkpoints")
-
-    def _step_dir(self) -> str:
-        """The checkpoint directory of the current RL step."""
-        return os.path.join(self._ckpt_root(), f"step_{self.step}")
+    @functools.cached_property
+    def checkpoints(self) -> CheckpointManager:
+        """The run's checkpoints (:mod:`mcore_rl.controller.checkpoints`), of every group of
+        :meth:`_groups`."""
+        return CheckpointManager(self.run_dir, self.cfg.checkpoint, self._groups)
 
     def save(self) -> str:
-        """Save every worker group (``<step dir>/<group name>``) and the controller state."""
-        path = self._step_dir()
-        self._colocated("prepare_for_training")
-        for name, group in self._groups().items():
-            group.call("save_checkpoint", os.path.join(path, name))
-        self._offload_for_generation()
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
-                 "history": self.history}
-        with open(os.path.join(path, "controller.json"), "w") as f:
-            json.dump(state, f)
-        self._prune_checkpoints()
+        """Save every worker group and the controller state at the current RL step (atomic;
+        with ``checkpoint.async_save`` completed later, see :class:`CheckpointManager`);
+        returns the step directory."""
+        self.colocation.prepare_for_training()
+        path = self.checkpoints.save(self.step, {
+            "step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
+            "history": self.history})
+        self.colocation.prepare_for_generation()
         return path
-
-    def _prune_checkpoints(self) -> None:
-        keep = self.cfg.checkpoint.keep_last
-        steps = sorted(int(d.split("_")[1]) for d in os.listdir(self._ckpt_root()) if d.startswith("step_"))
-        for s in steps[:-keep] if keep > 0 else []:
-            shutil.rmtree(os.path.join(self._ckpt_root(), f"step_{s}"), ignore_errors=True)
 
     def resume(self, path: str, warn_schedule: bool = True) -> str:
         """Load a checkpoint directory (or ``"latest"``); returns the directory loaded. Each
         worker group's LR schedule keeps the checkpoint's progress and takes its settings from
         the configuration; with ``warn_schedule`` a warning names the settings that changed.
-        Raises ``FileNotFoundError`` naming ``checkpoint.resume`` when there is none."""
-        if path == "latest":
-            root = self._ckpt_root()
-            steps = sorted(int(d.split("_")[1]) for d in os.listdir(root) if d.startswith("step_")) \
-                if os.path.isdir(root) else []
-            if not steps:
-                raise FileNotFoundError(f"checkpoint.resume=latest: no checkpoint under {root}")
-            path = os.path.join(root, f"step_{steps[-1]}")
-        state_file = os.path.join(path, "controller.json")
-        if not os.path.isfile(state_file):
-            raise FileNotFoundError(f"checkpoint.resume={path}: no controller.json there")
-        with open(state_file) as f:
-            state = json.load(f)
-        for name, group in self._groups().items():
-            changed = group.call("load_checkpoint", os.path.join(path, name))[0]
-            if changed and warn_schedule:
-                _log.warning(
-                    "checkpoint.resume: %s.optimizer's LR schedule differs from %s; the "
-                    "configured one applies from step %d on (checkpoint -> config): %s", name,
-                    path, state["step"], ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+        ``"latest"`` is the newest complete checkpoint that loads (a warning names each one
+        skipped and why).
+
+        Raises:
+            DamagedCheckpointError: ``path`` is incomplete, damaged or does not load (naming
+                the file); a ``FileNotFoundError``.
+            FileNotFoundError: ``path`` is no directory, or ``"latest"`` and no checkpoint
+                loads.
+        """
+        path, state = self.checkpoints.load(path, warn_schedule)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.sft_done = state["sft_done"]
         self.history = state["history"]
         return path
 
+    def _checkpoint_for_preemption(self, signal_name: str) -> Preempted:
+        """A complete checkpoint of the current RL step (saved now unless one was saved or
+        loaded at this step), and the exception that ends the run for ``signal_name``."""
+        if self.checkpoints.last_step != self.step:
+            self.save()
+        self.checkpoints.wait()
+        path = self.checkpoints.step_dir(self.step)
+        _log.warning("%s: stopped after RL step %d with checkpoint %s; exit code %d (continue "
+                     "with checkpoint.resume=latest)", signal_name, self.step, path, EXIT_CODE)
+        return Preempted(signal_name, path)
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:
         """Resume if asked, warm start, then RL steps with validation, logging and checkpoints
         (every ``checkpoint.every`` steps, and after the last with ``checkpoint.save_final``);
-        writes and returns the summary (held-out accuracy at the start and the end)."""
+        writes and returns the summary (held-out accuracy at the start and the end).
+
+        Raises:
+            Preempted: SIGTERM or SIGUSR1 came (:mod:`mcore_rl.controller.preemption`): the
+                open RL step finished and a checkpoint of it is complete; the process exits
+                with ``preemption.EXIT_CODE`` unless the caller catches it.
+        """
         cfg, loop = self.cfg, self.loop
         if cfg.checkpoint.resume:
             self.resume(cfg.checkpoint.resume)
@@ -401,7 +351,9 @@ class RLTrainer:
                          name=cfg.run.name, config=dataclasses.asdict(cfg))
         logger = RunLogger(self.run_dir, loop.max_steps, self.step, cfg.logging.progress,
                            cfg.logging.tensorboard, cfg.logging.jsonl, wandb)
+        preemption = PreemptionSignals()
         try:
+            preemption.install()
             if not self.sft_done:
                 self.warm_start(logger)
             self.refit()
@@ -411,6 +363,8 @@ class RLTrainer:
                     self.history.append({"step": 0, **val})
                     logger.log(0, val, advance=False)
             while self.step < loop.max_steps:
+                if preemption.received:
+                    raise self._checkpoint_for_preemption(preemption.received)
                 metrics = self.rl_step()
                 self.step += 1
                 if loop.val_every > 0 and (self.step % loop.val_every == 0 or self.step == loop.max_steps):
@@ -425,11 +379,14 @@ class RLTrainer:
                         self.phase_totals[k] = self.phase_totals.get(k, 0.0) + v
                 self.steps_timed += 1
                 logger.log(self.step, metrics)
+                self.checkpoints.poll()
                 if cfg.checkpoint.every > 0 and self.step % cfg.checkpoint.every == 0:
                     self.save()
-            if cfg.checkpoint.save_final and not os.path.isdir(self._step_dir()):
+            if cfg.checkpoint.save_final and self.checkpoints.last_step != self.step:
                 self.save()
+            self.checkpoints.wait()
         finally:
+            preemption.restore()
             logger.close()
         summary = self._summary()
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
@@ -476,8 +433,11 @@ class RLTrainer:
         return out
 
     def close(self) -> None:
+        """Shut down the worker groups and the rollout backend, release their placement."""
         for group in self._groups().values():
             group.shutdown()
+        self.generation.shutdown()
+        self.placement.shutdown()
 
 
 @contextlib.contextmanager

@@ -4,9 +4,20 @@ single controller.
 Two implementations with the same surface:
 
 - :class:`RayWorkerGroup`: each rank is a Ray actor (local cluster by default, or
-  ``ray.init(address=...)`` to join one), GPUs assigned by Ray.
+  ``ray.init(address=...)`` to join one), placed by Ray (:mod:`mcore_rl.controller.placement`
+  gives each rank its options: GPU share, placement-group bundle).
 - :class:`ProcessWorkerGroup`: each rank is a plain ``torch.multiprocessing`` process with a
   pipe; no Ray needed (tests, GPU checks where Ray is not installed).
+
+Calls return futures (:meth:`call_each_async`: a ``concurrent.futures.Future`` of the per-rank
+results), so a controller can keep several groups, or several ranks of one group, busy at once
+and wait with the standard library (``future.result()``, ``concurrent.futures.wait`` /
+``as_completed``); the blocking :meth:`call` / :meth:`call_each` wait at once. Each rank runs
+its calls one at a time, in the order they were made.
+
+:class:`DataParallelGroup` adds the data-parallel layout of a group of Megatron workers: row
+sharding over DP ranks, per-row results in row order, the synchronous train step and the split
+train step fed micro-batch by micro-batch.
 
 The workers themselves are plain classes (:mod:`mcore_rl.workers`); the group only places
 them and forwards method calls.
@@ -14,11 +25,18 @@ them and forwards method calls.
 
 from __future__ import annotations
 
+import os
+import queue
 import socket
+import threading
 import traceback
-from typing import Any, Dict, List, Optional, Sequence
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
 import torch.multiprocessing as mp
+
+from mcore_rl.data import batch as B
 
 
 def free_port() -> int:
@@ -29,7 +47,85 @@ def free_port() -> int:
 
 
 class WorkerError(RuntimeError):
-    """A worker method raised; the message carries the rank and the remote traceback."""
+    """A worker method raised (the message carries the rank and the remote traceback), or a
+    worker is gone."""
+
+
+def then(future: Future, fn: Callable[[Any], Any]) -> Future:
+    """A future of ``fn(future.result())``; an exception of either is the new future's."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:  # noqa: BLE001 (handed to the caller through the future)
+            out.set_exception(e)
+
+    future.add_done_callback(done)
+    return out
+
+
+class _Gather:
+    """The future of one call on several ranks: done when every rank has answered; its result
+    is the list of answers in the order of the ranks called, its exception a
+    :class:`WorkerError` with every failed rank's traceback."""
+
+    def __init__(self, ranks: Sequence[int]):
+        self.future: Future = Future()
+        self._ranks = list(ranks)
+        self._results: List[Any] = [None] * len(self._ranks)
+        self._errors: Dict[int, str] = {}
+        self._left = len(self._ranks)
+        self._lock = threading.Lock()
+        if not self._ranks:
+            self.future.set_result([])
+
+    def put(self, slot: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            if ok:
+                self._results[slot] = value
+            else:
+                self._errors[self._ranks[slot]] = value
+            self._left -= 1
+            if self._left:
+                return
+        if self._errors:
+            self.future.set_exception(WorkerError(
+                "\n".join(f"[rank {r}]\n{e}" for r, e in sorted(self._errors.items()))))
+        else:
+            self.future.set_result(self._results)
+
+
+class _Group:
+    """What both groups share: the blocking calls on top of :meth:`call_each_async`."""
+
+    world_size: int
+
+    def call_each_async(self, method: str, args_per_rank: Sequence[Sequence[Any]],
+                        ranks: Optional[Sequence[int]] = None, **kwargs) -> Future:
+        """Start ``method(*args_per_rank[i], **kwargs)`` on rank ``ranks[i]`` (all ranks by
+        default) and return at once.
+
+        Returns:
+            a ``concurrent.futures.Future`` whose result is the list of the ranks' return
+            values (in the order of ``ranks``), or whose exception is a :class:`WorkerError`
+            naming every rank that raised (the workers stay usable) or is gone.
+        """
+        raise NotImplementedError
+
+    def call_async(self, method: str, *args, **kwargs) -> Future:
+        """:meth:`call_each_async` with the same arguments on every rank."""
+        return self.call_each_async(method, [args] * self.world_size, **kwargs)
+
+    def call_each(self, method: str, args_per_rank: Sequence[Sequence[Any]], **kwargs) -> List[Any]:
+        """Call ``method(*args_per_rank[r], **kwargs)`` on every rank at once and wait; one
+        result per rank. Raises :class:`WorkerError`."""
+        return self.call_each_async(method, args_per_rank, **kwargs).result()
+
+    def call(self, method: str, *args, **kwargs) -> List[Any]:
+        """Call ``method(*args, **kwargs)`` on every rank at once and wait; one result per rank.
+        Raises :class:`WorkerError`."""
+        return self.call_async(method, *args, **kwargs).result()
 
 
 class _Host:
@@ -42,18 +138,31 @@ class _Host:
         return getattr(self.worker, method)(*args, **kwargs)
 
 
-def _process_main(conn, worker_cls, kwargs):
+def _process_main(conn, worker_cls, kwargs, env):
+    os.environ.update(env)
     try:
         host = _Host(worker_cls, kwargs)
         conn.send(("ok", None))
     except BaseException:  # report construction errors to the controller
         conn.send(("error", traceback.format_exc()))
         return
+    # A thread takes calls off the pipe while the main thread runs one, so the controller's
+    # sends never wait for a busy worker (calls are queued here, run in order).
+    inbox: queue.Queue = queue.Queue()
+
+    def receive() -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the controller is gone
+                msg = None
+            inbox.put(msg)
+            if msg is None:
+                return
+
+    threading.Thread(target=receive, daemon=True).start()
     while True:
-        try:
-            msg = conn.recv()
-        except EOFError:  # the controller is gone
-            break
+        msg = inbox.get()
         if msg is None:
             break
         method, args, kw = msg
@@ -63,56 +172,81 @@ def _process_main(conn, worker_cls, kwargs):
             conn.send(("error", traceback.format_exc()))
 
 
-class ProcessWorkerGroup:
+class ProcessWorkerGroup(_Group):
     """``world_size`` spawned processes, rank r built with ``worker_cls(**kwargs, rank=r,
     world_size=..., master_addr=..., master_port=...)``. Raises :class:`WorkerError` when a
-    worker fails to build or a call raises (the worker stays usable after a call error)."""
+    worker fails to build; a call that raises fails its future (the worker stays usable).
 
-    def __init__(self, worker_cls, world_size: int, kwargs: Dict[str, Any]):
+    Args:
+        env_per_rank: environment variables set in rank r's process before its worker is
+            built (``LOCAL_RANK``: its GPU, :mod:`mcore_rl.controller.placement`); None: none.
+    """
+
+    def __init__(self, worker_cls, world_size: int, kwargs: Dict[str, Any],
+                 env_per_rank: Optional[Sequence[Dict[str, str]]] = None):
         ctx = mp.get_context("spawn")
         port = free_port()
         self._conns = []
         self._procs = []
+        # Per rank: the calls waiting for its answer, in order; a thread per rank reads them.
+        self._waiting: List[queue.Queue] = [queue.Queue() for _ in range(world_size)]
+        self._send_lock = threading.Lock()
+        built = _Gather(range(world_size))
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             kw = dict(kwargs, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
+            env = dict(env_per_rank[rank]) if env_per_rank else {}
             # Not daemonic: Megatron's checkpoint writer starts processes of its own. A worker
             # exits when its pipe closes, so it does not outlive the controller.
-            p = ctx.Process(target=_process_main, args=(child, worker_cls, kw), daemon=False)
+            p = ctx.Process(target=_process_main, args=(child, worker_cls, kw, env), daemon=False)
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
-        self._collect(range(world_size))
+            self._waiting[rank].put((built, rank))
+        self._readers = [threading.Thread(target=self._read, args=(r,), daemon=True)
+                         for r in range(world_size)]
+        for t in self._readers:
+            t.start()
+        try:
+            built.future.result()
+        except WorkerError:
+            self.shutdown()
+            raise
 
     @property
     def world_size(self) -> int:
         return len(self._conns)
 
-    def _collect(self, ranks) -> List[Any]:
-        results, errors = [], []
-        for r in ranks:
-            status, value = self._conns[r].recv()
-            if status == "error":
-                errors.append(f"[rank {r}]\n{value}")
-                results.append(None)
-            else:
-                results.append(value)
-        if errors:
-            raise WorkerError("\n".join(errors))
-        return results
+    def _read(self, rank: int) -> None:
+        """Rank ``rank``'s answers, handed to its waiting calls in order."""
+        while True:
+            item = self._waiting[rank].get()
+            if item is None:
+                return
+            gather, slot = item
+            try:
+                status, value = self._conns[rank].recv()
+            except (EOFError, OSError):
+                status, value = "error", (f"the worker process is gone (exit code "
+                                          f"{self._procs[rank].exitcode})")
+            gather.put(slot, status == "ok", value)
 
-    def call_each(self, method: str, args_per_rank: Sequence[Sequence[Any]], **kwargs) -> List[Any]:
-        """Call ``method(*args_per_rank[r], **kwargs)`` on every rank at once."""
-        for r, conn in enumerate(self._conns):
-            conn.send((method, tuple(args_per_rank[r]), kwargs))
-        return self._collect(range(self.world_size))
-
-    def call(self, method: str, *args, **kwargs) -> List[Any]:
-        """Call ``method(*args, **kwargs)`` on every rank at once; one result per rank."""
-        return self.call_each(method, [args] * self.world_size, **kwargs)
+    def call_each_async(self, method: str, args_per_rank: Sequence[Sequence[Any]],
+                        ranks: Optional[Sequence[int]] = None, **kwargs) -> Future:
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        gather = _Gather(ranks)
+        with self._send_lock:  # the order of sends is the order of answers, per rank
+            for slot, r in enumerate(ranks):
+                try:
+                    self._conns[r].send((method, tuple(args_per_rank[slot]), kwargs))
+                except (BrokenPipeError, OSError) as e:
+                    gather.put(slot, False, f"the worker process is gone: {e!r}")
+                    continue
+                self._waiting[r].put((gather, slot))
+        return gather.future
 
     def shutdown(self) -> None:
-        for conn, p in zip(self._conns, self._procs):
+        for conn in self._conns:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
@@ -121,53 +255,60 @@ class ProcessWorkerGroup:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        for waiting in self._waiting:
+            waiting.put(None)
 
 
-class RayWorkerGroup:
+class RayWorkerGroup(_Group):
     """The same surface as :class:`ProcessWorkerGroup`, one Ray actor per rank.
 
     Args:
-        num_gpus_per_worker: 1 on GPU clusters; 0 on CPU (then actors take no CPU
-            reservation either, so a 2-core laptop can hold the whole world).
+        actor_options: per rank, the Ray options of its actor (``num_gpus``, ``num_cpus``,
+            ``scheduling_strategy``: :meth:`mcore_rl.controller.placement.Placement.
+            actor_options`); rank 0's also place the probe that picks the rendezvous address,
+            so it is rank 0's node.
     """
 
-    def __init__(self, worker_cls, world_size: int, kwargs: Dict[str, Any], num_gpus_per_worker: float = 0):
+    def __init__(self, worker_cls, world_size: int, kwargs: Dict[str, Any],
+                 actor_options: Sequence[Dict[str, Any]]):
         import ray
 
         self._ray = ray
         host_cls = ray.remote(_Host)
-        opts = {"num_gpus": num_gpus_per_worker, "num_cpus": 1 if num_gpus_per_worker else 0}
         # Rank 0's node address and a free port there form the rendezvous.
-        probe = ray.remote(num_cpus=0)(_node_address_and_port)
+        probe_options = {k: v for k, v in actor_options[0].items() if k == "scheduling_strategy"}
+        probe = ray.remote(num_cpus=0)(_node_address_and_port).options(**probe_options)
         addr, port = ray.get(probe.remote())
         self._actors = [
-            host_cls.options(**opts).remote(
+            host_cls.options(**actor_options[r]).remote(
                 worker_cls,
                 dict(kwargs, rank=r, world_size=world_size, master_addr=addr, master_port=port),
             )
             for r in range(world_size)
         ]
         # Construction errors surface here.
-        self._get([a.call.remote("layout", (), {}) for a in self._actors])
+        self.call("layout")
 
     @property
     def world_size(self) -> int:
         return len(self._actors)
 
-    def _get(self, refs) -> List[Any]:
+    def call_each_async(self, method: str, args_per_rank: Sequence[Sequence[Any]],
+                        ranks: Optional[Sequence[int]] = None, **kwargs) -> Future:
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        gather = _Gather(ranks)
+        for slot, r in enumerate(ranks):
+            ref = self._actors[r].call.remote(method, tuple(args_per_rank[slot]), kwargs)
+            ref.future().add_done_callback(
+                lambda f, slot=slot: gather.put(slot, *self._outcome(f)))
+        return gather.future
+
+    def _outcome(self, f: Future):
+        """``(ok, value)`` of one actor call's future (Ray's task and actor errors as text)."""
         try:
-            return self._ray.get(refs)
-        except self._ray.exceptions.RayTaskError as e:
-            raise WorkerError(str(e)) from None
-        except self._ray.exceptions.RayActorError as e:
-            raise WorkerError(str(e)) from None
-
-    def call_each(self, method: str, args_per_rank: Sequence[Sequence[Any]], **kwargs) -> List[Any]:
-        return self._get([a.call.remote(method, tuple(args_per_rank[r]), kwargs)
-                          for r, a in enumerate(self._actors)])
-
-    def call(self, method: str, *args, **kwargs) -> List[Any]:
-        return self.call_each(method, [args] * self.world_size, **kwargs)
+            return True, f.result()
+        except self._ray.exceptions.RayError as e:  # a raising method, a dead actor, ...
+            return False, str(e)
 
     def shutdown(self) -> None:
         try:
@@ -184,14 +325,112 @@ def _node_address_and_port():
     return ray.util.get_node_ip_address(), free_port()
 
 
-def make_worker_group(worker_cls, world_size: int, kwargs: Dict[str, Any], use_ray: bool,
-                      device: str, ray_address: Optional[str] = None):
-    """Build a group (Ray when ``use_ray``; Ray is initialised here if needed)."""
-    if not use_ray:
-        return ProcessWorkerGroup(worker_cls, world_size, kwargs)
-    import ray
+class DataParallelGroup:
+    """A worker group with its data-parallel layout: a batch's rows are split over the DP ranks
+    (every TP/PP rank of one DP group gets the same shard) and per-row results come back in
+    row order.
 
-    if not ray.is_initialized():
-        ray.init(address=ray_address, include_dashboard=False, log_to_driver=True,
-                 ignore_reinit_error=True)
-    return RayWorkerGroup(worker_cls, world_size, kwargs, num_gpus_per_worker=1 if device == "cuda" else 0)
+    Args:
+        group: a :class:`ProcessWorkerGroup` or :class:`RayWorkerGroup` of Megatron workers
+            (they answer ``layout()``).
+    """
+
+    def __init__(self, group):
+        self.group = group
+        layouts = group.call("layout")
+        self.dp_size = layouts[0]["dp_size"]
+        self.dp_rank_of = [lay["dp_rank"] for lay in layouts]
+
+    def call(self, method: str, *args) -> List[Any]:
+        """``method(*args)`` on every rank; the per-rank results."""
+        return self.group.call(method, *args)
+
+    def call_sharded(self, method: str, batch: B.Batch, *args) -> List[Any]:
+        """``method(shard, *args)`` on every rank with its DP shard of ``batch``; the per-rank
+        results."""
+        shards = B.shard(batch, self.dp_size)
+        return self.group.call_each(method, [[shards[d], *args] for d in self.dp_rank_of])
+
+    def call_per_dp_async(self, method: str, args_per_dp: Sequence[Sequence[Any]],
+                          dp_ranks: Optional[Sequence[int]] = None, **kwargs) -> Future:
+        """Start ``method(*args_per_dp[i], **kwargs)`` on every rank of DP rank ``dp_ranks[i]``
+        (all DP ranks by default; their TP/PP ranks answer alike; other DP ranks get no call).
+
+        Returns:
+            a future of one result per DP rank called, in the order of ``dp_ranks``
+            (:class:`WorkerError` when a rank raised).
+        """
+        dp_ranks = list(range(self.dp_size)) if dp_ranks is None else list(dp_ranks)
+        slot_of = {d: i for i, d in enumerate(dp_ranks)}
+        ranks = [r for r, d in enumerate(self.dp_rank_of) if d in slot_of]
+        future = self.group.call_each_async(
+            method, [args_per_dp[slot_of[self.dp_rank_of[r]]] for r in ranks], ranks=ranks, **kwargs)
+
+        def one_per_dp(outs: List[Any]) -> List[Any]:
+            by_dp: Dict[int, Any] = {}
+            for r, out in zip(ranks, outs):
+                by_dp.setdefault(self.dp_rank_of[r], out)
+            return [by_dp[d] for d in dp_ranks]
+
+        return then(future, one_per_dp)
+
+    def call_per_dp(self, method: str, args_per_dp: Sequence[Sequence[Any]], **kwargs) -> List[Any]:
+        """``method(*args_per_dp[d], **kwargs)`` on every rank of DP rank ``d`` (its TP/PP
+        ranks answer alike); one result per DP rank, in DP order."""
+        return self.call_per_dp_async(method, args_per_dp, **kwargs).result()
+
+    def gather_rows(self, method: str, batch: B.Batch, *args) -> torch.Tensor:
+        """A per-row method (``get_logprobs``, ``get_values``: ``[rows, S]``) over the whole
+        batch: each DP shard's result once, concatenated in row order."""
+        shards = B.shard(batch, self.dp_size)
+        return torch.cat(self.call_per_dp(method, [[s, *args] for s in shards]))
+
+    def train(self, batch: B.Batch, loss_fn, micro_batch_size: int) -> Dict[str, float]:
+        """One optimizer step on ``batch`` (the global batch); the step's metrics."""
+        return self.call_sharded("train", batch, loss_fn, B.batch_size(batch), micro_batch_size)[0]
+
+    # The split train step (the workers' begin_train_step / train_microbatch /
+    # finish_train_step / abort_train_step): one optimizer step whose rows arrive over time,
+    # each part sent to a DP rank of the controller's choosing. The gradient is that of
+    # ``train`` on the same rows, however they are spread (up to fp32 summation order).
+    def begin_train_step(self, loss_fn, global_batch_size: int, micro_batch_size: int) -> None:
+        """Open a split step on every rank (``MegatronTrainWorker.begin_train_step``).
+
+        Args:
+            loss_fn: as for :meth:`train`.
+            global_batch_size: rows of the whole step (all DP ranks); the LR schedule advances
+                by it.
+            micro_batch_size: rows per forward/backward in each :meth:`train_microbatch`.
+
+        Raises:
+            WorkerError: a step is already open, or a size is below 1.
+        """
+        self.group.call("begin_train_step", loss_fn, global_batch_size, micro_batch_size)
+
+    def train_microbatch(self, rows: B.Batch, dp_rank: int) -> Future:
+        """Start forward and backward of ``rows`` on DP rank ``dp_rank`` (all its TP/PP ranks)
+        and return at once; other DP ranks are not involved, so parts may go to the DP ranks in
+        any number and order (an empty share included).
+
+        Returns:
+            a future of None; its :class:`WorkerError` means the worker aborted the open step
+            (hooks restored, gradients zeroed): call :meth:`abort_train_step` to close it on
+            the other ranks too.
+        """
+        return then(self.call_per_dp_async("train_microbatch", [[rows]], dp_ranks=[dp_rank]),
+                    lambda _: None)
+
+    def finish_train_step(self) -> Dict[str, float]:
+        """Reduce the step's gradient over DP, scale it by the global count, step the
+        optimizer (every rank; waits for the parts still running). Returns the metrics of
+        :meth:`train` on the same rows. Raises :class:`WorkerError` (the step is then closed on
+        every rank that raised)."""
+        return self.group.call("finish_train_step")[0]
+
+    def abort_train_step(self) -> None:
+        """Drop the open step on every rank: hooks restored, gradients zeroed, weights and
+        optimizer untouched; idempotent."""
+        self.group.call("abort_train_step")
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

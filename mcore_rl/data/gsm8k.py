@@ -2,7 +2,9 @@
 Problems"; https://github.com/openai/grade-school-math).
 
 One JSON object per line with ``question`` and ``answer``; the answer's reasoning ends with a
-final line ``#### N``. The loaded :class:`~mcore_rl.data.example.Example` has:
+final line ``#### N``. The file is UTF-8; a leading byte-order mark (as Windows editors and some
+exporters write) is skipped, as pandas and ``datasets`` do. The loaded
+:class:`~mcore_rl.data.example.Example` has:
 
 - ``answer``: ``N`` without thousands separators (``"#### 1,080"`` gives ``"1080"``).
 - ``solution``: the reasoning with the calculator annotations ``<<48/2=24>>`` removed and the
@@ -21,6 +23,8 @@ import re
 from pathlib import Path
 from typing import List, Optional
 
+from mcore_rl.config.checks import ConfigError
+from mcore_rl.config.paths import file_problem
 from mcore_rl.data.example import Example
 
 GSM8K_SAMPLE_DIR = Path(__file__).resolve().parent / "samples" / "gsm8k"
@@ -29,48 +33,60 @@ _CALCULATOR_ANNOTATION = re.compile(r"<<[^>]*>>")
 
 
 def load_gsm8k(path: str | Path, key: Optional[str] = None) -> List[Example]:
-    """Read a GSM8K-schema JSONL file; blank lines are skipped.
+    """Read a GSM8K-schema JSONL file (UTF-8, with or without a byte-order mark); blank lines
+    are skipped.
 
     Args:
         path: the JSONL file.
-        key: the config key that named ``path`` (e.g. ``"data.train_path"``), for errors.
+        key: the config key that named ``path`` (e.g. ``"data.train_path"``); errors start
+            with ``"<key>: "`` when given.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist (the message names ``key`` when given).
-        ValueError: ``"<path>:<line>: ..."`` for a line that is not a JSON object, lacks
-            ``question`` or ``answer`` (or has a non-string one), or whose answer has no
-            ``#### N`` final answer; ``"<path>: empty dataset"`` when no line holds a record.
+        ConfigError: ``"[<key>: ]<path>: no such file"`` (or a directory);
+            ``"[<key>: ]<path>:<line>: ..."`` for a line that is not UTF-8 or not a JSON
+            object, lacks ``question`` or ``answer`` (or has a non-string one), or whose answer
+            has no ``#### N`` final answer; ``"[<key>: ]<path>: empty dataset"`` when no line
+            holds a record.
     """
-    path = Path(path)
-    if not path.is_file():
-        where = f"{key}={str(path)!r}" if key else str(path)
-        raise FileNotFoundError(f"{where}: no such file")
+    prefix = f"{key}: " if key else ""
+    problem = file_problem(str(path))
+    if problem:
+        raise ConfigError(f"{prefix}{path}: {problem}")
     examples = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            examples.append(_parse_record(line, f"{path}:{lineno}"))
+    with Path(path).open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            source = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{prefix}{source}: not UTF-8 text ({e.reason} at byte "
+                                  f"{e.start})") from None
+            if line.strip():
+                examples.append(_parse_record(line, source, prefix))
     if not examples:
-        raise ValueError(f"{path}: empty dataset (no JSON records)")
+        raise ConfigError(f"{prefix}{path}: empty dataset (no JSON records)")
     return examples
 
 
-def _parse_record(line: str, source: str) -> Example:
-    """One JSONL line into an Example; errors name ``source`` (``path:line``)."""
+def _parse_record(line: str, source: str, prefix: str) -> Example:
+    """One JSONL line into an Example; errors start with ``prefix`` and ``source``
+    (``path:line``)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{source}: malformed JSON: {e}") from None
+        raise ConfigError(f"{prefix}{source}: malformed JSON: {e}") from None
     if not isinstance(record, dict):
-        raise ValueError(f"{source}: expected a JSON object, got {type(record).__name__}")
+        raise ConfigError(f"{prefix}{source}: expected a JSON object, got "
+                          f"{type(record).__name__}")
     for field in ("question", "answer"):
         if not isinstance(record.get(field), str):
-            raise ValueError(f"{source}: missing or non-string field {field!r}")
+            found = ", ".join(repr(k) for k in record) or "none"
+            raise ConfigError(f"{prefix}{source}: missing or non-string field {field!r} (a GSM8K "
+                              f"record has string fields 'question' and 'answer'; found {found})")
     reasoning, sep, final = record["answer"].rpartition("####")
     answer = final.strip().replace(",", "")
     if not sep or not answer:
-        raise ValueError(f"{source}: answer has no final '#### N' line")
+        raise ConfigError(f"{prefix}{source}: answer has no final '#### N' line")
     steps = _CALCULATOR_ANNOTATION.sub("", reasoning).strip()
     solution = f"{steps}\nThe answer is {answer}." if steps else f"The answer is {answer}."
     return Example(prompt=record["question"], answer=answer, solution=solution, source=source)

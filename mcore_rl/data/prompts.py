@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from mcore_rl.config.checks import ConfigError, check_value, errors
+from mcore_rl.config.loader import task_errors
 from mcore_rl.config.schema import DataConfig
 from mcore_rl.data.batch import Batch
 from mcore_rl.data.example import Example
@@ -38,7 +40,7 @@ class PromptDataset:
         solution_ids: ``N`` lists of token ids of ``example.solution`` (no special tokens).
 
     Raises:
-        ValueError: no examples; ``template`` has a field other than ``{question}`` or lacks
+        ConfigError: no examples; ``template`` has a field other than ``{question}`` or lacks
             it (``data.prompt_template``); ``max_prompt_length < 1``; or a prompt longer than
             ``max_prompt_length`` tokens or of zero tokens (the message names the example's
             ``source``, its length and ``data.max_prompt_length``).
@@ -48,13 +50,12 @@ class PromptDataset:
                  template: str = "{question}", use_chat_template: bool = False,
                  max_prompt_length: int = 32):
         if not examples:
-            raise ValueError("empty dataset: no examples to build prompts from")
+            raise ConfigError("empty dataset: no examples to build prompts from")
         fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
         if fields != {"question"}:
-            raise ValueError(f"data.prompt_template={template!r}: expected exactly the field "
-                             f"{{question}}, found {sorted(fields)}")
-        if max_prompt_length < 1:
-            raise ValueError(f"data.max_prompt_length={max_prompt_length} must be positive")
+            raise ConfigError(f"data.prompt_template={template!r}: expected exactly the field "
+                              f"{{question}}, found {sorted(fields)}")
+        check_value("data.max_prompt_length", max_prompt_length)
         texts = [template.format(question=ex.prompt) for ex in examples]
         chat = use_chat_template and tokenizer.chat_template is not None
         if use_chat_template and not chat:
@@ -66,8 +67,8 @@ class PromptDataset:
         prompt_ids = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
         for ex, ids in zip(examples, prompt_ids):
             if not 1 <= len(ids) <= max_prompt_length:
-                raise ValueError(f"{ex.source}: prompt is {len(ids)} tokens; it must be 1 to "
-                                 f"data.max_prompt_length={max_prompt_length} tokens")
+                raise ConfigError(f"{ex.source}: prompt is {len(ids)} tokens; it must be 1 to "
+                                  f"data.max_prompt_length={max_prompt_length} tokens")
         self.examples: List[Example] = list(examples)
         self.texts: List[str] = texts
         self.input_ids: List[List[int]] = [list(ids) for ids in prompt_ids]
@@ -147,22 +148,19 @@ def load_task(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
         ``(train, test)``; ``test`` is None when the run has no validation set.
 
     Raises:
-        ValueError: unknown ``data.task``; ``data.train_path`` null for gsm8k or set for
-            synthetic; and the errors of the loaders and :class:`PromptDataset`.
-        FileNotFoundError: a gsm8k path does not exist.
+        ConfigError: a ``data`` key outside its declared choices or bounds, a problem of
+            :func:`~mcore_rl.config.loader.task_errors` (``data.train_path`` null or missing for
+            gsm8k, set for synthetic, ...), and the errors of the loaders and
+            :class:`PromptDataset`.
     """
+    problems = errors(cfg, "data") + task_errors(cfg)
+    if problems:
+        raise ConfigError("; ".join(problems))
     if cfg.task == "synthetic":
-        if cfg.train_path is not None or cfg.test_path is not None:
-            raise ValueError("data.train_path and data.test_path must be null for "
-                             "data.task=synthetic (its prompts come from data.synthetic)")
         train, test = make_synthetic_examples(cfg.synthetic, seed)
-    elif cfg.task == "gsm8k":
-        if cfg.train_path is None:
-            raise ValueError("data.train_path is required for data.task=gsm8k")
+    else:
         train = load_gsm8k(cfg.train_path, key="data.train_path")
         test = load_gsm8k(cfg.test_path, key="data.test_path") if cfg.test_path is not None else []
-    else:
-        raise ValueError(f"data.task={cfg.task!r}: expected 'synthetic' or 'gsm8k'")
 
     def dataset(examples: List[Example]) -> PromptDataset:
         return PromptDataset(examples, tokenizer, cfg.prompt_template, cfg.use_chat_template,

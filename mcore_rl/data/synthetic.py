@@ -12,10 +12,38 @@ import operator
 import random
 from typing import List, Tuple
 
+from mcore_rl.config.checks import ConfigError, errors
 from mcore_rl.config.schema import SyntheticTaskConfig
 from mcore_rl.data.example import Example
 
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+def synthetic_config_errors(cfg: SyntheticTaskConfig) -> List[str]:
+    """Why ``data.synthetic`` (``cfg``) cannot make its splits beyond its keys' declared bounds,
+    one message per problem naming its keys; empty when it can. Checked by config validation
+    and :func:`make_synthetic_examples`: ``operations`` empty, repeating a character or with
+    one outside ``+-*``; ``min_value > max_value``; fewer than ``num_train + num_test``
+    distinct prompts."""
+    ops, out = cfg.operations, []
+    bad = sorted(set(ops) - set(OPERATIONS))
+    if not ops or bad or len(set(ops)) != len(ops):
+        out.append(f"data.synthetic.operations={ops!r}: expected distinct characters from "
+                   f"{''.join(OPERATIONS)!r}" + (f" (unknown: {bad})" if bad else ""))
+    if cfg.min_value > cfg.max_value:
+        out.append(f"data.synthetic.min_value={cfg.min_value} is larger than "
+                   f"data.synthetic.max_value={cfg.max_value}")
+    elif not out and cfg.num_train + cfg.num_test > _num_prompts(cfg):
+        out.append(f"data.synthetic.num_train + data.synthetic.num_test = {cfg.num_train} + "
+                   f"{cfg.num_test} = {cfg.num_train + cfg.num_test} exceeds the "
+                   f"{_num_prompts(cfg)} distinct prompts of operations {ops!r} over "
+                   f"[{cfg.min_value}, {cfg.max_value}]")
+    return out
+
+
+def _num_prompts(cfg: SyntheticTaskConfig) -> int:
+    """Size of the prompt space: operations x values^2."""
+    return len(cfg.operations) * (cfg.max_value - cfg.min_value + 1) ** 2
 
 
 def make_synthetic_examples(cfg: SyntheticTaskConfig,
@@ -33,30 +61,13 @@ def make_synthetic_examples(cfg: SyntheticTaskConfig,
         ``(train, test)`` with ``num_train`` and ``num_test`` examples and no prompt in both.
 
     Raises:
-        ValueError: ``data.synthetic.operations`` is empty, repeats a character or has one
-            outside ``+-*``; ``min_value > max_value``; ``num_train < 1`` or ``num_test < 0``;
-            or fewer than ``num_train + num_test`` distinct prompts exist.
+        ConfigError: a key outside its declared bounds (``num_train >= 1``, ``num_test >= 0``)
+            or a problem of :func:`synthetic_config_errors`, ``"; "``-joined.
     """
-    ops = cfg.operations
-    bad = sorted(set(ops) - set(OPERATIONS))
-    if not ops or bad or len(set(ops)) != len(ops):
-        raise ValueError(
-            f"data.synthetic.operations={ops!r}: expected distinct characters from "
-            f"{''.join(OPERATIONS)!r}" + (f" (unknown: {bad})" if bad else ""))
-    if cfg.min_value > cfg.max_value:
-        raise ValueError(f"data.synthetic.min_value={cfg.min_value} is larger than "
-                         f"data.synthetic.max_value={cfg.max_value}")
-    if cfg.num_train < 1 or cfg.num_test < 0:
-        raise ValueError(f"data.synthetic.num_train={cfg.num_train} must be positive and "
-                         f"data.synthetic.num_test={cfg.num_test} not negative")
-    num_values = cfg.max_value - cfg.min_value + 1
-    space = len(ops) * num_values * num_values
-    wanted = cfg.num_train + cfg.num_test
-    if wanted > space:
-        raise ValueError(
-            f"data.synthetic.num_train + data.synthetic.num_test = {cfg.num_train} + "
-            f"{cfg.num_test} = {wanted} exceeds the {space} distinct prompts of operations "
-            f"{ops!r} over [{cfg.min_value}, {cfg.max_value}]")
+    problems = errors(cfg, "data.synthetic") + synthetic_config_errors(cfg)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    ops, num_values = cfg.operations, cfg.max_value - cfg.min_value + 1
 
     def example(index: int, split: str, position: int) -> Example:
         op_index, rest = divmod(index, num_values * num_values)
@@ -66,7 +77,7 @@ def make_synthetic_examples(cfg: SyntheticTaskConfig,
         return Example(prompt=f"{a}{op}{b}=", answer=answer, solution=answer,
                        source=f"synthetic:{split}:{position}")
 
-    drawn = random.Random(seed).sample(range(space), wanted)
+    drawn = random.Random(seed).sample(range(_num_prompts(cfg)), cfg.num_train + cfg.num_test)
     test = [example(i, "test", k) for k, i in enumerate(drawn[:cfg.num_test])]
     train = [example(i, "train", k) for k, i in enumerate(drawn[cfg.num_test:])]
     return train, test

@@ -15,9 +15,9 @@ import string
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from mcore_rl.config.schema import ModelConfig
+from mcore_rl.config.checks import ConfigError
+from mcore_rl.config.schema import CHAR_TOKENIZER, ModelConfig
 
-CHAR_TOKENIZER = "char"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 # Digits, ASCII letters and punctuation (+ - * = . , $ % ...), space and newline.
 CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
@@ -43,8 +43,8 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
     its eos token as pad (padding is masked out, so sharing the id is safe).
 
     Raises:
-        OSError: the tokenizer cannot be loaded (the message names the config key and path).
-        ValueError: the loaded tokenizer has no eos token.
+        ConfigError: the tokenizer cannot be loaded, or has no eos token (the message names
+            the config key and path).
     """
     if model_cfg.tokenizer == CHAR_TOKENIZER or (model_cfg.tokenizer is None
                                                  and model_cfg.hf_path is None):
@@ -54,9 +54,10 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise OSError(f"{key}={path!r}: cannot load a tokenizer: {e}") from e
+        reason = " ".join(str(e).split())  # transformers' messages span several lines
+        raise ConfigError(f"{key}: {path}: cannot load a tokenizer: {reason}") from e
     if tokenizer.eos_token is None:
-        raise ValueError(f"{key}={path!r}: the tokenizer has no eos token; generation cannot stop")
+        raise ConfigError(f"{key}: {path}: the tokenizer has no eos token; generation cannot stop")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -1,5 +1,3 @@
-"""mcore-rl: generation (rollout) backends behind one interface, refit from the policy."""
-
-from mcore_rl.generation.base import GenerationBackend, get_backend
-
-__all__ = ["GenerationBackend", "get_backend"]
+"""mcore-rl: generation (rollout) backends behind one interface (:mod:`.base`), each with its
+refit channel, found by name in :mod:`.registry`. Imports nothing: the config loader reads the
+registry without torch."""

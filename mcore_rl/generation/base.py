@@ -1,47 +1,166 @@
-"""The generation (rollout) backend interface, its factory, and what every backend shares:
-config and prompt checks, response budgets, and the right-padded rollout batch.
+"""The generation (rollout) backend interface, the context a backend is built from, and what
+every backend shares: config and prompt checks, response budgets, prompt groups finished as they
+complete, and the right-padded rollout batch.
 
 A backend turns tokenized prompts into a right-padded rollout batch (keys and logprob
 convention in :mod:`mcore_rl.data.batch`; sampling in :mod:`mcore_rl.generation.sampling`) and
-takes the policy's weights by refit.
+owns its refit channel: it takes the policy's weights the way its engine needs them. Backends
+are found by name in :mod:`mcore_rl.generation.registry`; the controller never branches on a
+name.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Iterable, List, NamedTuple, Tuple
+import dataclasses
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional
 
 import torch
 
-from mcore_rl.config.schema import GenerationConfig
+from mcore_rl.config.checks import check, check_value
+from mcore_rl.config.schema import GenerationConfig, TrainConfig
 from mcore_rl.data.batch import Batch
 
-BACKENDS = ("hf", "megatron")
+if TYPE_CHECKING:
+    from mcore_rl.controller.placement import Placement
+    from mcore_rl.controller.worker_group import DataParallelGroup
+
+
+@dataclasses.dataclass
+class BackendContext:
+    """Everything a backend may be built from (:meth:`GenerationBackend.from_context`).
+
+    Attributes:
+        cfg: the run's whole config (``generation``, ``data.max_total_length``, ``cluster``,
+            ``policy.megatron``, ...).
+        hf_config: the policy's ``transformers.PretrainedConfig`` (eos and pad ids set).
+        eos_token_id: ends a response (kept as its last token).
+        pad_token_id: fills ``input_ids`` after a row's end.
+        vocab_size: the policy's real vocabulary (prompt ids are checked against it).
+        device: ``"cpu"`` or ``"cuda"`` (``cluster.device`` resolved).
+        policy: the policy's worker group (:class:`~mcore_rl.controller.worker_group.
+            DataParallelGroup`), for a backend that decodes on it or pulls weights from it.
+        placement: the run's :class:`~mcore_rl.controller.placement.Placement`; a backend with
+            worker groups of its own (:meth:`GenerationBackend.worker_groups`) builds them with
+            ``placement.make_group`` or places its processes with ``placement.actor_options``.
+    """
+
+    cfg: TrainConfig
+    hf_config: Any
+    eos_token_id: int
+    pad_token_id: int
+    vocab_size: int
+    device: str
+    policy: Optional["DataParallelGroup"]
+    placement: Optional["Placement"]
+
+
+class Response(NamedTuple):
+    """One decoded response: ``tokens`` ``[R]`` int64 and their ``logprobs`` ``[R]`` float32 on
+    the CPU (R >= 1, eos included when it ended the response), and ``truncated`` (the response
+    hit its budget without eos)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    truncated: bool
+
+
+class FinishedGroup(NamedTuple):
+    """A prompt group whose responses are all decoded (:meth:`GenerationBackend.
+    generate_async`): ``rows``, its rows of the ``generate_async`` call (``group_size``
+    consecutive indices), and their ``responses`` in that order. Its rollout batch:
+    ``assemble_rollout([prompts[i] for i in rows], responses, pad_token_id)``."""
+
+    rows: range
+    responses: List[Response]
 
 
 class GenerationBackend(abc.ABC):
-    """A rollout engine: ``generate`` samples responses, ``update_weights`` refits it.
+    """A rollout engine: :meth:`generate_async` (and :meth:`generate` on it) samples responses,
+    :meth:`refit` takes the policy's weights.
 
     Attributes:
         shares_policy_weights: True for a backend that decodes with the policy workers' own
-            weights in place (``megatron``): the controller then exports nothing at refit and
-            keeps the policy's weights on the device for generation (colocated offload
-            lifecycle); False (default) for a backend with a copy of its own (``hf``).
+            weights in place (``megatron``): its refit exports nothing, and a colocated policy
+            keeps its weights on the device for generation
+            (:class:`~mcore_rl.controller.colocation.Colocation`); False (default) for a
+            backend with a copy of its own.
+        pad_token_id: fills ``input_ids`` after a row's end (set by every backend).
+
+    Colocated device hand-over (``cluster.colocate_generation``; the controller's
+    :class:`~mcore_rl.controller.colocation.Colocation` calls them, in this order per step):
+    :meth:`prepare_for_refit`, :meth:`refit`, :meth:`prepare_for_generation`, generation,
+    :meth:`offload`. No-ops by default; an engine with its own device memory (vLLM:
+    ``wake_up(tags=["weights"])``, ``wake_up(tags=["kv_cache"])``, ``sleep(level)``) frees and
+    takes it back there.
     """
 
     shares_policy_weights: bool = False
+    pad_token_id: int
 
+    # ------------------------------------------------------------------ construction
+    @classmethod
     @abc.abstractmethod
-    def generate(self, prompts: List[List[int]], seed: int, greedy: bool = False) -> Batch:
-        """Sample one response per prompt.
+    def from_context(cls, ctx: BackendContext) -> "GenerationBackend":
+        """Build the backend of a run (the controller's only way to build one).
+
+        Raises:
+            ValueError: a ``generation.*`` value out of range (named).
+        """
+
+    @classmethod
+    def worker_groups(cls, cfg: TrainConfig) -> Dict[str, int]:
+        """Worker groups of its own that need a GPU per rank, by name -> ranks (an engine in
+        processes of its own); placed with the run's training groups before anything is built
+        (:mod:`mcore_rl.controller.placement`; on the policy's GPUs with
+        ``cluster.colocate_generation``). Default: none."""
+        return {}
+
+    # ------------------------------------------------------------------ refit
+    @abc.abstractmethod
+    def refit(self, policy: "DataParallelGroup") -> Dict[str, float]:
+        """Take the policy's current weights through this backend's channel: pull its Hugging
+        Face-named tensors (``policy.call("get_hf_weights")``), share them in place (nothing to
+        do), or have them streamed into an engine in processes of its own (by HF name, in
+        buckets). Collective over the policy's ranks when it calls them.
+
+        Returns:
+            stats, at least ``refit/gbytes`` (GB of weights moved; 0 when shared).
+
+        Raises:
+            ValueError: unknown names, shape mismatches, or parameters left unwritten.
+        """
+
+    # ------------------------------------------------------------------ rollouts
+    @abc.abstractmethod
+    def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
+                       group_size: int = 1) -> Iterator[FinishedGroup]:
+        """Start sampling one response per prompt; yields each prompt group once all its rows
+        are decoded, in the order groups finish.
 
         Args:
-            prompts: B token-id lists, each non-empty.
+            prompts: B token-id lists, each non-empty; B a multiple of ``group_size``.
             seed: seeds the sampling RNG (one stream per row,
                 :func:`mcore_rl.generation.sampling.row_uniforms`); the same seed, prompts and
                 weights give the same rollouts (how a resumed run reproduces a straight one),
-                whatever ``generation.batch_size`` or the data-parallel layout.
+                whatever ``generation.batch_size``, ``group_size`` or the data-parallel layout.
             greedy: argmax decoding instead of sampling (validation).
+            group_size: rows per group (GRPO: the responses of one prompt), group ``i`` being
+                rows ``i * group_size .. (i + 1) * group_size - 1``.
+
+        Returns:
+            an iterator of :class:`FinishedGroup`. Checks run and, for an engine in processes
+            of its own, decoding starts when this is called: the caller may do other work
+            before iterating. An in-process backend may decode while it is iterated.
+
+        Raises (at the call):
+            RuntimeError: no weights were loaded yet.
+            ValueError: a prompt is empty, has out-of-vocabulary ids, or leaves no room for a
+                response; B is not a multiple of ``group_size``.
+        """
+
+    def generate(self, prompts: List[List[int]], seed: int, greedy: bool = False) -> Batch:
+        """Sample one response per prompt (:meth:`generate_async`, waited for).
 
         Returns:
             A right-padded batch, rows in prompt order, on the CPU: ``input_ids`` [B, S]
@@ -52,50 +171,66 @@ class GenerationBackend(abc.ABC):
             length limit without eos). S is the longest row.
 
         Raises:
-            RuntimeError: no weights were loaded yet.
-            ValueError: a prompt is empty, has out-of-vocabulary ids, or leaves no room
-                for a response.
+            As :meth:`generate_async`.
         """
+        responses: List[Optional[Response]] = [None] * len(prompts)
+        for group in self.generate_async(prompts, seed, greedy):
+            responses[group.rows.start:group.rows.stop] = group.responses
+        return assemble_rollout(prompts, responses, self.pad_token_id)
 
-    @abc.abstractmethod
-    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Refit: copy full (unsharded) tensors, named as in Hugging Face checkpoints.
+    # ------------------------------------------------------------------ colocation, lifetime
+    def prepare_for_refit(self) -> None:
+        """Colocated: take back the device memory the refit writes into (the weights)."""
 
-        Raises:
-            ValueError: unknown names, shape mismatches, or parameters left unwritten.
-        """
+    def prepare_for_generation(self) -> None:
+        """Colocated: take back the device memory decoding needs (KV cache)."""
+
+    def offload(self) -> None:
+        """Colocated: free this backend's device memory for the policy (logprobs, training)."""
+
+    def shutdown(self) -> None:
+        """Stop what the backend started (processes of its own); the backend is unusable."""
 
 
-def get_backend(name: str, **kwargs) -> GenerationBackend:
-    """The backend named by the config key ``generation.backend``, built with ``kwargs``.
+class GroupAssembler:
+    """Collects responses of rows decoded in any order and hands out each prompt group of a
+    ``generate_async`` call once it is complete.
 
-    ``"hf"``: :class:`mcore_rl.generation.hf.HFGenerationBackend`; ``"megatron"``:
-    :class:`mcore_rl.generation.megatron.MegatronGenerationBackend`.
+    Args:
+        num_rows: B, the call's prompts.
+        group_size: rows per group.
 
     Raises:
-        ValueError: ``name`` is not a known backend.
+        ValueError: ``group_size`` below 1 or not a divisor of ``num_rows``.
     """
-    if name == "hf":
-        from mcore_rl.generation.hf import HFGenerationBackend
 
-        return HFGenerationBackend(**kwargs)
-    if name == "megatron":
-        from mcore_rl.generation.megatron import MegatronGenerationBackend
+    def __init__(self, num_rows: int, group_size: int):
+        if group_size < 1 or num_rows % group_size:
+            raise ValueError(f"generate_async: {num_rows} prompts do not split into groups of "
+                             f"group_size={group_size}")
+        self.group_size = group_size
+        self._responses: List[Optional[Response]] = [None] * num_rows
+        self._missing = [group_size] * (num_rows // group_size)
 
-        return MegatronGenerationBackend(**kwargs)
-    raise ValueError(f"generation.backend: unknown backend {name!r}; choose one of {list(BACKENDS)}")
+    def add(self, first_row: int, responses: List[Response]) -> List[FinishedGroup]:
+        """Record the responses of rows ``first_row ..``; returns the groups they complete."""
+        done = []
+        for i, response in enumerate(responses, start=first_row):
+            self._responses[i] = response
+            g = i // self.group_size
+            self._missing[g] -= 1
+            if self._missing[g] == 0:
+                rows = range(g * self.group_size, (g + 1) * self.group_size)
+                done.append(FinishedGroup(rows, self._responses[rows.start:rows.stop]))
+        return done
 
 
 def check_lengths(cfg: GenerationConfig, max_total_length: int) -> None:
-    """Raise ``ValueError`` naming the key when ``generation.max_new_tokens`` or
-    ``generation.batch_size`` is below 1 or ``max_total_length`` (``data.max_total_length``)
-    below 2."""
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"generation.max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.batch_size < 1:
-        raise ValueError(f"generation.batch_size must be >= 1, got {cfg.batch_size}")
-    if max_total_length < 2:
-        raise ValueError(f"max_total_length (data.max_total_length) must be >= 2, got {max_total_length}")
+    """Raise ``ConfigError`` (a ``ValueError``) naming the key when a ``generation`` value or
+    ``max_total_length`` (``data.max_total_length``) is outside what the schema declares
+    (:mod:`mcore_rl.config.checks`, the check config loading runs)."""
+    check(cfg, "generation")
+    check_value("data.max_total_length", max_total_length)
 
 
 def check_prompts(prompts: List[List[int]], vocab_size: int, max_total_length: int) -> None:
@@ -121,16 +256,6 @@ def response_budgets(prompts: List[List[int]], max_new_tokens: int, max_total_le
     """Per prompt, the most response tokens it may get: ``min(max_new_tokens,
     max_total_length - len(prompt))``."""
     return [min(max_new_tokens, max_total_length - len(p)) for p in prompts]
-
-
-class Response(NamedTuple):
-    """One decoded response: ``tokens`` ``[R]`` int64 and their ``logprobs`` ``[R]`` float32 on
-    the CPU (R >= 1, eos included when it ended the response), and ``truncated`` (the response
-    hit its budget without eos)."""
-
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    truncated: bool
 
 
 def assemble_rollout(prompts: List[List[int]], responses: List[Response], pad_token_id: int) -> Batch:

@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Iterable, List, Tuple
+from typing import Dict, Iterable, Iterator, List, Tuple
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
 from mcore_rl.config.schema import GenerationConfig
-from mcore_rl.data.batch import Batch
-from mcore_rl.generation.base import (GenerationBackend, Response, assemble_rollout, check_lengths,
-                                      check_prompts, response_budgets)
+from mcore_rl.generation.base import (BackendContext, FinishedGroup, GenerationBackend,
+                                      GroupAssembler, Response, check_lengths, check_prompts,
+                                      response_budgets)
 from mcore_rl.generation.sampling import Sampler, row_uniforms
 
 
 class HFGenerationBackend(GenerationBackend):
-    """Batched sampling (temperature, top-p) or greedy decoding with a transformers model.
+    """Batched sampling (temperature, top-p) or greedy decoding with a transformers model in
+    the controller's process (``generation.backend: hf``); refit pulls the policy's Hugging
+    Face-named weights (:meth:`refit`, :meth:`update_weights`).
 
     Args:
         hf_config: the causal LM's config; the model is built by
@@ -66,6 +68,19 @@ class HFGenerationBackend(GenerationBackend):
         self.last_refit_seconds = 0.0
         self.last_refit_bytes = 0
 
+    @classmethod
+    def from_context(cls, ctx: BackendContext) -> "HFGenerationBackend":
+        """The run's backend: the policy's ``hf_config`` on the run's device (fp32)."""
+        return cls(ctx.hf_config, ctx.cfg.generation, ctx.eos_token_id, ctx.pad_token_id,
+                   ctx.cfg.data.max_total_length, device=ctx.device)
+
+    def refit(self, policy) -> Dict[str, float]:
+        """Pull the policy's full Hugging Face-named weights (``get_hf_weights``, gathered over
+        TP and PP to policy rank 0, on the host) and copy them in (:meth:`update_weights`).
+        Returns ``refit/gbytes``."""
+        self.update_weights(policy.call("get_hf_weights")[0].items())
+        return {"refit/gbytes": self.last_refit_bytes / 1e9}
+
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Refit from ``(name, tensor)`` pairs, Hugging Face names, full tensors, streamed.
@@ -107,12 +122,13 @@ class HFGenerationBackend(GenerationBackend):
         self.last_refit_seconds = time.perf_counter() - start
         self.last_refit_bytes = nbytes
 
-    @torch.inference_mode()
-    def generate(self, prompts: List[List[int]], seed: int, greedy: bool = False) -> Batch:
-        """See :meth:`GenerationBackend.generate`. Prompts are decoded in chunks of
-        ``generation.batch_size``; a row stops at eos or after ``min(max_new_tokens,
-        max_total_length - prompt length)`` tokens. Sampling: :class:`~mcore_rl.generation.
-        sampling.Sampler` with row ``i``'s stream ``row_uniforms(seed, [i], ...)``.
+    def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
+                       group_size: int = 1) -> Iterator[FinishedGroup]:
+        """See :meth:`GenerationBackend.generate_async`. Decodes while iterated, in chunks of
+        ``generation.batch_size`` prompts; the groups a chunk completes come after it. A row
+        stops at eos or after ``min(max_new_tokens, max_total_length - prompt length)`` tokens.
+        Sampling: :class:`~mcore_rl.generation.sampling.Sampler` with row ``i``'s stream
+        ``row_uniforms(seed, [i], ...)``.
         """
         if not self._weights_loaded:
             raise RuntimeError(
@@ -120,12 +136,16 @@ class HFGenerationBackend(GenerationBackend):
                 "(refit from the policy) first"
             )
         check_prompts(prompts, self.vocab_size, self.max_total_length)
-        responses = []
+        return self._decode(prompts, seed, greedy, GroupAssembler(len(prompts), group_size))
+
+    def _decode(self, prompts: List[List[int]], seed: int, greedy: bool,
+                groups: GroupAssembler) -> Iterator[FinishedGroup]:
         for start in range(0, len(prompts), self.cfg.batch_size):
             rows = range(start, min(start + self.cfg.batch_size, len(prompts)))
-            responses.extend(self._generate_chunk([prompts[i] for i in rows], rows, seed, greedy))
-        return assemble_rollout(prompts, responses, self.pad_token_id)
+            yield from groups.add(start, self._generate_chunk([prompts[i] for i in rows], rows,
+                                                              seed, greedy))
 
+    @torch.inference_mode()
     def _generate_chunk(self, prompts: List[List[int]], rows: range, seed: int,
                         greedy: bool) -> List[Response]:
         """Decode one chunk (``rows``: the prompts' indices in the ``generate`` call)."""

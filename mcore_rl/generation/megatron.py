@@ -34,24 +34,24 @@ KV-cache offset) and right padding needs only the causal mask.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, List, Tuple
+from concurrent.futures import as_completed
+from typing import Dict, Iterator, List
 
 import torch
 
 from mcore_rl.config.schema import GenerationConfig, MegatronConfig
-from mcore_rl.data.batch import Batch
-from mcore_rl.generation.base import (GenerationBackend, Response, assemble_rollout, check_lengths,
-                                      check_prompts, response_budgets)
+from mcore_rl.generation.base import (BackendContext, FinishedGroup, GenerationBackend,
+                                      GroupAssembler, Response, check_lengths, check_prompts,
+                                      response_budgets)
+from mcore_rl.generation.checks import megatron_layout_errors
 from mcore_rl.generation.sampling import Sampler, check_sampling, row_uniforms
 
 
 def check_layout(megatron: MegatronConfig) -> None:
     """Raise ``NotImplementedError`` naming the config keys for a policy layout :func:`decode`
-    does not run (:func:`mcore_rl.config.loader.megatron_generation_errors`: pipeline or
+    does not run (:func:`mcore_rl.generation.checks.megatron_layout_errors`: pipeline or
     sequence parallelism)."""
-    from mcore_rl.config.loader import megatron_generation_errors
-
-    errors = megatron_generation_errors(megatron)
+    errors = megatron_layout_errors(megatron)
     if errors:
         raise NotImplementedError("; ".join(errors))
 
@@ -206,17 +206,17 @@ def _decode_chunk(model, gpt, megatron: MegatronConfig, vocab_size: int, prompts
 
 class MegatronGenerationBackend(GenerationBackend):
     """Rollouts decoded by the policy workers with the policy's weights in place
-    (``generation.backend: megatron``); :meth:`update_weights` copies nothing.
+    (``generation.backend: megatron``); :meth:`refit` copies nothing.
 
-    Each data-parallel group of the policy decodes a contiguous share of the prompts
+    Each data-parallel group of the policy decodes a contiguous share of the prompt groups
     (:func:`decode`, through ``PolicyWorker.generate``); rows keep their random streams, so the
     rollouts do not depend on the DP layout. Needs a policy layout :func:`check_layout` accepts
     (the workers raise ``NotImplementedError`` otherwise).
 
     Args:
         policy: the policy's worker group with its DP layout
-            (:class:`mcore_rl.controller.trainer.DataParallelGroup`: ``dp_size``,
-            ``call_per_dp``).
+            (:class:`mcore_rl.controller.worker_group.DataParallelGroup`: ``dp_size``,
+            ``call_per_dp_async``).
         cfg: ``generation`` config (temperature, top_p, max_new_tokens, batch_size: rows per
             decoding chunk on each DP rank).
         eos_token_id: ends a response (kept as its last token).
@@ -241,30 +241,43 @@ class MegatronGenerationBackend(GenerationBackend):
         self.max_total_length = int(max_total_length)
         self.vocab_size = int(vocab_size)
 
-    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Refit with shared weights: the workers decode with the policy's current parameters,
-        so there is nothing to copy (the controller exports nothing: ``shares_policy_weights``).
+    @classmethod
+    def from_context(cls, ctx: BackendContext) -> "MegatronGenerationBackend":
+        """The run's backend, decoding on ``ctx.policy``."""
+        return cls(ctx.policy, ctx.cfg.generation, ctx.eos_token_id, ctx.pad_token_id,
+                   ctx.cfg.data.max_total_length, ctx.vocab_size)
 
-        Raises:
-            ValueError: any tensor is given (a caller exporting weights for nothing).
-        """
-        for name, _ in named_tensors:
-            raise ValueError(f"MegatronGenerationBackend.update_weights: got {name!r}; this backend "
-                             f"decodes with the policy's weights in place and takes no tensors")
+    def refit(self, policy) -> Dict[str, float]:
+        """Shared weights: the workers decode with the policy's current parameters, so nothing
+        is exported or copied (``refit/gbytes`` 0)."""
+        return {"refit/gbytes": 0.0}
 
-    def generate(self, prompts: List[List[int]], seed: int, greedy: bool = False) -> Batch:
-        """See :meth:`GenerationBackend.generate`; sampling as the ``hf`` backend's.
+    def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
+                       group_size: int = 1) -> Iterator[FinishedGroup]:
+        """See :meth:`GenerationBackend.generate_async`; sampling as the ``hf`` backend's. Each
+        DP rank starts on its share of the groups at once; a share's groups come when it is
+        decoded.
 
-        Raises (beyond the interface's): ``WorkerError`` of the worker group when a worker
-        raises, for example ``RuntimeError`` naming ``prepare_for_lp_inference()`` while the
-        policy's weights are offloaded, or ``NotImplementedError`` for a refused layout.
+        Raises (beyond the interface's, when iterated): ``WorkerError`` of the worker group when
+        a worker raises, for example ``RuntimeError`` naming ``prepare_for_lp_inference()``
+        while the policy's weights are offloaded, or ``NotImplementedError`` for a refused
+        layout.
         """
         check_prompts(prompts, self.vocab_size, self.max_total_length)
-        dp = self.policy.dp_size
-        bounds = [round(d * len(prompts) / dp) for d in range(dp + 1)]
-        outs = self.policy.call_per_dp(
-            "generate",
-            [[prompts[bounds[d]:bounds[d + 1]], bounds[d], seed, greedy] for d in range(dp)],
-            cfg=self.cfg, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-            max_total_length=self.max_total_length)
-        return assemble_rollout(prompts, [r for share in outs for r in share], self.pad_token_id)
+        groups = GroupAssembler(len(prompts), group_size)
+        dp, num_groups = self.policy.dp_size, len(prompts) // group_size
+        bounds = [round(d * num_groups / dp) * group_size for d in range(dp + 1)]
+        first_row = {}
+        for d in range(dp):
+            if bounds[d] < bounds[d + 1]:
+                future = self.policy.call_per_dp_async(
+                    "generate", [[prompts[bounds[d]:bounds[d + 1]], bounds[d], seed, greedy]],
+                    dp_ranks=[d], cfg=self.cfg, eos_token_id=self.eos_token_id,
+                    pad_token_id=self.pad_token_id, max_total_length=self.max_total_length)
+                first_row[future] = bounds[d]
+        return self._collect(first_row, groups)
+
+    @staticmethod
+    def _collect(first_row: Dict, groups: GroupAssembler) -> Iterator[FinishedGroup]:
+        for future in as_completed(first_row):
+            yield from groups.add(first_row[future], future.result()[0])

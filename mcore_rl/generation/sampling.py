@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from transformers import TopPLogitsWarper
 
+from mcore_rl.config.checks import check
 from mcore_rl.config.schema import GenerationConfig
 
 # A row stream's seed is (seed * _SEED_MULTIPLIER + row) mod 2**32: torch's CPU generator
@@ -56,12 +57,10 @@ def row_uniforms(seed: int, rows: Sequence[int], steps: int,
 
 
 def check_sampling(cfg: GenerationConfig) -> None:
-    """Raise ``ValueError`` naming the key when ``generation.temperature`` is not > 0 or
-    ``generation.top_p`` is outside (0, 1]."""
-    if not cfg.temperature > 0:
-        raise ValueError(f"generation.temperature must be > 0, got {cfg.temperature}")
-    if not 0 < cfg.top_p <= 1:
-        raise ValueError(f"generation.top_p must be in (0, 1], got {cfg.top_p}")
+    """Raise ``ConfigError`` (a ``ValueError``) naming the key when a ``generation`` value
+    (``temperature`` > 0, ``top_p`` in (0, 1], ...) is outside what the schema declares
+    (:func:`mcore_rl.config.checks.check`, the check config loading runs)."""
+    check(cfg, "generation")
 
 
 class Sampler:

@@ -677,15 +677,20 @@ def load_hf_checkpoint(path: str | Path):
     from the shards listed in ``model.safetensors.index.json`` (CPU tensors in the stored dtype,
     checkpoint names).
 
-    Raises ``FileNotFoundError`` naming the directory when ``config.json`` or the safetensors
-    files are missing, ``ValueError`` when the shards do not hold exactly the index's names.
+    Raises ``FileNotFoundError`` naming the directory and the file when ``config.json`` or the
+    safetensors files are missing (:func:`mcore_rl.config.paths.hf_checkpoint_errors`, the
+    check config validation runs), ``ValueError`` when the shards do not hold exactly the
+    index's names.
     """
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from mcore_rl.config.paths import hf_checkpoint_errors
+
+    problems = hf_checkpoint_errors("hf_path", str(path))
+    if problems:
+        raise FileNotFoundError("; ".join(problems))
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json (model.hf_path must be an HF directory)")
     config = AutoConfig.from_pretrained(path)
     state = HFCheckpointState()
     state.path = path
@@ -693,8 +698,6 @@ def load_hf_checkpoint(path: str | Path):
     if single.is_file():
         state.update(load_file(single))
         return config, state
-    if not index.is_file():
-        raise FileNotFoundError(f"{path}: neither model.safetensors nor {index.name}")
     weight_map = json.loads(index.read_text())["weight_map"]
     for shard in sorted(set(weight_map.values())):
         state.update(load_file(path / shard))

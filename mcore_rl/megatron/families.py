@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mcore_rl.config import checks
 from mcore_rl.config.schema import MegatronConfig, ModelArchConfig
-
-# Values of ``megatron.moe_token_dispatcher_type`` (both run on gloo and NCCL; "flex" needs DeepEP).
-TOKEN_DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclass(frozen=True)
@@ -26,6 +24,7 @@ class Family:
     shared_expert: bool  # plus a shared expert gated by sigmoid(x w) (Qwen2-MoE)
 
 
+# Keyed by the schema's MODEL_FAMILIES (the choices of ``model.arch.family``), in its order.
 FAMILIES = {
     "llama": Family(qkv_bias=False, qk_layernorm=False, moe=False, shared_expert=False),
     "mistral": Family(qkv_bias=False, qk_layernorm=False, moe=False, shared_expert=False),
@@ -43,13 +42,14 @@ def head_dim(arch: ModelArchConfig) -> int:
 
 def arch_errors(arch: ModelArchConfig) -> list[str]:
     """Why ``arch`` (``model.arch``) describes no model of its family, one message per reason
-    naming the keys; empty when it does. Checked: a known family, the family's QKV bias, and the
-    MoE keys (experts only for the MoE families, top-k within them, a shared expert size exactly
-    for qwen2_moe)."""
-    family = FAMILIES.get(arch.family)
-    if family is None:
-        return [f"model.arch.family must be one of {', '.join(FAMILIES)} (got {arch.family!r})"]
-    errors = []
+    naming the keys; empty when it does. Checked: each key's declared choices and bounds
+    (:func:`mcore_rl.config.checks.errors`: a known family, positive sizes), then the family's
+    QKV bias and the MoE keys (experts only for the MoE families, top-k within them, a shared
+    expert size exactly for qwen2_moe)."""
+    errors = checks.errors(arch, "model.arch")
+    if errors:
+        return errors
+    family = FAMILIES[arch.family]
     if arch.qkv_bias != family.qkv_bias:
         errors.append(f"model.arch.qkv_bias must be {str(family.qkv_bias).lower()} for family "
                       f"{arch.family} (got {str(arch.qkv_bias).lower()})")
@@ -71,18 +71,18 @@ def layout_errors(arch: ModelArchConfig, megatron: MegatronConfig, key: str,
     """Why the MoE settings of ``megatron`` (config section ``key``, e.g. ``policy.megatron``)
     cannot run ``arch``, one message per reason naming the keys; empty when they can.
 
-    Checked: expert parallelism (EP) or expert TP only with experts, ``num_experts`` divisible
-    by EP, sequence parallelism with TP > 1 for MoE training (Megatron-Core's ``MoELayer``
-    refuses MoE + TP without it), a known token dispatcher, non-negative router loss
-    coefficients, and, given ``world_size`` (processes of the worker world), ``expert TP x EP x
+    Checked: each key's declared choices and bounds (:func:`mcore_rl.config.checks.errors`: a
+    known token dispatcher, non-negative router loss coefficients, sizes >= 1), then expert
+    parallelism (EP) or expert TP only with experts, ``num_experts`` divisible by EP, sequence
+    parallelism with TP > 1 for MoE training (Megatron-Core's ``MoELayer`` refuses MoE + TP
+    without it), and, given ``world_size`` (processes of the worker world), ``expert TP x EP x
     PP`` dividing it (Megatron's expert groups tile the same ranks as TP x DP x PP).
     """
+    errors = checks.errors(megatron, key)
+    if errors:
+        return errors
     ep, etp = megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size
     tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
-    errors = []
-    if ep < 1 or (etp is not None and etp < 1):
-        return [f"{key}.expert_model_parallel_size ({ep}) must be >= 1 and "
-                f"{key}.expert_tensor_parallel_size ({etp}) null or >= 1"]
     if arch.num_experts is None:
         if ep > 1 or etp not in (None, tp):
             errors.append(f"{key}.expert_model_parallel_size ({ep}) and "
@@ -95,12 +95,6 @@ def layout_errors(arch: ModelArchConfig, megatron: MegatronConfig, key: str,
     if tp > 1 and not megatron.sequence_parallel:
         errors.append(f"{key}.sequence_parallel must be true with experts and "
                       f"{key}.tensor_model_parallel_size > 1 (got {tp})")
-    if megatron.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
-        errors.append(f"{key}.moe_token_dispatcher_type must be one of "
-                      f"{', '.join(TOKEN_DISPATCHERS)} (got {megatron.moe_token_dispatcher_type!r})")
-    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-        if getattr(megatron, name) < 0:
-            errors.append(f"{key}.{name} must be >= 0 (got {getattr(megatron, name)})")
     experts_per_layer = (etp or tp) * ep * pp
     if world_size is not None and world_size % experts_per_layer:
         errors.append(f"cluster.num_workers ({world_size}) must be divisible by "

@@ -30,12 +30,12 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mcore_rl.config.schema import MegatronConfig, ModelArchConfig
+from mcore_rl.config.schema import LAYER_SPECS, MegatronConfig, ModelArchConfig
 from mcore_rl.megatron.families import FAMILIES, arch_errors, head_dim, layout_errors
 
 _PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Values of ``megatron.layer_spec`` (see :func:`layer_spec`).
-LAYER_SPECS = ("local", "torch", "transformer_engine")
+
+
 def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
     """Smallest multiple of ``tensor_model_parallel_size`` that is ``>= vocab_size``: the
     number of embedding/output rows of the Megatron model (each TP rank holds an equal slice).
@@ -81,18 +81,10 @@ def transformer_config(
     their weight: :mod:`mcore_rl.megatron.moe`), and the experts as ``SequentialMLP``
     (``local``/``torch`` specs) or TE's grouped GEMM (``transformer_engine``).
 
-    Raises ``ValueError`` naming the config key for an unknown precision, an unknown layer
-    spec (:data:`LAYER_SPECS`), a non-positive vocabulary, or what :func:`arch_errors` and
-    :func:`layout_errors` report.
+    Raises ``ValueError`` naming the config key for a non-positive vocabulary or what
+    :func:`arch_errors` and :func:`layout_errors` report (each key's declared choices and
+    bounds included: an unknown precision or layer spec, ...).
     """
-    if megatron.precision not in _PARAMS_DTYPES:
-        raise ValueError(
-            f"megatron.precision must be one of {sorted(_PARAMS_DTYPES)}, "
-            f"got {megatron.precision!r}"
-        )
-    if megatron.layer_spec not in LAYER_SPECS:
-        raise ValueError(f"megatron.layer_spec must be one of {LAYER_SPECS}, "
-                         f"got {megatron.layer_spec!r}")
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     errors = arch_errors(arch) or layout_errors(arch, megatron, "megatron")

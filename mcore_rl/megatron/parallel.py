@@ -1,7 +1,10 @@
 """Process groups: ``torch.distributed`` and Megatron's ``parallel_state`` from the config.
 
 One call, :func:`initialize`, per worker process. The device decides the backend: NCCL on a
-GPU, gloo plus the CPU redirects of :mod:`mcore_rl.megatron.cpu_backend` on a CPU.
+GPU, gloo plus the CPU redirects of :mod:`mcore_rl.megatron.cpu_backend` on a CPU. Resolving
+the device to the CPU also pins the process's CPU arithmetic (the controller's, before it
+does any tensor work, and each worker's, before it builds its model), so a CPU run computes
+the same bits on any x86-64 machine (:func:`~mcore_rl.megatron.cpu_backend.pin_arithmetic`).
 """
 
 from __future__ import annotations
@@ -14,14 +17,20 @@ import torch.distributed as dist
 
 
 def resolve_device(device: str) -> str:
-    """``"auto"`` -> ``"cuda"`` when a GPU is visible, else ``"cpu"``. Raises ``ValueError``
-    for ``"cuda"`` without a GPU (config key ``cluster.device``)."""
+    """``"auto"`` -> ``"cuda"`` when a GPU is visible, else ``"cpu"``. On ``"cpu"`` it pins
+    this process's CPU arithmetic and that of the processes it starts afterwards
+    (:func:`~mcore_rl.megatron.cpu_backend.pin_arithmetic`): call it before any tensor work.
+    Raises ``ValueError`` for ``"cuda"`` without a GPU (config key ``cluster.device``)."""
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("cluster.device=cuda but no CUDA GPU is visible to this process")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"cluster.device must be auto, cpu or cuda, got {device!r}")
+    if device == "cpu":
+        from mcore_rl.megatron import cpu_backend
+
+        cpu_backend.pin_arithmetic()
     return device
 
 

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import inspect
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config.schema import ModelArchConfig, MegatronConfig, OptimizerConfig
-from mcore_rl.data.batch import Batch, select
+from mcore_rl.data.batch import Batch
 from mcore_rl.data.microbatching import ROW_INDEX, gather_rows, make_microbatches, shapes_vary
 from mcore_rl.megatron import parallel
 from mcore_rl.megatron.offload import StorageOffloader
@@ -401,6 +402,9 @@ class MegatronTrainWorker:
             width_multiple=mg.tensor_model_parallel_size if mg.sequence_parallel else 1,
             count_multiple=mg.pipeline_model_parallel_size if interleaved else 1,
             uniform_shapes=interleaved)
+        if not forward_only:
+            self._largest_microbatch = max(self._largest_microbatch,
+                                           max(mb["input_ids"].numel() for mb in mbs))
         mbs = [{k: self._to_device(v) for k, v in mb.items()} for mb in mbs]
         num_mb = len(mbs)
         if not forward_only and self.arch.num_experts is not None:
@@ -485,8 +489,9 @@ class MegatronTrainWorker:
             metrics, the same on every rank: each loss metric as the exact global mean
             (raw sum over all micro-batches and DP ranks / global count of its kind), plus
             ``grad_norm`` (after scaling, before clipping), ``lr`` (used by this step),
-            ``num_valid_tokens``/``num_valid_sequences`` (global sums); with experts and a
-            router loss coefficient set, ``moe_aux_loss`` / ``moe_z_loss``
+            ``num_valid_tokens``/``num_valid_sequences`` (global sums),
+            ``microbatch_tokens_max`` (:meth:`_optimizer_step`); with experts and a router
+            loss coefficient set, ``moe_aux_loss`` / ``moe_z_loss``
             (:func:`~mcore_rl.megatron.moe.router_loss_metrics`).
 
         Raises:
@@ -500,11 +505,17 @@ class MegatronTrainWorker:
         )
         return self._optimizer_step(outputs, loss_fn, global_batch_size)
 
+    # Rows x padded width of the largest training micro-batch since the last _zero_grads (the
+    # start of a step): the step's ``microbatch_tokens_max`` metric.
+    _largest_microbatch: int = 0
+
     def _zero_grads(self) -> None:
-        """Zero the DDP grad buffers and the optimizer's grads. Megatron's
-        ``DistributedDataParallel.zero_grad_buffer`` also resets each bucket group
-        (``per_param_grad_ready_counts``, ``is_last_microbatch``) and each parameter's
-        ``grad_added_to_main_grad``, so no grad-ready state of one step leaks into the next."""
+        """Zero the DDP grad buffers and the optimizer's grads (and the step's largest
+        micro-batch). Megatron's ``DistributedDataParallel.zero_grad_buffer`` also resets each
+        bucket group (``per_param_grad_ready_counts``, ``is_last_microbatch``) and each
+        parameter's ``grad_added_to_main_grad``, so no grad-ready state of one step leaks into
+        the next."""
+        self._largest_microbatch = 0
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -521,7 +532,9 @@ class MegatronTrainWorker:
         :meth:`finish_train_step` so both return the same names and meanings. The lr is read
         after ``optimizer.step()`` and before ``scheduler.step(increment=global_batch_size)``:
         the lr this step used. Metrics: :meth:`_reduce_metrics` plus ``grad_norm``, ``lr``,
-        ``update_successful`` (1.0 or 0.0)."""
+        ``update_successful`` (1.0 or 0.0) and ``microbatch_tokens_max`` (rows x padded width
+        of the step's largest training micro-batch, padding rows included, max over DP ranks:
+        at most ``max_tokens_per_microbatch`` when a budget is set)."""
         success, grad_norm, _ = self.optimizer.step()
         if self.megatron_cfg.ddp.overlap_param_gather:
             # The distributed optimizer leaves the all-gather of the updated params to the next
@@ -544,6 +557,9 @@ class MegatronTrainWorker:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(lr)
         metrics["update_successful"] = float(bool(success))
+        largest = torch.tensor(float(self._largest_microbatch), device=self.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
+        metrics["microbatch_tokens_max"] = float(largest)
         return metrics
 
     def _reduce_metrics(self, outputs: List[Dict[str, torch.Tensor]], loss_fn) -> Dict[str, float]:
@@ -882,9 +898,16 @@ class MegatronTrainWorker:
         return bool(flag.item())
 
     @requires_device_state(training=True)
-    def save_checkpoint(self, path: str, extra_common: Optional[Dict[str, Any]] = None) -> None:
+    def save_checkpoint(self, path: str, async_save: bool = False) -> None:
         """Save model, optimizer and LR schedule with Megatron dist-checkpointing (torch_dist
-        format: resharding-capable). Collective: every rank calls it."""
+        format: resharding-capable) into directory ``path``; Megatron writes its
+        ``metadata.json`` when the save is complete. Collective: every rank calls it.
+
+        With ``async_save``, Megatron's asynchronous save (``async_sharded_save``, in
+        megatron-core since 0.7; its own ``"mcore"`` writer from 0.17 on, where the default
+        needs nvidia-resiliency-ext): the tensors are staged on the host and each rank forks a
+        writer process; training may go on, and :meth:`finalize_async_save` completes the save.
+        """
         from megatron.core import dist_checkpointing
 
         os.makedirs(path, exist_ok=True)
@@ -894,8 +917,33 @@ class MegatronTrainWorker:
         state["scheduler"] = self.scheduler.state_dict()
         state["trainer_version"] = self.trainer_version
         state["optimizer_has_state"] = has_optimizer_state
-        dist_checkpointing.save(state, path)
-        dist.barrier()
+        if not async_save:
+            dist_checkpointing.save(state, path)
+            dist.barrier()
+            return
+        kwargs = {"async_sharded_save": True}
+        if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+            kwargs["async_strategy"] = "mcore"  # megatron-core >= 0.17; "nvrx" needs another package
+        self._async_saves.schedule_async_request(dist_checkpointing.save(state, path, **kwargs))
+
+    @functools.cached_property
+    def _async_saves(self):
+        """Megatron's queue of this rank's asynchronous checkpoint saves."""
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        return AsyncCallsQueue()
+
+    def finalize_async_save(self, blocking: bool = True) -> bool:
+        """Finish the asynchronous saves (:meth:`save_checkpoint` with ``async_save``) whose
+        writers are done on every rank (with ``blocking``: all, waiting for them); Megatron
+        then writes each one's ``metadata.json``. Returns whether none is left in flight.
+        Collective: every rank calls it.
+
+        Raises:
+            megatron.core.dist_checkpointing.core.CheckpointingException: a writer failed.
+        """
+        self._async_saves.maybe_finalize_async_calls(blocking=blocking)
+        return self._async_saves.get_num_unfinalized_calls() == 0
 
     @requires_device_state(training=True)
     def load_checkpoint(self, path: str) -> Dict[str, Tuple[Any, Any]]:

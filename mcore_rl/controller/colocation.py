@@ -1,0 +1,94 @@
+"""Colocation: the policy and the rollout backend taking turns on the same GPUs.
+
+With ``cluster.colocate_generation`` the rollout engine runs on the policy's GPUs, so between
+phases one side frees its device memory for the other: the policy through its offload
+lifecycle (``MegatronTrainWorker.offload_before_refit``, ``offload_after_refit``,
+``prepare_for_lp_inference``, ``prepare_for_training``), the backend through its own hooks
+(:meth:`GenerationBackend.prepare_for_refit`, :meth:`~GenerationBackend.prepare_for_generation`,
+:meth:`~GenerationBackend.offload`: vLLM's wake-up and sleep). Order per RL step:
+
+1. :meth:`Colocation.refit`: the policy's training state leaves the device
+   (``offload_before_refit``); the backend takes back its weight memory; the backend's refit
+   channel runs (:meth:`GenerationBackend.refit`); the policy's weights leave too
+   (``offload_after_refit``), unless the backend decodes with them
+   (``shares_policy_weights``); the backend takes back its decoding memory.
+2. generation.
+3. :meth:`Colocation.prepare_for_lp_inference` / :meth:`Colocation.prepare_for_training`:
+   the backend frees its memory (once), the policy comes back as far as the next call needs.
+
+:meth:`Colocation.prepare_for_generation` hands the device back to the backend after training
+without a refit (a checkpoint save). Without colocation nothing moves and :meth:`refit` is the
+backend's refit alone. The controller calls only these; which side moves is decided here.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from mcore_rl.generation.base import GenerationBackend
+
+
+class Colocation:
+    """The device hand-over between a policy and a rollout backend.
+
+    Args:
+        policy: the policy's :class:`~mcore_rl.controller.worker_group.DataParallelGroup`
+            (its ``call`` reaches every rank).
+        backend: the rollout backend.
+        enabled: ``cluster.colocate_generation``; False makes every method but :meth:`refit` a
+            no-op.
+    """
+
+    def __init__(self, policy, backend: GenerationBackend, enabled: bool):
+        self.policy = policy
+        self.backend = backend
+        self.enabled = enabled
+        self._backend_on_device = True  # a fresh engine holds its memory
+
+    def _policy_yields(self) -> None:
+        """The policy off the device, except the weights the backend decodes with."""
+        self.policy.call("offload_before_refit" if self.backend.shares_policy_weights
+                         else "offload_after_refit")
+
+    def _backend_yields(self) -> None:
+        if self._backend_on_device:
+            self.backend.offload()
+            self._backend_on_device = False
+
+    def refit(self) -> Dict[str, float]:
+        """The backend's refit from the policy (:meth:`GenerationBackend.refit`), colocated in
+        the order of the module docstring; after it the backend holds the device. Returns the
+        backend's stats."""
+        if not self.enabled:
+            return self.backend.refit(self.policy)
+        self.policy.call("offload_before_refit")
+        self.backend.prepare_for_refit()
+        self._backend_on_device = True
+        stats = self.backend.refit(self.policy)
+        if not self.backend.shares_policy_weights:
+            self.policy.call("offload_after_refit")
+        self.backend.prepare_for_generation()
+        return stats
+
+    def prepare_for_generation(self) -> None:
+        """Colocated: the policy leaves the device (as after a refit), the backend takes it
+        back, with the weights of its last refit."""
+        if self.enabled:
+            self._policy_yields()
+            self.backend.prepare_for_refit()
+            self.backend.prepare_for_generation()
+            self._backend_on_device = True
+
+    def prepare_for_lp_inference(self) -> None:
+        """Colocated: the backend frees the device; the policy's weights come back (its
+        training state stays off)."""
+        if self.enabled:
+            self._backend_yields()
+            self.policy.call("prepare_for_lp_inference")
+
+    def prepare_for_training(self) -> None:
+        """Colocated: the backend frees the device; the policy's weights, gradient buffers and
+        optimizer state come back."""
+        if self.enabled:
+            self._backend_yields()
+            self.policy.call("prepare_for_training")

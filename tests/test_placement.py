@@ -1,0 +1,99 @@
+"""Placement of worker groups: the plan (which groups share GPUs, how much of a GPU each rank
+takes), and the plan made real on a local Ray cluster that declares 4 GPUs it does not have
+(Ray only counts them: each actor sees the GPU ids Ray assigned it)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from mcore_rl.config.schema import ClusterConfig
+from mcore_rl.controller.placement import Placement, config_plan, plan_placement
+
+
+class GpuProbe:
+    """A worker that reports the GPUs Ray gave its actor."""
+
+    def __init__(self, rank, **_):
+        self.rank = rank
+
+    def layout(self):
+        return {"rank": self.rank}
+
+    def gpu_ids(self):
+        import ray
+
+        return [str(i) for i in ray.get_gpu_ids()]
+
+    def shutdown(self):
+        pass
+
+
+def test_plan_shares_or_separates_gpus():
+    ppo = {"policy": 4, "value": 4}
+    colocated = plan_placement(ppo, [["value", "policy"]])
+    assert colocated.pools == (4,) and colocated.num_gpus == 4
+    assert [colocated.gpu_index("value", r) for r in range(4)] == [0, 1, 2, 3]
+    assert {s.gpu_fraction for s in colocated.groups.values()} == {0.5}
+    separate = plan_placement(ppo)
+    assert separate.pools == (4, 4) and separate.num_gpus == 8
+    assert [separate.gpu_index("value", r) for r in range(4)] == [4, 5, 6, 7]
+    assert {s.gpu_fraction for s in separate.groups.values()} == {1.0}
+
+    def cluster(**kw):
+        return ClusterConfig(num_workers=4, **kw)
+
+    assert config_plan(cluster(), ppo, {}) == colocated
+    assert config_plan(cluster(placement="separate"), ppo, {}) == separate
+    # an engine group of its own: on the policy's GPUs with colocate_generation
+    engine = config_plan(cluster(placement="separate", colocate_generation=True), ppo, {"engine": 2})
+    assert engine.pools == (4, 4)
+    assert engine.groups["engine"].pool == engine.groups["policy"].pool == 0
+    assert engine.groups["engine"].gpu_fraction == 0.5 and engine.groups["value"].pool == 1
+    assert config_plan(cluster(), {"policy": 4}, {"engine": 2}).pools == (4, 2)
+    with pytest.raises(ValueError, match=r"unknown groups \['critic'\]"):
+        plan_placement(ppo, [["policy", "critic"]])
+    with pytest.raises(ValueError, match=r"already in another set \['policy'\]"):
+        plan_placement(ppo, [["policy", "value"], ["policy"]])
+    with pytest.raises(ValueError, match="need >= 1 rank"):
+        plan_placement({"policy": 0})
+    with pytest.raises(ValueError, match="cluster.placement must be one of colocated, separate"):
+        config_plan(cluster(placement="spread"), ppo, {})
+
+
+@pytest.fixture(scope="module")
+def fake_gpu_ray():
+    ray = pytest.importorskip("ray")
+    ray.shutdown()  # an earlier test's cluster has no GPUs
+    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # GpuProbe for the actors
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["colocated", "separate"])
+def test_ray_places_ppo_groups(fake_gpu_ray, mode):
+    ray = fake_gpu_ray
+    plan = config_plan(ClusterConfig(num_workers=2, placement=mode), {"policy": 2, "value": 2}, {})
+    placement = Placement(plan, use_ray=True, gpus=True)
+    groups = {name: placement.make_group(name, GpuProbe, {}) for name in ("policy", "value")}
+    try:
+        gpus = {name: [ids[0] for ids in g.call("gpu_ids")] for name, g in groups.items()}
+        assert all(len(set(ids)) == 2 for ids in gpus.values())  # one GPU per rank
+        if mode == "colocated":
+            assert gpus["policy"] == gpus["value"]  # rank r of both on the same GPU
+        else:
+            assert not set(gpus["policy"]) & set(gpus["value"])
+        assert ray.available_resources().get("GPU", 0) == 4 - plan.num_gpus
+    finally:
+        for g in groups.values():
+            g.shutdown()
+        placement.shutdown()
+
+
+def test_too_few_gpus_is_one_clear_error(fake_gpu_ray):
+    plan = config_plan(ClusterConfig(num_workers=4, placement="separate"), {"policy": 4, "value": 4}, {})
+    with pytest.raises(RuntimeError, match=r"needs 8 GPUs \(policy 4 x 1 \+ value 4 x 1; "
+                                           r"cluster.placement.*the Ray cluster has 4"):
+        Placement(plan, use_ray=True, gpus=True)

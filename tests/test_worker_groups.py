@@ -1,0 +1,126 @@
+"""Worker-group futures and the split train step through the controller's DataParallelGroup
+(one DP=2 gloo world of policy workers for the module).
+
+The split step is fed the way a streaming controller would: prompt groups of rows, each to a
+DP rank of its choosing (unevenly), its futures awaited only before ``finish_train_step``. Its
+gradient must be ``train``'s on the same rows (fp32; the rows' gradient sums are taken in
+another order, so up to round-off), and with SGD (its first step moves by ``lr x gradient``,
+unlike Adam, which turns round-off in structurally zero gradients into lr-sized updates) so
+must the parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
+
+import pytest
+import torch
+
+from mcore_rl.algorithms.losses import ClippedPGLoss
+from mcore_rl.config.schema import LossConfig, OptimizerConfig
+from mcore_rl.controller.worker_group import DataParallelGroup, ProcessWorkerGroup, WorkerError
+from mcore_rl.data import batch as B
+from mcore_rl.workers.policy import PolicyWorker
+from test_policy_worker import _kwargs, _rollout
+
+LOSS = ClippedPGLoss(LossConfig())
+ROWS, MBS = 12, 2
+
+
+class GroupProbe(PolicyWorker):
+    """A policy worker with test-only read-outs and waits."""
+
+    def local_params(self):
+        return [p.detach().clone() for m in self.model for p in m.parameters()]
+
+    def main_grads(self):
+        return [p.main_grad.detach().clone() for m in self.model for p in m.parameters()]
+
+    def set_local_params(self, params):
+        """Back to ``params`` with a fresh optimizer (SGD's momentum empty)."""
+        with torch.no_grad():
+            for p, saved in zip((p for m in self.model for p in m.parameters()), params):
+                p.copy_(saved)
+        self.rebuild_optimizer()
+
+    def wait_for(self, path):
+        """Return this rank once ``path`` exists."""
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        return self.rank
+
+    def rank_unless(self, failing_rank):
+        if self.rank == failing_rank:
+            raise ValueError(f"rank {self.rank} refuses")
+        return self.rank
+
+
+@pytest.fixture(scope="module")
+def dp():
+    kwargs = dict(_kwargs(), use_reference=False, global_batch_size=ROWS,
+                  optimizer=OptimizerConfig(name="sgd", lr=0.1, clip_grad=0.0))
+    group = DataParallelGroup(ProcessWorkerGroup(GroupProbe, 2, kwargs))
+    yield group
+    group.shutdown()
+
+
+def test_calls_return_futures_per_rank_in_order(dp, tmp_path):
+    group = dp.group
+    gate = tmp_path / "gate"
+    blocked = group.call_each_async("wait_for", [[str(gate)]], ranks=[1])
+    free = group.call_each_async("layout", [[]], ranks=[0])
+    done, _ = wait([blocked, free], return_when=FIRST_COMPLETED)
+    assert free in done and not blocked.done()  # rank 0 does not wait for rank 1
+    assert free.result()[0]["rank"] == 0
+    queued = group.call_async("rank_unless", -1)  # behind the blocked call on rank 1
+    gate.touch()
+    assert blocked.result() == [1] and queued.result() == [0, 1]
+    failed = group.call_async("rank_unless", 1)
+    with pytest.raises(WorkerError, match=r"(?s)\[rank 1\].*rank 1 refuses") as e:
+        failed.result()
+    assert "[rank 0]" not in str(e.value)
+    assert group.call("rank_unless", -1) == [0, 1]  # both ranks still serve
+    by_dp = dp.call_per_dp_async("layout", [[]], dp_ranks=[1]).result()
+    assert [lay["dp_rank"] for lay in by_dp] == [1]
+
+
+def _close(actual, expected, what):
+    for i, (a, b) in enumerate(zip(actual, expected)):
+        assert (a - b).abs().max() <= 1e-6 * max(1.0, b.abs().max()), (what, i)
+
+
+def test_split_step_through_the_dp_group_equals_train(dp):
+    batch = _rollout(ROWS, seed=1)
+    batch["prev_logprobs"] = dp.gather_rows("get_logprobs", batch, 4)
+    start = dp.call("local_params")
+
+    sync = dp.train(batch, LOSS, MBS)
+    sync_grads, sync_params = dp.call("main_grads")[0], dp.call("local_params")[0]
+
+    dp.group.call_each("set_local_params", [[p] for p in start])
+    dp.begin_train_step(LOSS, ROWS, MBS)
+    # prompt groups of 3 rows as they "arrive": DP rank 1 gets three, DP rank 0 one
+    parts = [dp.train_microbatch(B.select(batch, slice(i, i + 3)), d)
+             for i, d in zip(range(0, ROWS, 3), (1, 0, 1, 1))]
+    assert [f.result() for f in parts] == [None] * 4
+    split = dp.finish_train_step()
+    _close(dp.call("main_grads")[0], sync_grads, "grad")
+    _close(dp.call("local_params")[0], sync_params, "param")
+    assert sync["grad_norm"] > 0 and split.keys() == sync.keys()
+    for k in sync:
+        if k != "microbatch_tokens_max":  # the micro-batches are cut from other rows
+            assert split[k] == pytest.approx(sync[k], rel=1e-5, abs=1e-7), k
+
+    # a part that fails aborts its rank's step; abort closes the others; train is as before
+    dp.group.call_each("set_local_params", [[p] for p in start])
+    dp.begin_train_step(LOSS, ROWS, MBS)
+    dp.train_microbatch(B.select(batch, slice(0, 3)), 0).result()
+    bad = {k: v for k, v in B.select(batch, slice(3, 6)).items() if k != "advantages"}
+    with pytest.raises(WorkerError, match="advantages"):
+        dp.train_microbatch(bad, 1).result()
+    dp.abort_train_step()
+    again = dp.train(batch, LOSS, MBS)
+    assert again == sync
+    assert all(torch.equal(a, b) for a, b in zip(dp.call("local_params")[0], sync_params))
