@@ -8,10 +8,13 @@ tensors bit for bit, in the order ``save_pretrained`` writes them, on every rank
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from dist_utils import run_distributed, use_layout
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
@@ -271,6 +274,7 @@ ROUND_TRIP_ARCHS = [
 def test_arch_hf_config_round_trip(arch):
     config = arch_to_hf_config(arch, 77)
     assert config.model_type == arch.family
+    assert config.architectures == [type(AutoModelForCausalLM.from_config(config)).__name__]
     assert hf_config_to_arch(config) == arch
 
 
@@ -351,6 +355,54 @@ def test_load_hf_checkpoint_missing_files(tmp_path):
     arch_to_hf_config(ModelArchConfig(), 10).save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_hf_checkpoint(tmp_path)
+
+
+class _StandInBridge:
+    """What the tests see of ``megatron.bridge.AutoBridge``: the calls it gets."""
+
+    calls = []
+
+    def __init__(self, config):
+        self.config = config
+
+    @classmethod
+    def from_hf_config(cls, config):
+        return cls(config)
+
+    def load_hf_weights(self, model, hf_path=None):
+        self.calls.append(("load", self.config, model, hf_path))
+
+    def export_hf_weights(self, model, cpu=False, show_progress=True):
+        self.calls.append(("export", self.config, model, show_progress))
+        yield "model.norm.weight", torch.ones(2)
+
+
+def test_megatron_bridge_is_used_when_it_imports(monkeypatch, tmp_path):
+    """megatron-bridge imports Transformer Engine, so it cannot load here: a stand-in
+    ``megatron.bridge`` module checks that load_hf_weights (of a checkpoint directory read by
+    load_hf_checkpoint) and export_hf_weights hand the model chunks to ``AutoBridge``, built
+    from the checkpoint's config or from arch_to_hf_config's (which names the architecture
+    class the bridge dispatches on), and that an in-memory state dict still uses the tables."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "megatron.bridge",
+                        types.SimpleNamespace(AutoBridge=_StandInBridge))
+    monkeypatch.setattr(_StandInBridge, "calls", [])
+    hf_model("qwen3_tied").save_pretrained(tmp_path)
+    _, state = load_hf_checkpoint(tmp_path)
+    arch = hf_config_to_arch(AutoConfig.from_pretrained(tmp_path))
+    chunk = torch.nn.Linear(2, 2)
+    load_hf_weights([chunk], state, arch)
+    exported = list(export_hf_weights([chunk], arch, 100))
+    (load, config, model, path), (export, export_config, export_model, progress) = \
+        _StandInBridge.calls
+    assert (load, config.model_type, model, path) == ("load", "qwen3", [chunk], str(tmp_path))
+    assert (export, export_model, progress) == ("export", [chunk], False)
+    assert export_config.architectures == ["Qwen3ForCausalLM"]
+    assert hf_config_to_arch(export_config) == arch
+    assert [name for name, _ in exported] == ["model.norm.weight"]
+    with pytest.raises(ValueError, match="no model.embed_tokens.weight"):
+        load_hf_weights([chunk], {}, arch)
 
 
 def test_padded_vocab_size_and_inputs():

@@ -245,14 +245,16 @@ def hf_config_to_arch(hf_config) -> ModelArchConfig:
 
 def arch_to_hf_config(arch: ModelArchConfig, vocab_size: int):
     """The Hugging Face config (fp32) of ``arch`` with ``vocab_size`` rows (unpadded), of the
-    class of ``arch.family`` (``AutoConfig.for_model``). Token ids (bos/eos/pad) are left unset:
-    they belong to the tokenizer.
+    class of ``arch.family`` (``AutoConfig.for_model``), naming the family's causal-LM class in
+    ``architectures`` as ``save_pretrained`` does (vLLM and megatron-bridge pick the model by
+    it). Token ids (bos/eos/pad) are left unset: they belong to the tokenizer.
 
     Raises ``ValueError`` naming ``model.arch.*`` for what
     :func:`~mcore_rl.megatron.model.arch_errors` reports (an unknown family, a ``qkv_bias`` the
     family cannot express, MoE keys that do not fit the family).
     """
     from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     errors = arch_errors(arch)
     if errors:
@@ -277,6 +279,7 @@ def arch_to_hf_config(arch: ModelArchConfig, vocab_size: int):
         eos_token_id=None,
         pad_token_id=None,
         dtype="float32",
+        architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch.family]],
     )
     # transformers >= 5 reads RoPE from rope_parameters, 4.x from rope_theta and rope_scaling.
     if "rope_parameters" in AutoConfig.for_model(arch.family).to_dict():
