@@ -18,7 +18,7 @@ global batch:
 Prints the parity and the throughput table and exits 1 when a difference is over its
 tolerance. The default model has 4 layers of Qwen3-30B-A3B's shape (hidden 2048, 32 query and
 4 key/value heads of 128, query/key RMSNorm, 128 experts of width 768, top-8 renormalized, no
-shared expert) and its 151,936-token vocabulary: 1.9B parameters.
+shared expert) and its 151,936-token vocabulary: 3.1B parameters (2.4B of them experts).
 
 Usage (repository installed, or on PYTHONPATH), on a machine with 2 GPUs::
 
