@@ -17,14 +17,17 @@ writes, train one step with the load-balancing loss and the z-loss on:
 
 The conversion itself (logits against transformers, bit-exact export at every layout) is in
 ``test_conversion.py``; the Transformer Engine spec's names and the config checks are tested
-here without processes. Three worker groups (1, 2 and 2 processes), spawned once each.
+here without processes, with the GPU script's model and batch. Three worker groups (1, 2 and 2
+processes), spawned once each.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +41,7 @@ from mcore_rl.controller.trainer import DataParallelGroup
 from mcore_rl.controller.worker_group import ProcessWorkerGroup
 from mcore_rl.data.microbatching import make_microbatches
 from mcore_rl.megatron.conversion import hf_config_to_arch, megatron_to_hf_names
+from mcore_rl.megatron.families import arch_errors, layout_errors
 from mcore_rl.megatron.moe import router_padding_mask
 from mcore_rl.workers.policy import PolicyWorker
 from rollouts import random_rows
@@ -330,3 +334,23 @@ def test_config_accepts_an_expert_parallel_layout():
         "cluster.num_workers=4", "policy.megatron.expert_model_parallel_size=2",
         "policy.megatron.tensor_model_parallel_size=2", "policy.megatron.sequence_parallel=true"])
     assert cfg.policy.megatron.expert_model_parallel_size == 2
+
+
+def test_gpu_script_builds_a_valid_model_and_batch():
+    """scripts/gpu/moe_parity.py (run on GPUs only) imports, and its presets are models the
+    builder accepts at EP=2 with a batch whose loss tokens lie inside each row."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "moe_parity.py"
+    spec = importlib.util.spec_from_file_location("moe_parity", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for preset in module.PRESETS:
+        args = module.parse_args(["--preset", preset])
+        arch = module._arch(args)
+        assert arch_errors(arch) == []
+        assert layout_errors(arch, MegatronConfig(expert_model_parallel_size=2), "megatron", 2) == []
+    batch = module.make_batch(module.parse_args(["--preset", "tiny"]))
+    cols = torch.arange(batch["input_ids"].shape[1])
+    assert torch.equal(batch["token_mask"].bool(),
+                       (cols >= batch["prompt_lengths"][:, None])
+                       & (cols < batch["input_lengths"][:, None]))
+
