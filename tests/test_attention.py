@@ -3,7 +3,8 @@
 Module level: the two core attentions on the same random q/k/v (fp32), for causal prefill
 (``is_causal`` path vs Megatron's explicit mask), GQA, a left-padded batch (explicit mask;
 rows that are all padding must stay finite), single-token decode and a 3-token chunk against a
-longer KV cache (reference: Megatron's module with the bottom-right causal mask written out).
+longer KV cache (reference: Megatron's module with the bottom-right causal mask written out), and
+the rollout decoder's ``decode_attention`` (each row at its own position in a KV cache).
 Model level: a tiny Llama with GQA loaded from Hugging Face weights into the ``local`` and the
 ``torch`` spec gives the same logits (TP=1 and TP=2 over 2 gloo processes, spawned once), the
 parameter names are identical, and the HF export of the torch spec returns the loaded weights.
@@ -52,6 +53,8 @@ def _core_attention_checks(tp: int) -> dict:
     """Max abs differences between the torch and Megatron core attentions, by case."""
     from megatron.core.transformer.enums import AttnMaskType
 
+    from mcore_rl.megatron.attention import decode_attention
+
     out = {}
     for heads, groups in ((4, 4), (8, 2)):
         local, sdpa = _modules(heads, groups, tp)
@@ -82,6 +85,16 @@ def _core_attention_checks(tp: int) -> dict:
                 got = sdpa(q, k, v, None, attn_mask_type=AttnMaskType.no_mask)
                 out[f"{name}/decode1_no_mask"] = (got - want).abs().max().item()
         out[f"{name}/shape"] = tuple(sdpa(q, k, v, None).shape) == (3, BATCH, np_ * 16)
+        # rollout decoding: one query per row at its own position over a KV cache whose later
+        # positions hold other data, against Megatron's module on each row's keys 0..position
+        q, k, v = _qkv(1, 8, BATCH, np_, ng, seed=5)
+        positions = torch.tensor([7, 2, 0])
+        got = decode_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                               torch.arange(8)[None, :] > positions[:, None], local.softmax_scale)
+        want = torch.cat([local(q[:, r:r + 1], k[:p + 1, r:r + 1], v[:p + 1, r:r + 1],
+                                torch.zeros(1, 1, 1, p + 1, dtype=torch.bool))
+                          for r, p in enumerate(positions.tolist())], dim=1)
+        out[f"{name}/decode_per_row_positions"] = (got - want).abs().max().item()
     return out
 
 

@@ -419,3 +419,15 @@ def test_range_text():
         dict(low=0, high=1, low_open=True))] == [">= 1", "> 0", "<= 1", "in [0, 1)", "in (0, 1]"]
     with pytest.raises(TypeError):
         checks.bounded(0, ge=0, gt=0)
+
+
+def test_gsm8k_config_fits_its_samples_with_the_character_tokenizer():
+    """The shipped config runs as shipped (hf_path null: one token per character): every sample
+    prompt fits data.max_prompt_length, else loading the task names the file and line."""
+    from mcore_rl.data.prompts import load_task
+    from mcore_rl.data.tokenizer import load_tokenizer
+
+    cfg = load_config("grpo_gsm8k")
+    assert cfg.model.hf_path is None
+    train, test = load_task(cfg.data, load_tokenizer(cfg.model), cfg.run.seed)
+    assert max(len(p) for p in train.input_ids + test.input_ids) <= cfg.data.max_prompt_length

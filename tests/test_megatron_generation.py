@@ -6,6 +6,7 @@ through the GRPO CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -127,6 +128,21 @@ def test_rollouts_equal_hf_backend_and_do_not_depend_on_layout(groups, eos):
         not torch.equal(again["input_ids"], other["input_ids"])
 
 
+def test_compacted_batch_gives_the_rollouts_of_small_chunks(groups, eos):
+    """21 prompts in one chunk (a 32-row bucket): rows end at different steps, so the batch is
+    compacted mid-chunk (32 -> 16 -> 8 rows, cache rows moved); the rollouts are those of chunks
+    of 3 rows, and the logprobs those of get_logprobs."""
+    group, prompts = groups["tp2_local"], PROMPTS * 3
+    one_chunk = MegatronGenerationBackend(group, dataclasses.replace(GEN, batch_size=32), eos, PAD,
+                                          MAX_TOTAL, VOCAB).generate(prompts, seed=4)
+    small = _megatron(group, eos).generate(prompts, seed=4)
+    assert len(set(one_chunk["response_lengths"].tolist())) > 2  # rows end at different steps
+    assert torch.equal(one_chunk["input_ids"], small["input_ids"])
+    assert (one_chunk["generation_logprobs"] - small["generation_logprobs"]).abs().max() < 1e-5
+    logprobs = group.gather_rows("get_logprobs", one_chunk, 8)
+    assert ((logprobs - one_chunk["generation_logprobs"]).abs() * one_chunk["token_mask"]).max() < 1e-5
+
+
 def test_generate_async_hands_out_each_dp_ranks_groups(groups, eos):
     backend = _megatron(groups["dp2_torch"], eos)
     prompts = PROMPTS[:6]  # groups of 2: DP rank 0 decodes groups 0-1, DP rank 1 group 2
@@ -192,9 +208,10 @@ def test_controller_keeps_shared_weights_on_device_and_exports_nothing():
     metrics = colocation.refit()
     assert calls == ["offload_before_refit"]  # once, and never the weights
     assert metrics["refit/gbytes"] == 0
-    colocation.prepare_for_training()
+    colocation.prepare_for_training()  # the decoders' KV caches and graphs leave first
     colocation.prepare_for_generation()  # after a checkpoint save: the weights stay
-    assert calls == ["offload_before_refit", "prepare_for_training", "offload_before_refit"]
+    assert calls == ["offload_before_refit", "release_decoder", "prepare_for_training",
+                     "offload_before_refit"]
 
 
 def test_offload_guard(groups, eos):
@@ -202,6 +219,7 @@ def test_offload_guard(groups, eos):
     group = groups["dp2_torch"]
     backend = _megatron(group, eos)
     before = backend.generate(PROMPTS, seed=3)
+    backend.offload()  # colocated hand-over: the decoders free their buffers, made again below
     group.call("offload_before_refit")  # training state off: the weights still decode
     assert torch.equal(backend.generate(PROMPTS, seed=3)["input_ids"], before["input_ids"])
     group.call("offload_after_refit")

@@ -236,8 +236,8 @@ class GenerationConfig:
 
     # Rollout engine (mcore_rl/generation/registry.py): "hf" (a transformers model with our own
     # decoding loop, refit by weight copy) or "megatron" (the policy workers decode with the
-    # policy's own Megatron model and Megatron-Core's KV cache, weights shared in place: refit copies nothing; needs
-    # policy.megatron.pipeline_model_parallel_size=1 and sequence_parallel=false).
+    # policy's own Megatron model and a static KV cache, weights shared in place: refit copies
+    # nothing; needs policy.megatron.pipeline_model_parallel_size=1 and sequence_parallel=false).
     backend: str = one_of("hf", backend_names())
     # Sampling temperature; the policy's logprobs use the same temperature.
     temperature: float = bounded(1.0, gt=0)
@@ -249,6 +249,10 @@ class GenerationConfig:
     batch_size: int = bounded(256, ge=1)
     # Validation decoding: greedy when true.
     greedy_validation: bool = True
+    # backend=megatron on CUDA with tensor parallelism 1: decode steps replayed as CUDA graphs
+    # (captured per bucket of rows and attended length at first use, kept between generate
+    # calls); false decodes the same steps eagerly.
+    cuda_graphs: bool = True
 
 
 @dataclass

@@ -3,39 +3,49 @@ the weights are shared in place, so a refit copies nothing.
 
 Two halves:
 
-- :func:`decode` runs inside each policy worker (``PolicyWorker.generate``): Megatron-Core's
-  static-batching KV cache (``StaticInferenceContext`` passed as ``inference_context`` to
-  ``GPTModel.forward``, the machinery of Megatron's legacy static engine) with our sampling
+- :class:`MegatronDecoder` runs inside each policy worker (``PolicyWorker.generate``): Megatron's
+  modules (embedding, transformer block, output layer) with a static KV cache
+  (:class:`~mcore_rl.megatron.attention.KVCache`) and our sampling
   (:mod:`mcore_rl.generation.sampling`), so the rollout conventions are those of the ``hf``
   backend.
 - :class:`MegatronGenerationBackend` is the controller's :class:`GenerationBackend`: it splits
   the prompts over the data-parallel ranks and assembles the rollout batch.
 
-Why not Megatron's engines: in megatron-core 0.19 ``StaticInferenceEngine`` runs on the dynamic
-engine unless ``legacy=True``, and the dynamic-batching attention asserts flash-attn >= 2.7.3
-at its first forward (``Attention.forward``), which the GPU image lacks. The legacy path's
-``TextGenerationController`` allocates its tensors and sampling RNG on
-``torch.cuda.current_device()`` (it cannot run on the CPU) and samples with its own RNG and
-logprob conventions. The static context needs only the core attention of our layer specs
-(``local``: ``DotProductAttention``; ``torch``:
-:class:`~mcore_rl.megatron.attention.TorchSDPAttention`), no flash-attn or Transformer Engine:
-it runs on megatron-core 0.16.1 (CPU tests) and 0.19.2 (GPU, bf16). Its layer-internal API used
-here (``key_value_memory_dict`` keyed by ``layer_number``, ``increment_sequence_len_offset``,
-``InferenceMode`` from 0.18) is the same from 0.16 to 0.19.
+Decoding scheme. A chunk of ``generation.batch_size`` prompts fills the first rows ("slots") of
+the cache. Prefill: the right-padded prompts run in one forward (causal attention; a valid token
+never sees a later pad), which stores every layer's keys and values and samples each row's first
+response token from the logits at its last prompt token. Decode steps: one forward of one token
+per row, each row at its own position (its rotary embedding taken from Megatron's
+``RotaryEmbedding`` table at that position, passed to the transformer block), writing its key and
+value there and attending over its own cached positions (:func:`~mcore_rl.megatron.attention.
+decode_attention`). Every tensor a step reads or writes has a fixed shape and address, so on CUDA
+a step is captured once as a CUDA graph and replayed (``generation.cuda_graphs``): one graph per
+(rows, attended span) bucket, rows and spans rounded up to powers of two, captured at the first
+step that needs it (that step runs eagerly on the capture stream and is the warm-up) and kept
+between ``generate`` calls while the parameters stay at their addresses (a colocated run frees
+them with the KV cache before training: :meth:`MegatronGenerationBackend.offload`). Sampling
+(temperature, top-p, per-row random streams) and the bookkeeping (eos, budgets, response
+buffers) are part of the step, so replays need no host work beyond reading how many rows still
+run (every :data:`_SYNC_EVERY` steps). When at most half the rows of a bucket still run, the
+batch is compacted into the next smaller bucket (their cache rows and states moved to the
+front), so rows that ended stop costing.
 
-Decoding scheme (that of Megatron's static engine): prompts of one chunk are right-padded and
-decoded in lockstep. The first forward runs every row's first ``min(prompt lengths)`` tokens;
-each later forward runs one position for all rows, where a row still inside its prompt is fed
-its next prompt token (its logits are ignored) and a generating row its last sampled token.
-So every token sits at its true position (Megatron's rotary embedding takes positions from the
-KV-cache offset) and right padding needs only the causal mask.
+Why not Megatron-Core's inference engines or CUDA graphs: its static-batching KV cache keeps one
+sequence offset for the whole batch (prompt tokens past the shortest prompt were fed one position
+at a time), its CUDA-graph decoding needs flash decode (flash-attn) with static batching, and its
+dynamic engine asserts flash-attn >= 2.7.3 at its first forward; the GPU image has no flash-attn.
+The graphs here are ``torch.cuda.CUDAGraph`` over Megatron's own modules, so they run the
+``torch`` and ``local`` layer specs on megatron-core 0.16.1 (CPU, eager) to 0.19.x (GPU, bf16).
+
+Graphs are used with tensor parallelism 1 only (a graph with TP would capture NCCL collectives,
+not yet checked on GPUs); TP > 1 decodes the same steps eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
 from concurrent.futures import as_completed
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -48,41 +58,44 @@ from mcore_rl.generation.sampling import Sampler, check_sampling, row_uniforms
 
 
 def check_layout(megatron: MegatronConfig) -> None:
-    """Raise ``NotImplementedError`` naming the config keys for a policy layout :func:`decode`
-    does not run (:func:`mcore_rl.generation.checks.megatron_layout_errors`: pipeline or
-    sequence parallelism)."""
+    """Raise ``NotImplementedError`` naming the config keys for a policy layout
+    :class:`MegatronDecoder` does not run (:func:`mcore_rl.generation.checks.
+    megatron_layout_errors`: pipeline or sequence parallelism)."""
     errors = megatron_layout_errors(megatron)
     if errors:
         raise NotImplementedError("; ".join(errors))
 
 
 # TransformerConfig switches turned off while decoding: the bias+dropout+add and bias+SwiGLU
-# fusions, which megatron-core compiles with torch.compile. Decoding is bound by the host (one
-# token per forward), and a compiled call costs ~88 us of guard checks and graph dispatch
+# fusions, which megatron-core compiles with torch.compile. Eager decoding is bound by the host
+# (one token per forward), and a compiled call costs ~88 us of guard checks and graph dispatch
 # against ~10-30 us for the eager ops it replaces (scripts/gpu/decode_profile.py,
-# bench/RESULTS.md). Training keeps them.
+# bench/RESULTS.md); a compiled function inside a CUDA-graph capture would also recompile there.
+# Training keeps them.
 _DECODE_OFF = ("bias_dropout_fusion", "bias_activation_fusion")
+# Prompt tokens per prefill forward: a chunk's prompts are prefilled in groups of rows of at
+# most this many (padded) tokens, which bounds the activations of one forward.
+_PREFILL_TOKENS = 16384
+# Smallest row bucket and smallest attended span (powers of two): smaller ones would only add
+# graphs to capture for steps that cost no less.
+_MIN_ROWS, _MIN_SPAN = 8, 128
+# The host reads how many rows still run (a device sync) every this many decode steps; in
+# between, a row that ended steps on without effect (nothing of it is read).
+_SYNC_EVERY = 4
 
 
 @contextlib.contextmanager
 def _inference_mode(model: torch.nn.Module, config):
-    """The model in eval mode (megatron-core < 0.18 takes the inference path when
-    ``inference_context is not None and not self.training``) with Megatron's process-wide
-    ``InferenceMode`` flag set (>= 0.18 reads it instead) and the :data:`_DECODE_OFF` switches
-    of its ``TransformerConfig`` ``config`` off (Megatron's layers read them at each forward);
-    all restored afterwards, also on an exception."""
-    try:
-        from megatron.core.inference.utils import InferenceMode
-        flag = InferenceMode.active()
-    except ImportError:  # megatron-core < 0.18
-        flag = contextlib.nullcontext()
+    """The model in eval mode without autograd and with the :data:`_DECODE_OFF` switches of its
+    ``TransformerConfig`` ``config`` off (Megatron's layers read them at each forward); all
+    restored afterwards, also on an exception."""
     was_training = model.training
     switches = {name: getattr(config, name) for name in _DECODE_OFF}
     model.eval()
     try:
         for name in _DECODE_OFF:
             setattr(config, name, False)
-        with flag, torch.no_grad():
+        with torch.no_grad():
             yield
     finally:
         model.train(was_training)
@@ -90,118 +103,305 @@ def _inference_mode(model: torch.nn.Module, config):
             setattr(config, name, value)
 
 
-def _static_context(gpt, batch: int, max_length: int, dtype: torch.dtype, device: torch.device):
-    """A ``StaticInferenceContext`` for ``batch`` rows of up to ``max_length`` tokens with its KV
-    buffers allocated on ``device``: per attention layer (keyed by its ``layer_number``) a key and
-    a value tensor ``[max_length, batch, query groups / TP, head dim]`` of ``dtype``, the layout
-    Megatron's ``Attention._allocate_memory`` would create (on ``torch.cuda.current_device()``,
-    which is why they are made here)."""
-    from megatron.core.inference.contexts.static_context import StaticInferenceContext
-
-    context = StaticInferenceContext(batch, max_length)
-    for layer in gpt.decoder.layers:
-        attn = layer.self_attention
-        shape = (max_length, batch, attn.num_query_groups_per_partition)
-        context.key_value_memory_dict[attn.layer_number] = (
-            torch.empty(*shape, attn.key_hidden_size, dtype=dtype, device=device),
-            torch.empty(*shape, attn.val_hidden_size, dtype=dtype, device=device),
-        )
-    return context
+def _bucket(n: int, floor: int, cap: Optional[int] = None) -> int:
+    """The smallest power of two ``>= max(n, floor)``, at most ``cap`` when given."""
+    p = floor
+    while p < n:
+        p *= 2
+    return p if cap is None else min(p, cap)
 
 
-def decode(model: torch.nn.Module, megatron: MegatronConfig, vocab_size: int,
-           prompts: List[List[int]], first_row: int, seed: int, greedy: bool,
-           cfg: GenerationConfig, eos_token_id: int, pad_token_id: int,
-           max_total_length: int) -> List[Response]:
-    """Decode ``prompts`` with a policy worker's model; one :class:`Response` per prompt.
+class _Slots:
+    """Per-row decoding state of :class:`MegatronDecoder`, in static buffers of ``rows`` rows
+    (a step on bucket ``B`` reads and writes rows ``0 .. B-1``):
+
+    ``tokens`` [rows] int64 (the next input token), ``positions`` [rows] int64 (its position),
+    ``steps`` [rows] int64 (the response index of the token the next step samples), ``budgets``
+    [rows] int64, ``done`` [rows] bool, ``counts`` [rows] int64 (response tokens so far),
+    ``uniforms`` [rows, slots] float32 (the row's random stream), ``out_tokens`` [rows, slots]
+    int64 and ``out_logprobs`` [rows, slots] float32 (response token ``k`` in column ``k``)."""
+
+    PER_ROW = ("tokens", "positions", "steps", "budgets", "done", "counts", "uniforms",
+               "out_tokens", "out_logprobs")
+
+    def __init__(self, rows: int, slots: int, device: torch.device):
+        long = dict(dtype=torch.long, device=device)
+        self.rows, self.slots = rows, slots
+        self.tokens, self.positions = torch.zeros(rows, **long), torch.zeros(rows, **long)
+        self.steps, self.budgets = torch.zeros(rows, **long), torch.zeros(rows, **long)
+        self.counts = torch.zeros(rows, **long)
+        self.done = torch.ones(rows, dtype=torch.bool, device=device)
+        self.uniforms = torch.zeros(rows, slots, dtype=torch.float32, device=device)
+        self.out_tokens = torch.zeros(rows, slots, **long)
+        self.out_logprobs = torch.zeros(rows, slots, dtype=torch.float32, device=device)
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` (``[m]`` int64), moved to rows ``0 .. m-1``."""
+        m = index.numel()
+        for name in self.PER_ROW:
+            t = getattr(self, name)
+            t[:m] = t[index]
+
+
+class MegatronDecoder:
+    """Decodes prompts with a policy worker's model (module docstring: the scheme); keeps its KV
+    cache, row states and CUDA graphs between calls.
 
     Args:
         model: the worker's model chunk (``DistributedDataParallel`` around, with bf16,
             ``Float16Module`` around a ``GPTModel``); weights used in place, unchanged.
         megatron: the policy's ``policy.megatron`` config (layout checked by
-            :func:`check_layout`; ``layer_spec`` and ``precision``).
+            :func:`check_layout`; ``layer_spec``, ``tensor_model_parallel_size``).
         vocab_size: the real vocabulary; padded logit columns are never sampled.
-        prompts: token-id lists (checked by the caller); may be empty.
-        first_row: the index of ``prompts[0]`` in the ``generate`` call, so each row draws from
-            its own stream (:func:`~mcore_rl.generation.sampling.row_uniforms`).
-        seed, greedy: as in :meth:`GenerationBackend.generate`.
-        cfg: ``generation`` config (sampling, ``max_new_tokens``, ``batch_size`` rows per chunk).
-        eos_token_id, pad_token_id, max_total_length: as for the ``hf`` backend.
-
-    Returns:
-        Per prompt: response tokens [R] int64 and logprobs [R] float32 on the CPU, truncated flag.
-
-    Collective over the tensor-parallel group (every TP rank calls it with the same prompts;
-    logits are gathered over TP by Megatron, so every rank samples the same tokens).
 
     Raises:
         NotImplementedError: a layout :func:`check_layout` refuses.
-    """
-    from megatron.core.utils import unwrap_model
 
-    check_layout(megatron)
-    sampler = Sampler(cfg)
-    gpt = unwrap_model(model)
-    out = []
-    with _inference_mode(model, gpt.config):
+    Memory: the cache holds ``rows x slots`` tokens of keys and values per layer (rows: the
+    largest chunk so far rounded up to a power of two; slots: its longest prompt + response
+    rounded up to 128 tokens, at most ``max_total_length``), kept between calls (grown when a
+    call needs more) until :meth:`release`.
+    """
+
+    def __init__(self, model: torch.nn.Module, megatron: MegatronConfig, vocab_size: int):
+        from megatron.core.utils import unwrap_model
+
+        check_layout(megatron)
+        self.model, self.megatron, self.vocab_size = model, megatron, int(vocab_size)
+        self.gpt = unwrap_model(model)
+        self.device = next(self.gpt.parameters()).device
+        self.attentions = [layer.self_attention for layer in self.gpt.decoder.layers]
+        self._slots: Optional[_Slots] = None
+        self._cache = None
+        self._rope: Optional[torch.Tensor] = None
+        self._graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._stream = None
+        self._weights: Tuple[int, ...] = ()
+
+    def release(self) -> None:
+        """Free the KV cache, row states and CUDA graphs (the next call makes new ones)."""
+        self._slots = self._cache = self._rope = self._pool = None
+        self._graphs = {}
+
+    # ------------------------------------------------------------------ public
+    def generate(self, prompts: List[List[int]], first_row: int, seed: int, greedy: bool,
+                 cfg: GenerationConfig, eos_token_id: int, pad_token_id: int,
+                 max_total_length: int) -> List[Response]:
+        """Decode ``prompts``; one :class:`Response` per prompt.
+
+        Args:
+            prompts: token-id lists (checked by the caller); may be empty.
+            first_row: the index of ``prompts[0]`` in the ``generate`` call, so each row draws
+                from its own stream (:func:`~mcore_rl.generation.sampling.row_uniforms`).
+            seed, greedy: as in :meth:`GenerationBackend.generate`.
+            cfg: ``generation`` config (sampling, ``max_new_tokens``, ``batch_size`` rows per
+                chunk, ``cuda_graphs``).
+            eos_token_id, pad_token_id, max_total_length: as for the ``hf`` backend.
+
+        Returns:
+            Per prompt: response tokens [R] int64 and logprobs [R] float32 on the CPU,
+            truncated flag.
+
+        Collective over the tensor-parallel group (every TP rank calls it with the same prompts;
+        logits are gathered over TP, so every rank samples the same tokens).
+        """
+        from mcore_rl.megatron.attention import kv_cache_attention
+
+        sampler = Sampler(cfg)
+        graphs = (cfg.cuda_graphs and self.device.type == "cuda"
+                  and self.megatron.tensor_model_parallel_size == 1)
+        weights = tuple(p.data_ptr() for p in self.gpt.parameters())
+        if weights != self._weights:  # moved (offload and restore): the graphs read old addresses
+            self._graphs, self._weights = {}, weights
+        out = []
         for start in range(0, len(prompts), cfg.batch_size):
             chunk = prompts[start:start + cfg.batch_size]
             budgets = response_budgets(chunk, cfg.max_new_tokens, max_total_length)
+            self._reserve(_bucket(len(chunk), _MIN_ROWS),
+                          max(len(p) + b for p, b in zip(chunk, budgets)), max_total_length)
             rows = range(first_row + start, first_row + start + len(chunk))
-            out.extend(_decode_chunk(model, gpt, megatron, vocab_size, chunk, budgets, rows, seed,
-                                     greedy, sampler, eos_token_id, pad_token_id))
-    return out
+            with _inference_mode(self.model, self.gpt.config), \
+                    kv_cache_attention(self.attentions, self._cache):
+                out.extend(self._decode_chunk(chunk, budgets, rows, seed, greedy, sampler, graphs,
+                                              int(eos_token_id), int(pad_token_id)))
+        return out
 
+    # ------------------------------------------------------------------ buffers
+    def _reserve(self, rows: int, width: int, max_total_length: int) -> None:
+        """Buffers of at least ``rows`` rows and ``width`` slots (``width <=
+        max_total_length``); grown when smaller, which drops the graphs."""
+        from mcore_rl.megatron.attention import KVCache
 
-def _decode_chunk(model, gpt, megatron: MegatronConfig, vocab_size: int, prompts: List[List[int]],
-                  budgets: List[int], rows: range, seed: int, greedy: bool, sampler: Sampler,
-                  eos_token_id: int, pad_token_id: int) -> List[Response]:
-    """One chunk, decoded in lockstep over right-padded rows (module docstring)."""
-    from mcore_rl.megatron.model import attention_mask
+        slots = min(-(-width // _MIN_SPAN) * _MIN_SPAN, max_total_length)
+        have = self._slots
+        if have is not None and have.rows >= rows and have.slots >= width:
+            return
+        if have is not None:
+            rows, slots = max(rows, have.rows), max(slots, have.slots)
+        self.release()
+        self._slots = _Slots(rows, slots, self.device)
+        self._cache = KVCache(self.attentions, rows, slots, self.gpt.config.params_dtype,
+                              self.device)
+        # Megatron's rotary table (as its GPTModel.forward computes it) at positions 0..slots-1.
+        self._rope = self.gpt.rotary_pos_emb(slots).reshape(slots, -1)
 
-    device = next(gpt.parameters()).device
-    n = len(prompts)
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    budget = torch.tensor(budgets, device=device)
-    width = int((lengths + budget).max())
-    tokens = torch.full((n, width), pad_token_id, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-    tokens = tokens.to(device)  # built on the host, one copy (not a blocking copy per row)
-    logprobs = torch.zeros((n, width), dtype=torch.float32, device=device)
-    steps = int(budget.max())
-    uniforms = None if greedy else row_uniforms(seed, rows, steps, device)
-    context = _static_context(gpt, n, width, gpt.config.params_dtype, device)
-    # bf16 keeps the logits in bf16 (as get_logprobs does); the sampler computes in float32.
-    half = {"fp32_output": False} if megatron.precision == "bf16" else {}
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    written = torch.zeros(n, dtype=torch.long, device=device)
-    prev = 0
-    for cur in range(int(lengths.min()), width):
-        s = cur - prev
-        logits = model(tokens[:, prev:cur], torch.arange(prev, cur, device=device).expand(n, s),
-                       attention_mask(megatron.layer_spec, n, s, device) if prev == 0 else None,
-                       inference_context=context, runtime_gather_output=True, **half)
-        context.increment_sequence_len_offset(s)
-        prev = cur
-        step = cur - lengths  # response index of position cur (< 0: still in the prompt)
-        generating = (step >= 0) & ~done
-        noise = None if greedy else uniforms.gather(1, step.clamp(0, steps - 1)[:, None]).squeeze(1)
-        token, logprob = sampler(logits[:, -1, :vocab_size], noise)
-        tokens[:, cur] = torch.where(generating, token, tokens[:, cur])
-        logprobs[:, cur] = torch.where(generating, logprob, logprobs[:, cur])
-        written += generating
-        done |= generating & ((token == eos_token_id) | (step + 1 >= budget))
-        if bool(done.all()):
-            break
-    tokens, logprobs = tokens.cpu(), logprobs.cpu()
-    results = []
-    for i, p in enumerate(prompts):
-        end = len(p) + int(written[i])
-        response = tokens[i, len(p):end]
-        results.append(Response(response, logprobs[i, len(p):end],
-                                bool(response[-1] != eos_token_id)))
-    return results
+    # ------------------------------------------------------------------ model pieces
+    def _hidden(self, tokens: torch.Tensor, rope: torch.Tensor,
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Final hidden states ``[s, b, h]`` of ``tokens`` ``[b, s]`` with rotary frequencies
+        ``rope`` (``[s, 1, 1, d]`` for positions ``0..s-1``, or ``[1, b, 1, d]``: one position
+        per row): ``GPTModel.forward``'s embedding and transformer block, with the positions
+        given instead of taken from the sequence index."""
+        hidden = self.gpt.embedding(input_ids=tokens, position_ids=None)
+        return self.gpt.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rope)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[b, vocab_size]`` (gathered over TP; bf16 with bf16 weights, as
+        ``get_logprobs`` keeps them) of final hidden states ``[1, b, h]``."""
+        gpt = self.gpt
+        weight = gpt.shared_embedding_or_output_weight() if \
+            gpt.share_embeddings_and_output_weights else None
+        logits, _ = gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
+        return logits[0, :, :self.vocab_size]
+
+    # ------------------------------------------------------------------ one chunk
+    def _decode_chunk(self, prompts: List[List[int]], budgets: List[int], rows: range, seed: int,
+                      greedy: bool, sampler: Sampler, graphs: bool, eos: int,
+                      pad: int) -> List[Response]:
+        """Prefill and decode one chunk in slots ``0 ..`` of the buffers (module docstring)."""
+        s, n = self._slots, len(prompts)
+        bucket = _bucket(n, _MIN_ROWS, s.rows)
+        lengths = [len(p) for p in prompts]
+        steps = max(budgets)
+        if not greedy:
+            s.uniforms[:n, :steps] = row_uniforms(seed, rows, steps, self.device)
+        self._prefill(prompts, budgets, bucket, greedy, sampler, eos, pad)
+        results = (torch.zeros(n, s.slots, dtype=torch.long, device=self.device),
+                   torch.zeros(n, s.slots, dtype=torch.float32, device=self.device),
+                   torch.zeros(n, dtype=torch.long, device=self.device))
+        row_of = list(range(n)) + [-1] * (bucket - n)  # chunk row of each slot, -1: none
+        longest = max(lengths)
+        k = 1  # response index sampled by the next step (the same for every row of a chunk)
+        while k < steps:
+            if (k - 1) % _SYNC_EVERY == 0:
+                running = int((~s.done[:bucket]).sum())
+                if running == 0:
+                    break
+                smaller = _bucket(running, _MIN_ROWS, s.rows)
+                if smaller < bucket:  # compaction: the running rows to the front
+                    self._collect(results, row_of)
+                    keep = (~s.done[:bucket]).nonzero().squeeze(1)
+                    s.keep_rows(keep)
+                    self._cache.keep_rows(keep)
+                    s.done[running:smaller] = True
+                    row_of = [row_of[i] for i in keep.tolist()] + [-1] * (smaller - running)
+                    bucket = smaller
+                    longest = max(lengths[r] for r in row_of if r >= 0)
+            span = _bucket(longest + k, _MIN_SPAN, s.slots)
+            self._step_once(bucket, span, greedy, sampler, eos, graphs)
+            k += 1
+        self._collect(results, row_of)
+        tokens, logprobs, counts = (t.cpu() for t in results)
+        out = []
+        for i in range(n):
+            c = int(counts[i])
+            response = tokens[i, :c]
+            out.append(Response(response, logprobs[i, :c], bool(response[-1] != eos)))
+        return out
+
+    def _collect(self, results, row_of: List[int]) -> None:
+        """Copy the responses of the slots that hold chunk rows into ``results`` (tokens,
+        logprobs, counts per chunk row)."""
+        slots = [i for i, r in enumerate(row_of) if r >= 0]
+        index = torch.tensor(slots, device=self.device)
+        target = torch.tensor([row_of[i] for i in slots], device=self.device)
+        s = self._slots
+        for out, src in zip(results, (s.out_tokens, s.out_logprobs, s.counts)):
+            out.index_copy_(0, target, src[index])
+
+    def _prefill(self, prompts: List[List[int]], budgets: List[int], bucket: int, greedy: bool,
+                 sampler: Sampler, eos: int, pad: int) -> None:
+        """Prefill the chunk's prompts into slots ``0 .. n-1`` (in groups of rows of at most
+        :data:`_PREFILL_TOKENS` padded tokens) and sample each row's first response token; slots
+        ``n .. bucket-1`` are set done (padding rows of the bucket)."""
+        from mcore_rl.megatron.model import attention_mask
+
+        s, n, device = self._slots, len(prompts), self.device
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        group = max(1, _PREFILL_TOKENS // max(len(p) for p in prompts))
+        for a in range(0, n, group):
+            part = prompts[a:a + group]
+            b, width = len(part), max(len(p) for p in part)
+            tokens = torch.full((b, width), pad, dtype=torch.long)
+            for i, p in enumerate(part):
+                tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+            tokens = tokens.to(device)  # built on the host, one copy
+            rows = torch.arange(a, a + b, device=device)
+            self._cache.prefill(rows)
+            hidden = self._hidden(tokens, self._rope[:width].view(width, 1, 1, -1),
+                                  attention_mask(self.megatron.layer_spec, b, width, device))
+            last = hidden[lengths[a:a + b] - 1, torch.arange(b, device=device)]  # [b, h]
+            noise = None if greedy else s.uniforms[a:a + b, 0]
+            token, logprob = sampler(self._logits(last[None]), noise)
+            s.tokens[a:a + b], s.out_tokens[a:a + b, 0] = token, token
+            s.out_logprobs[a:a + b, 0] = logprob
+        budget = torch.tensor(budgets, device=device)
+        s.positions[:n], s.budgets[:n] = lengths, budget
+        s.steps[:n], s.counts[:n] = 1, 1
+        s.done[:n] = (s.tokens[:n] == eos) | (budget <= 1)
+        s.positions[n:bucket], s.steps[n:bucket], s.counts[n:bucket] = 0, 0, 0
+        s.tokens[n:bucket], s.done[n:bucket] = pad, True
+
+    # ------------------------------------------------------------------ decode steps
+    def _step(self, bucket: int, span: int, greedy: bool, sampler: Sampler, eos: int) -> None:
+        """One decode step of rows ``0 .. bucket-1``, attending to positions ``< span``: every
+        read and write is on the static buffers (what a CUDA graph replays)."""
+        s = self._slots
+        tokens, positions, steps = s.tokens[:bucket], s.positions[:bucket], s.steps[:bucket]
+        done = s.done[:bucket]
+        self._cache.decode(positions, span)
+        rope = self._rope[positions].view(1, bucket, 1, -1)
+        logits = self._logits(self._hidden(tokens[:, None], rope, None))
+        column = steps[:, None]
+        noise = None if greedy else s.uniforms[:bucket].gather(1, column).squeeze(1)
+        token, logprob = sampler(logits, noise)
+        s.out_tokens[:bucket].scatter_(1, column, token[:, None])
+        s.out_logprobs[:bucket].scatter_(1, column, logprob[:, None])
+        running = ~done
+        s.counts[:bucket].add_(running)
+        done.logical_or_(running & ((token == eos) | (steps + 1 >= s.budgets[:bucket])))
+        tokens.copy_(token)
+        last = s.slots - 1  # rows that ended keep stepping (unread): stay inside the buffers
+        positions.add_(1).clamp_(max=last)
+        steps.add_(1).clamp_(max=last)
+
+    def _step_once(self, bucket: int, span: int, greedy: bool, sampler: Sampler, eos: int,
+                   graphs: bool) -> None:
+        """:meth:`_step`, replayed from its CUDA graph with ``graphs`` (captured on first use:
+        that step runs eagerly on the capture stream first, as the warm-up)."""
+        if not graphs:
+            return self._step(bucket, span, greedy, sampler, eos)
+        key = (bucket, span, greedy, sampler.temperature, sampler.top_p, eos)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        if self._pool is None:
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            self._step(bucket, span, greedy, sampler, eos)
+        torch.cuda.current_stream().wait_stream(self._stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream,
+                                  capture_error_mode="thread_local"):
+                self._step(bucket, span, greedy, sampler, eos)
+        except Exception as e:
+            raise RuntimeError(f"capturing a decode step as a CUDA graph failed ({e}); "
+                               f"set generation.cuda_graphs=false to decode eagerly") from e
+        self._graphs[key] = graph
 
 
 class MegatronGenerationBackend(GenerationBackend):
@@ -209,16 +409,16 @@ class MegatronGenerationBackend(GenerationBackend):
     (``generation.backend: megatron``); :meth:`refit` copies nothing.
 
     Each data-parallel group of the policy decodes a contiguous share of the prompt groups
-    (:func:`decode`, through ``PolicyWorker.generate``); rows keep their random streams, so the
-    rollouts do not depend on the DP layout. Needs a policy layout :func:`check_layout` accepts
-    (the workers raise ``NotImplementedError`` otherwise).
+    (:class:`MegatronDecoder`, through ``PolicyWorker.generate``); rows keep their random
+    streams, so the rollouts do not depend on the DP layout. Needs a policy layout
+    :func:`check_layout` accepts (the workers raise ``NotImplementedError`` otherwise).
 
     Args:
         policy: the policy's worker group with its DP layout
             (:class:`mcore_rl.controller.worker_group.DataParallelGroup`: ``dp_size``,
             ``call_per_dp_async``).
         cfg: ``generation`` config (temperature, top_p, max_new_tokens, batch_size: rows per
-            decoding chunk on each DP rank).
+            decoding chunk on each DP rank, cuda_graphs).
         eos_token_id: ends a response (kept as its last token).
         pad_token_id: fills ``input_ids`` after a row's end.
         max_total_length: cap on prompt + response tokens (``data.max_total_length``).
@@ -251,6 +451,13 @@ class MegatronGenerationBackend(GenerationBackend):
         """Shared weights: the workers decode with the policy's current parameters, so nothing
         is exported or copied (``refit/gbytes`` 0)."""
         return {"refit/gbytes": 0.0}
+
+    def offload(self) -> None:
+        """Colocated (:class:`~mcore_rl.controller.colocation.Colocation`, before logprobs and
+        training): every policy worker frees its decoder's KV cache and CUDA graphs
+        (``PolicyWorker.release_decoder``); the next ``generate`` makes them again, recapturing
+        its graphs. Without colocation they stay between calls."""
+        self.policy.call("release_decoder")
 
     def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
                        group_size: int = 1) -> Iterator[FinishedGroup]:

@@ -80,6 +80,7 @@ class Sampler:
     def __init__(self, cfg: GenerationConfig):
         check_sampling(cfg)
         self.temperature = float(cfg.temperature)
+        self.top_p = float(cfg.top_p)
         self._top_p = TopPLogitsWarper(cfg.top_p) if cfg.top_p < 1 else None
 
     def __call__(self, logits: torch.Tensor,

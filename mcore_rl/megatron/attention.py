@@ -41,11 +41,22 @@ Fully masked query rows (for example left-padding rows): SDPA would return NaN f
 softmax over nothing) and a NaN at a padded position still poisons a masked loss (``0 * NaN``).
 Such rows are unmasked instead (they attend to every key, a finite value nobody reads), as
 Megatron's ``masked_fill(-10000)`` softmax also gives them a finite value.
+
+Rollout decoding with a static KV cache (:class:`KVCache`, :func:`kv_cache_attention`): while the
+``megatron`` rollout backend decodes (:mod:`mcore_rl.generation.megatron`), every layer's core
+attention (of any spec: ``DotProductAttention`` or :class:`TorchSDPAttention`) is wrapped so that a
+prefill forward stores its keys and values in the cache and a decode forward (one token per row,
+each row at its own position) writes its key/value at that position and attends over the cache.
+Megatron-Core's own KV caches do not fit there: its static-batching context keeps one sequence
+offset for the whole batch (rows cannot sit at their own positions), its CUDA-graph decode path
+needs flash-attn's ``flash_attn_with_kvcache`` ("CUDA graphs must use flash decode with static
+batching", ``Attention.forward``), and its dynamic-batching context asserts flash-attn >= 2.7.3.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -159,3 +170,148 @@ class TorchSDPAttention(DotProductAttention):
                                                  scale=self.softmax_scale, **extra)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+class KVCache:
+    """Static key/value buffers of every attention layer of one model, for ``rows`` sequences of up
+    to ``slots`` tokens each, and the mode of the next forward (set by the decoder before it).
+
+    Buffers: ``keys[layer]`` and ``values[layer]`` ``[rows, groups, slots, head_dim]`` (groups and
+    query heads of this tensor-parallel rank; keys after the rotary embedding), keyed by the
+    attention's ``layer_number``. Row ``r``'s token at position ``p`` sits at ``[r, :, p]``.
+
+    Modes (:meth:`prefill`, :meth:`decode`): see :class:`CachedAttention`.
+
+    Args:
+        attentions: the model's ``SelfAttention`` modules (their ``layer_number``,
+            ``num_query_groups_per_partition``, ``key_hidden_size``, ``val_hidden_size``).
+        rows, slots: buffer sizes.
+        dtype, device: of the buffers (the model's ``params_dtype`` and device).
+    """
+
+    def __init__(self, attentions, rows: int, slots: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.rows, self.slots = rows, slots
+        self.keys: Dict[int, torch.Tensor] = {}
+        self.values: Dict[int, torch.Tensor] = {}
+        for attn in attentions:
+            shape = (rows, attn.num_query_groups_per_partition, slots)
+            self.keys[attn.layer_number] = torch.zeros(*shape, attn.key_hidden_size, dtype=dtype,
+                                                       device=device)
+            self.values[attn.layer_number] = torch.zeros(*shape, attn.val_hidden_size,
+                                                         dtype=dtype, device=device)
+        self._index = torch.arange(max(rows, slots), device=device)
+        self._prefill_rows: Optional[torch.Tensor] = None
+        self._positions: Optional[torch.Tensor] = None
+        self._after: Optional[torch.Tensor] = None
+        self._span = 0
+
+    def prefill(self, rows: torch.Tensor) -> None:
+        """The next forward runs whole prompts from position 0 for the cache rows ``rows``
+        (``[n]`` int64, the forward's batch order)."""
+        self._prefill_rows, self._positions = rows, None
+
+    def decode(self, positions: torch.Tensor, span: int) -> None:
+        """The next forward runs one token for each of the cache rows ``0 .. B-1``, row ``r`` at
+        position ``positions[r]`` (``[B]`` int64, a tensor the decoder updates in place: CUDA
+        graphs replay on it); attention reads keys ``0 .. span-1`` (every position a row attends
+        to, ``positions < span``, is inside). Computes the key mask of that forward's layers."""
+        if not 0 < span <= self.slots:
+            raise ValueError(f"KVCache.decode: span {span} outside [1, {self.slots}]")
+        self._prefill_rows, self._positions, self._span = None, positions, span
+        self._after = self._index[:span] > positions[:, None]  # [B, span], True: after the row
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` (``[m]`` int64), moved to rows ``0 .. m-1`` (batch compaction)."""
+        m = index.numel()
+        for buffers in (self.keys, self.values):
+            for t in buffers.values():
+                t[:m] = t[index]
+
+
+class CachedAttention(torch.nn.Module):
+    """A layer's core attention ``core`` with the KV cache ``cache`` around it (no parameters).
+
+    Prefill mode (:meth:`KVCache.prefill`): ``core`` computes the attention of the ``[s, n]``
+    prompts as in training (causal, right padding: a valid token never sees a later pad), and the
+    keys and values of positions ``0 .. s-1`` are stored in the rows given. Decode mode
+    (:meth:`KVCache.decode`): the one query of each row attends over the row's cached keys at
+    positions ``<=`` its own, after its key and value are written at its position
+    (:func:`decode_attention`).
+
+    Forward: Megatron's core-attention signature (``query [sq, b, np, hn]``, ``key``/``value``
+    ``[sq, b, ng, hn]``, ``attention_mask``, ``attn_mask_type``, ``attention_bias``,
+    ``packed_seq_params``) -> ``[sq, b, np * hn]``.
+
+    Raises:
+        ValueError: (at construction) ``apply_query_key_layer_scaling`` (the decode path takes the
+            softmax scale as one number).
+    """
+
+    def __init__(self, core: torch.nn.Module, cache: KVCache, layer_number: int):
+        super().__init__()
+        if core.config.apply_query_key_layer_scaling:
+            raise ValueError("KV-cache decoding does not support apply_query_key_layer_scaling")
+        self.core, self.cache, self.layer_number = core, cache, layer_number
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        cache = self.cache
+        keys, values = cache.keys[self.layer_number], cache.values[self.layer_number]
+        if cache._prefill_rows is not None:
+            s, rows = key.shape[0], cache._prefill_rows
+            keys[:, :, :s].index_copy_(0, rows, key.permute(1, 2, 0, 3))
+            values[:, :, :s].index_copy_(0, rows, value.permute(1, 2, 0, 3))
+            return self.core(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        positions, b = cache._positions, query.shape[1]
+        rows = cache._index[:b]
+        keys, values = keys[:b], values[:b]
+        keys[rows, :, positions] = key[0]
+        values[rows, :, positions] = value[0]
+        return decode_attention(query, keys[:, :, :cache._span], values[:, :, :cache._span],
+                                cache._after, self.core.softmax_scale)
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     attention_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query per row over that row's cached keys.
+
+    Grouped-query attention (Ainslie et al. 2023) without repeating the KV heads: the ``np / ng``
+    query heads of a group (Megatron's head order: head ``h`` is in group ``h // (np / ng)``) form
+    the rows of one batched matrix product with that group's keys, so each key is read once.
+    Scores in the input dtype (fp32 accumulation; the query scaled first), softmax in fp32 (as
+    Megatron's ``DotProductAttention``).
+
+    Args:
+        query: ``[1, B, np, hn]``.
+        keys, values: ``[B, ng, S, hn]`` (a row's positions ``0 .. S-1``).
+        attention_mask: ``[B, S]`` bool, ``True`` = masked out (keys after the row's position);
+            every row keeps at least one key.
+        scale: softmax scale (``1/sqrt(hn)`` unless configured).
+
+    Returns:
+        ``[1, B, np * hn]`` in the dtype of ``query``.
+    """
+    b, ng, s, hn = keys.shape
+    np_ = query.shape[2]
+    q = query[0].reshape(b, ng, np_ // ng, hn) * scale
+    scores = torch.matmul(q, keys.transpose(2, 3))  # [B, ng, np/ng, S]
+    scores = scores.masked_fill(attention_mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values).reshape(1, b, np_ * hn)
+
+
+@contextlib.contextmanager
+def kv_cache_attention(attentions, cache: KVCache) -> Iterator[None]:
+    """Every attention module of ``attentions`` (Megatron ``SelfAttention``) computes its core
+    attention through :class:`CachedAttention` on ``cache`` inside the block; the original core
+    attention modules are put back afterwards, also on an exception."""
+    originals: Tuple[torch.nn.Module, ...] = tuple(a.core_attention for a in attentions)
+    try:
+        for attn, core in zip(attentions, originals):
+            attn.core_attention = CachedAttention(core, cache, attn.layer_number)
+        yield
+    finally:
+        for attn, core in zip(attentions, originals):
+            attn.core_attention = core

@@ -113,18 +113,36 @@ class PolicyWorker(MegatronTrainWorker):
         return self._per_token_forward(batch, micro_batch_size, self._token_logprobs)
 
     # ------------------------------------------------------------------ rollouts
+    _decoder = None  # MegatronDecoder, made at the first generate call
+
     @requires_device_state(training=False)
     def generate(self, prompts: List[List[int]], first_row: int, seed: int, greedy: bool, *,
                  cfg, eos_token_id: int, pad_token_id: int, max_total_length: int) -> list:
         """Decode ``prompts`` (this DP rank's share) with the policy's own model and weights
-        (``generation.backend: megatron``): :func:`mcore_rl.generation.megatron.decode`, which
-        documents the arguments, returns one ``Response`` per prompt and raises
+        (``generation.backend: megatron``): :meth:`mcore_rl.generation.megatron.MegatronDecoder.
+        generate`, which documents the arguments and returns one ``Response`` per prompt. The
+        decoder (KV cache, CUDA graphs) is kept for the next call; raises
         ``NotImplementedError`` for pipeline or sequence parallelism. Collective over TP (every
         TP rank of one DP group gets the same prompts); the weights are left unchanged."""
-        from mcore_rl.generation.megatron import decode
+        from mcore_rl.generation.megatron import MegatronDecoder
 
-        return decode(self.model[0], self.megatron_cfg, self.vocab_size, prompts, first_row, seed,
-                      greedy, cfg, eos_token_id, pad_token_id, max_total_length)
+        if self._decoder is None:
+            self._decoder = MegatronDecoder(self.model[0], self.megatron_cfg, self.vocab_size)
+        return self._decoder.generate(prompts, first_row, seed, greedy, cfg, eos_token_id,
+                                      pad_token_id, max_total_length)
+
+    def release_decoder(self) -> None:
+        """Free the decoder's KV cache, row states and CUDA graphs (``MegatronDecoder.release``;
+        the next :meth:`generate` makes them again). Called by the colocated ``megatron``
+        backend before logprobs and training (``MegatronGenerationBackend.offload``)."""
+        if self._decoder is not None:
+            self._decoder.release()
+
+    def offload_after_refit(self) -> None:
+        """As :meth:`MegatronTrainWorker.offload_after_refit`; also frees the decoder's buffers
+        (:meth:`release_decoder`: the device is handed over)."""
+        self.release_decoder()
+        super().offload_after_refit()
 
     # ------------------------------------------------------------------ reference policy
     def _offload_extra_tensors(self) -> List[torch.Tensor]:

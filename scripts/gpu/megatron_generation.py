@@ -13,10 +13,17 @@ Checks, each printed ``PASS``/``FAIL`` with its numbers (exit code: the number o
 2. The same seed gives the same tokens again.
 3. After ``offload_after_refit`` generate raises the guard's ``RuntimeError`` naming
    ``prepare_for_lp_inference()`` (not a CUDA error).
+4. With ``--eager-check N``: greedy decoding (temperature 0) of the first N prompts with the
+   decode steps replayed as CUDA graphs (``generation.cuda_graphs=true``) and decoded eagerly
+   (``false``) gives the same tokens, token for token, and the same logprobs.
 
 Also prints decode throughput: generated tokens per second of the timed ``generate`` call (a
 short warm-up call first), the same for the ``hf`` backend on the same weights and prompts (for
-comparison, not checked), and the megatron-core and torch versions.
+comparison, not checked; ``--skip-hf`` leaves it out), the megatron-core and torch versions, and
+last a one-line JSON record of the figures (``RESULT {...}``). The script runs on a checkout
+without ``generation.cuda_graphs`` too (the code before CUDA-graph decoding), without
+``--eager-check``: that is how the before/after figures of bench/RESULTS.md were taken in one call
+(scripts/gpu/decode_bench.py).
 
     python3 scripts/gpu/megatron_generation.py [--layer-spec torch] [--rollouts 64]
 """
@@ -24,6 +31,8 @@ comparison, not checked), and the megatron-core and torch versions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -66,7 +75,12 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-abs", type=float, default=0.25, help="bf16 tolerance, max |diff|")
     p.add_argument("--mean-abs", type=float, default=0.02, help="bf16 tolerance, mean |diff|")
+    p.add_argument("--skip-hf", action="store_true", help="no hf backend comparison")
+    p.add_argument("--eager-check", type=int, default=0, metavar="N",
+                   help="greedy CUDA-graph vs eager decoding of the first N prompts (check 4)")
     args = p.parse_args()
+    result = {"rollouts": args.rollouts, "batch_size": args.batch_size,
+              "max_new_tokens": args.max_new_tokens}
 
     import megatron.core
 
@@ -97,6 +111,7 @@ def main() -> int:
         print(f"decode: {args.rollouts} rollouts, {tokens} response tokens in {seconds:.2f} s: "
               f"{tokens / seconds:.0f} tokens/s ({args.layer_spec} spec, batch_size "
               f"{args.batch_size})", flush=True)
+        result.update(tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds))
 
         logprobs = group.gather_rows("get_logprobs", batch, 8)
         mask = batch["token_mask"].bool()
@@ -110,31 +125,59 @@ def main() -> int:
         same = torch.equal(again["input_ids"], batch["input_ids"])
         differ = (again["input_ids"] != batch["input_ids"]).any(dim=1).sum()
         check("same seed, same rollouts", same, f"{int(differ)} of {args.rollouts} rows differ")
+        result.update(max_abs=round(float(diff.max()), 4), mean_abs=round(float(diff.mean()), 5),
+                      same_seed=bool(same))
+
+        if args.eager_check:
+            subset = prompts[:args.eager_check]
+            greedy = {graphs: MegatronGenerationBackend(
+                group, dataclasses.replace(gen, cuda_graphs=graphs), eos_token_id=EOS,
+                pad_token_id=PAD, max_total_length=hi + args.max_new_tokens,
+                vocab_size=VOCAB).generate(subset, seed=0, greedy=True) for graphs in (True, False)}
+            graph_run, eager_run = greedy[True], greedy[False]
+            same_shape = graph_run["input_ids"].shape == eager_run["input_ids"].shape
+            rows = int((graph_run["input_ids"] != eager_run["input_ids"]).any(dim=1).sum()) \
+                if same_shape else len(subset)
+            lp = float((graph_run["generation_logprobs"] - eager_run["generation_logprobs"])
+                       .abs().max()) if rows == 0 else float("nan")
+            n = int(graph_run["response_lengths"].sum())
+            check("greedy decoding, CUDA graphs vs eager: same tokens", rows == 0,
+                  f"{rows} of {len(subset)} rows differ over {n} tokens; logprobs max |diff| {lp:.3g}")
+            result.update(eager_rows_differ=rows, eager_logprob_diff=lp)
 
         # The hf backend on the same weights: its throughput, for comparison.
+        if args.skip_hf:
+            return _finish(group, backend, prompts, result)
         hf = HFGenerationBackend(arch_to_hf_config(ARCH, VOCAB), gen, eos_token_id=EOS,
                                  pad_token_id=PAD, max_total_length=hi + args.max_new_tokens,
                                  device="cuda", dtype=torch.bfloat16)
-        hf.update_weights(group.call("get_hf_weights")[0].items())
+        hf.refit(group)
         hf.generate(prompts[:4], seed=0)  # warm-up
         start = time.perf_counter()
         hf_tokens = int(hf.generate(prompts, seed=1)["response_lengths"].sum())
         hf_seconds = time.perf_counter() - start
         print(f"hf backend, same weights and prompts: {hf_tokens} response tokens in "
               f"{hf_seconds:.2f} s: {hf_tokens / hf_seconds:.0f} tokens/s", flush=True)
+        result.update(hf_tokens_per_s=round(hf_tokens / hf_seconds))
         del hf
-
-        group.call("offload_after_refit")
-        try:
-            backend.generate(prompts[:2], seed=0)
-            kind = "no error"
-        except WorkerError as e:
-            kind = str(e)
-        check("offloaded weights: generate raises the guard's RuntimeError",
-              "RuntimeError: generate:" in kind and "prepare_for_lp_inference()" in kind,
-              kind.strip().splitlines()[-1][:160])
+        return _finish(group, backend, prompts, result)
     finally:
         group.shutdown()
+
+
+def _finish(group, backend, prompts, result) -> int:
+    """Check 3 (the offload guard); prints the ``RESULT`` record; returns the failure count."""
+    group.call("offload_after_refit")
+    try:
+        backend.generate(prompts[:2], seed=0)
+        kind = "no error"
+    except WorkerError as e:
+        kind = str(e)
+    check("offloaded weights: generate raises the guard's RuntimeError",
+          "RuntimeError: generate:" in kind and "prepare_for_lp_inference()" in kind,
+          kind.strip().splitlines()[-1][:160])
+    result["failures"] = list(FAILURES)
+    print("RESULT " + json.dumps(result), flush=True)
     return len(FAILURES)
 
 
