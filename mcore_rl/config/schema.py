@@ -249,9 +249,9 @@ class GenerationConfig:
     batch_size: int = bounded(256, ge=1)
     # Validation decoding: greedy when true.
     greedy_validation: bool = True
-    # backend=megatron on CUDA with tensor parallelism 1: decode steps replayed as CUDA graphs
-    # (captured per bucket of rows and attended length at first use, kept between generate
-    # calls); false decodes the same steps eagerly.
+    # backend=megatron on CUDA with tensor parallelism 1 and a dense model: decode steps replayed
+    # as CUDA graphs (captured per bucket of rows and attended length at first use, kept between
+    # generate calls); false, or a model with experts, decodes the same steps eagerly.
     cuda_graphs: bool = True
 
 
