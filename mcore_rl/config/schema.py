@@ -77,8 +77,7 @@ class ModelArchConfig:
     """Decoder shape (Llama/Mistral/Qwen2/Qwen3 families, dense or mixture of experts), used
     when ``model.hf_path`` is null."""
 
-    # Hugging Face model_type of the decoder (qwen2_moe and qwen3_moe: experts in every layer).
-    family: str = one_of("qwen2", MODEL_FAMILIES)
+    family: str = one_of("qwen2", MODEL_FAMILIES)  # Hugging Face model_type of the decoder
     # Transformer layers; divisible by PP x VPP.
     num_layers: int = bounded(2, ge=1)
     # Hidden (model) dimension; divisible by num_attention_heads.
