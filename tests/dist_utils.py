@@ -31,7 +31,8 @@ def free_port() -> int:
 
 
 def use_layout(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-               virtual_pipeline_model_parallel_size=None, seed=1234) -> None:
+               virtual_pipeline_model_parallel_size=None, seed=1234,
+               expert_model_parallel_size=1, expert_tensor_parallel_size=None) -> None:
     """In a process started by :func:`run_distributed`: rebuild Megatron's parallel groups
     with these sizes (the gloo process group stays) and reseed Megatron's RNG tracker."""
     from megatron.core import parallel_state
@@ -43,6 +44,7 @@ def use_layout(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
         _WORLD["rank"], _WORLD["world_size"], "127.0.0.1", _WORLD["port"], "cpu",
         tensor_model_parallel_size, pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size, seed,
+        expert_model_parallel_size, expert_tensor_parallel_size,
     )
 
 

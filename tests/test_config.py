@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 import mcore_rl
 from mcore_rl.cli import main
-from mcore_rl.config import ConfigError, TrainConfig, checks, load_config, validate
+from mcore_rl.config import ConfigError, TrainConfig, checks, load_config, schema, validate
 
 HEADER = "defaults:\n  - base_train\n  - _self_\n"
 
@@ -180,7 +180,7 @@ PAR = "policy.megatron."
      "(32 x 8 = 256) must be divisible by grpo.optimizer_steps_per_rollout (3)"),
     (["policy.micro_batch_size=0"], "policy.micro_batch_size must be >= 1"),
     (["policy.logprob_micro_batch_size=0"], "policy.logprob_micro_batch_size must be >= 1"),
-    (["model.arch.family=gpt"], "model.arch.family must be one of llama, qwen2"),
+    (["model.arch.family=gpt"], "model.arch.family must be one of llama, mistral, qwen2, qwen3"),
     (["policy.optimizer.lr_decay_style=step"], "lr_decay_style must be one of constant, linear"),
     (["policy.optimizer.name=adamw"], "policy.optimizer.name must be one of adam, sgd"),
     (["checkpoint.every=-1"], "checkpoint.every must be >= 0"),
@@ -254,7 +254,21 @@ def test_cli_unknown_subcommand_is_a_usage_error(capsys):
 
 # ---------------------------------------------------------------------------- declared bounds
 
-def _declared(sections=("loss", "generation", "ppo", "grpo")):
+# The sections whose every numeric key declares a range (their nested sections included).
+CHECKED_SECTIONS = ("loss", "generation", "ppo", "grpo", "model.arch", "policy.megatron")
+
+
+def _section(cfg, dotted):
+    """The config section at the dotted key ``dotted`` of ``cfg`` (``"model.arch"``)."""
+    return functools.reduce(getattr, dotted.split("."), cfg)
+
+
+def _parent(cfg, key):
+    """The section of ``cfg`` (a ``TrainConfig``) that holds the dotted ``key``'s field."""
+    return _section(cfg, key.rsplit(".", 1)[0])
+
+
+def _declared(sections=CHECKED_SECTIONS):
     """(dotted key, its dataclass, field) of every field of ``sections`` (their nested sections
     included: ``generation.vllm``) that declares choices or a range, read from the schema."""
     out = []
@@ -268,13 +282,8 @@ def _declared(sections=("loss", "generation", "ppo", "grpo")):
                 out.append((f"{key}.{f.name}", type(section), f))
 
     for section in sections:
-        walk(getattr(TrainConfig(), section), section)
+        walk(_section(TrainConfig(), section), section)
     return out
-
-
-def _parent(cfg, key):
-    """The section of ``cfg`` (a ``TrainConfig``) that holds the dotted ``key``'s field."""
-    return functools.reduce(getattr, key.split(".")[:-1], cfg)
 
 
 def _bad_values(cls, f):
@@ -284,7 +293,7 @@ def _bad_values(cls, f):
         choices = f.metadata[checks.CHOICES]
         return [max(choices) + 1] if all(isinstance(c, int) for c in choices) else ["bogus"]
     r = f.metadata[checks.RANGE]
-    kind = int if typing.get_type_hints(cls)[f.name] is int else float
+    kind = int if typing.get_type_hints(cls)[f.name] in (int, typing.Optional[int]) else float
     step = 1 if kind is int else 0.5
     out = []
     if r.low is not None:
@@ -297,10 +306,10 @@ def _bad_values(cls, f):
 BAD_VALUES = [(key, cls, f.name, bad) for key, cls, f in _declared() for bad in _bad_values(cls, f)]
 
 
-def test_every_numeric_key_of_loss_generation_ppo_grpo_declares_its_range():
+def test_every_numeric_key_of_the_checked_sections_declares_its_range():
     declared = {key for key, _, _ in _declared()}
     numeric = {int, float, typing.Optional[int], typing.Optional[float]}
-    sections = [(name, getattr(TrainConfig(), name)) for name in ("loss", "generation", "ppo", "grpo")]
+    sections = [(name, _section(TrainConfig(), name)) for name in CHECKED_SECTIONS]
     for key, section in sections:
         hints = typing.get_type_hints(type(section))
         for f in dataclasses.fields(section):
@@ -346,8 +355,17 @@ def test_closed_ends_of_every_range_load():
             if r is not None and end is not None and not is_open:
                 ends[side][key] = end
     assert len(ends["low"]) >= 20
-    for group in ends.values():
-        cfg = load_config("grpo_synthetic", [f"{k}={v}" for k, v in group.items()])
+    # Ends that load only with other values: virtual pipeline stages need PP > 1 (whose own end
+    # is 1), one expert and a shared expert an MoE family.
+    vpp = "policy.megatron.virtual_pipeline_model_parallel_size"
+    groups = [
+        ({vpp: ends["low"].pop(vpp)},
+         ["cluster.num_workers=2", "policy.megatron.pipeline_model_parallel_size=2"]),
+        (ends["low"], ["model.arch.family=qwen2_moe"]),
+        (ends["high"], []),
+    ]
+    for group, others in groups:
+        cfg = load_config("grpo_synthetic", [f"{k}={v}" for k, v in group.items()] + others)
         for key, end in group.items():
             assert getattr(_parent(cfg, key), key.split(".")[-1]) == end, key
 
@@ -400,6 +418,7 @@ def test_importance_ratio_cap_is_at_least_one_for_loader_and_loss():
 def test_choice_lists_are_the_components_lists():
     from mcore_rl.algorithms.kl import KL_ESTIMATORS
     from mcore_rl.generation.registry import BACKENDS
+    from mcore_rl.megatron.families import FAMILIES
     from mcore_rl.rewards import REWARD_FNS
 
     choices = {key: f.metadata[checks.CHOICES] for key, _, f in _declared(
@@ -407,6 +426,7 @@ def test_choice_lists_are_the_components_lists():
     assert choices["loss.kl_estimator"] == choices["ppo.reward_kl_estimator"] == KL_ESTIMATORS
     assert choices["generation.backend"] == tuple(BACKENDS)
     assert choices["reward.name"] == tuple(REWARD_FNS)
+    assert schema.MODEL_FAMILIES == tuple(FAMILIES)
 
 
 def test_range_text():

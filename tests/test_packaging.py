@@ -141,7 +141,7 @@ def test_reference_lists_every_key_with_type_default_and_comment():
         "Generation rounds per RL step with dynamic_sampling; when they run out, the batch is "
         "filled with dropped groups (zero advantage) and train/dynamic_sampling_filled counts them.")
     # comment at the end of the line
-    assert keys["model.arch.family"].meaning == '"llama" or "qwen2"'
+    assert keys["model.arch.family"].meaning == "Hugging Face model_type of the decoder"
     # defaults as typed in an override
     assert keys["run.output_dir"].default == "runs/${run.name}"
     assert keys["model.arch.rms_norm_eps"].default == "1e-06"
@@ -150,7 +150,7 @@ def test_reference_lists_every_key_with_type_default_and_comment():
     page = docs.render_reference()
     assert "| `policy.optimizer.lr` | float | `0.001` |" in page
     sections = {s.path: s for s in docs.iter_sections()}
-    assert sections["model.arch"].doc.startswith("Llama/Qwen2-family decoder shape")
+    assert sections["model.arch"].doc.startswith("Decoder shape (Llama/Mistral/Qwen2/Qwen3")
     assert sections["run"].doc == ""  # a dataclass without docstring gets no generated one
 
 

@@ -36,6 +36,7 @@ from mcore_rl.config.paths import file_problem, hf_checkpoint_errors, tokenizer_
 from mcore_rl.config.schema import CHAR_TOKENIZER, DataConfig, TrainConfig
 from mcore_rl.data.synthetic import synthetic_config_errors
 from mcore_rl.generation import registry as generation_registry
+from mcore_rl.megatron.families import arch_errors, layout_errors
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent
 DEFAULT_CONFIG_DIR = PKG_DIR.parent / "configs"
@@ -243,19 +244,22 @@ def validate(cfg: TrainConfig) -> None:
         ConfigError: naming every violation's keys: ``invalid config: <problem>`` for one,
             else one problem per line.
     """
-    errors = checks.errors(cfg)
+    field_errors = checks.errors(cfg)
+    errors = list(field_errors)
 
     def check(ok: bool, message: str) -> None:
         if not ok:
             errors.append(message)
 
     arch, device = cfg.model.arch, cfg.cluster.device
+    if cfg.model.hf_path is None:  # arch_errors repeats the field checks of model.arch
+        errors += [e for e in arch_errors(arch) if e not in field_errors]
     heads_ok = arch.num_query_groups >= 1 and arch.num_attention_heads >= 1
     if heads_ok:
         check(arch.num_attention_heads % arch.num_query_groups == 0,
               f"model.arch.num_attention_heads ({arch.num_attention_heads}) must be divisible by "
               f"model.arch.num_query_groups ({arch.num_query_groups})")
-        check(arch.hidden_size % arch.num_attention_heads == 0,
+        check(arch.head_dim is not None or arch.hidden_size % arch.num_attention_heads == 0,
               f"model.arch.hidden_size ({arch.hidden_size}) must be divisible by "
               f"model.arch.num_attention_heads ({arch.num_attention_heads})")
     # The PPO critic has a Megatron layout of its own over cluster.num_workers processes.
@@ -274,7 +278,7 @@ def validate(cfg: TrainConfig) -> None:
                 check(tp < 1 or getattr(arch, name) % tp == 0,
                       f"model.arch.{name} ({getattr(arch, name)}) must be divisible by "
                       f"{key}.tensor_model_parallel_size ({tp})")
-        if vpp is not None:
+        if vpp is not None and vpp >= 1:  # < 1: the field check reports it
             check(pp > 1, f"{key}.virtual_pipeline_model_parallel_size ({vpp}) needs "
                           f"{key}.pipeline_model_parallel_size > 1 (got {pp})")
         if pp >= 1 and (vpp or 1) >= 1:
@@ -292,6 +296,9 @@ def validate(cfg: TrainConfig) -> None:
               f"{key}.ddp.average_in_collective must be false: the losses are normalized by the "
               f"global token/sequence count (Megatron's calculate_per_token_loss), which "
               f"Megatron's DDP refuses to combine with averaging over DP")
+        if cfg.model.hf_path is None:  # else the model's shape is read from the checkpoint
+            errors += [e for e in layout_errors(arch, mg, key, cfg.cluster.num_workers)
+                       if e not in field_errors]
         gpu_only = [n for n in ("use_distributed_optimizer", "overlap_param_gather") if getattr(ddp, n)]
         if gpu_only and (device == "cpu" or device == "auto" and not _cuda_available()):
             seen = " and torch sees no GPU" if device == "auto" else ""

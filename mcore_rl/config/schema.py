@@ -28,8 +28,11 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 # batch's loss (the field's loss_agg_mode names).
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                      "seq-mean-token-sum-norm")
-# model.arch.family: the decoders of mcore_rl.megatron.conversion.
-MODEL_FAMILIES = ("llama", "qwen2")
+# model.arch.family: the Hugging Face model_types of mcore_rl.megatron.families.FAMILIES.
+MODEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# *.megatron.moe_token_dispatcher_type: Megatron-Core token dispatchers that run on gloo and
+# NCCL ("flex" needs DeepEP).
+MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
 # *.megatron.layer_spec: the layer specs of mcore_rl.megatron.model.
 LAYER_SPECS = ("local", "torch", "transformer_engine")
 # model.tokenizer: the built-in character tokenizer of mcore_rl.data.tokenizer.
@@ -76,9 +79,10 @@ class ClusterConfig:
 
 @dataclass
 class ModelArchConfig:
-    """Llama/Qwen2-family decoder shape, used when ``model.hf_path`` is null."""
+    """Decoder shape (Llama/Mistral/Qwen2/Qwen3 families, dense or mixture of experts), used
+    when ``model.hf_path`` is null."""
 
-    family: str = one_of("qwen2", MODEL_FAMILIES)  # "llama" or "qwen2"
+    family: str = one_of("qwen2", MODEL_FAMILIES)  # Hugging Face model_type of the decoder
     # Transformer layers; divisible by PP x VPP.
     num_layers: int = bounded(2, ge=1)
     # Hidden (model) dimension; divisible by num_attention_heads.
@@ -87,20 +91,36 @@ class ModelArchConfig:
     num_attention_heads: int = bounded(4, ge=1)
     # Key/value heads (grouped-query attention; = num_attention_heads for MHA); divisible by TP.
     num_query_groups: int = bounded(2, ge=1)
+    # Size of one attention head (HF head_dim); null: hidden_size / num_attention_heads.
+    head_dim: Optional[int] = bounded(None, ge=1)
     # Inner size of the SwiGLU MLP (HF intermediate_size).
     ffn_hidden_size: int = bounded(128, ge=1)
     # Longest sequence in tokens the model declares (HF max_position_embeddings).
     max_position_embeddings: int = bounded(128, ge=1)
     # RoPE base frequency.
     rope_theta: float = bounded(10000.0, gt=0)
+    # Llama 3.x RoPE scaling (HF rope_type "llama3" with low/high frequency factors 1 and 4 and an
+    # original context of 8192 tokens): the factor; null: unscaled RoPE.
+    rope_scaling_factor: Optional[float] = bounded(None, gt=0)
     # Epsilon of the RMSNorm layers.
     rms_norm_eps: float = bounded(1.0e-6, gt=0)
-    # Bias on the q/k/v projections: must be true for qwen2 and false for llama.
+    # Bias on the q/k/v projections: true for qwen2 and qwen2_moe, false for the other families.
     qkv_bias: bool = True
     # Share the input embedding matrix with the output layer.
     tie_word_embeddings: bool = True
     # null: the tokenizer's vocabulary size.
     vocab_size: Optional[int] = bounded(None, ge=1)
+    # Routed experts of every MoE layer (HF num_experts; qwen2_moe and qwen3_moe, all layers
+    # MoE); null for the dense families.
+    num_experts: Optional[int] = bounded(None, ge=1)
+    # Experts each token is routed to (HF num_experts_per_tok); <= num_experts.
+    moe_router_topk: int = bounded(2, ge=1)
+    # Inner size of each expert's SwiGLU MLP (HF moe_intermediate_size); null: ffn_hidden_size.
+    moe_ffn_hidden_size: Optional[int] = bounded(None, ge=1)
+    # Renormalize the top-k routing probabilities to sum to 1 (HF norm_topk_prob).
+    moe_norm_topk_prob: bool = False
+    # Inner size of qwen2_moe's shared expert (HF shared_expert_intermediate_size); null otherwise.
+    moe_shared_expert_ffn_hidden_size: Optional[int] = bounded(None, ge=1)
 
 
 @dataclass
@@ -153,6 +173,18 @@ class MegatronConfig:
     # Layer implementation: "local" (Megatron's own modules), "torch" (local with torch SDPA
     # attention: fast without Transformer Engine), "transformer_engine" (needs TE installed).
     layer_spec: str = one_of("local", LAYER_SPECS)
+    # EP size: ranks each MoE layer's experts are split over (model.arch.num_experts divisible by
+    # it); expert_tensor_parallel_size x EP x PP divides cluster.num_workers.
+    expert_model_parallel_size: int = bounded(1, ge=1)
+    # Ranks each expert's weights are split over (expert TP); null: tensor_model_parallel_size.
+    expert_tensor_parallel_size: Optional[int] = bounded(None, ge=1)
+    # How MoE layers send tokens to their experts' ranks (both run on gloo and NCCL).
+    moe_token_dispatcher_type: str = one_of("alltoall", MOE_TOKEN_DISPATCHERS)
+    # Router load-balancing loss coefficient (Switch Transformer, Fedus et al. 2022, eq. 4;
+    # summed over MoE layers), added to the loss per loss token; 0: off.
+    moe_aux_loss_coeff: float = bounded(0.0, ge=0)
+    # Router z-loss coefficient (ST-MoE, Zoph et al. 2022, eq. 5), added per loss token; 0: off.
+    moe_z_loss_coeff: float = bounded(0.0, ge=0)
     # torch.compile every transformer layer (GPU only): fuses RoPE, residual adds and the
     # activation; ~8% faster train steps on the 0.85B bench (bench/RESULTS.md), compile time
     # at the first step and at new sequence-length shapes.
@@ -255,9 +287,9 @@ class GenerationConfig:
     # cluster.use_ray=false), prompt groups spread over them; 0: it runs in the controller's
     # process. generation.backend=hf only; grpo.streaming needs >= 1.
     num_workers: int = bounded(0, ge=0)
-    # backend=megatron on CUDA with tensor parallelism 1: decode steps replayed as CUDA graphs
-    # (captured per bucket of rows and attended length at first use, kept between generate
-    # calls); false decodes the same steps eagerly.
+    # backend=megatron on CUDA with tensor parallelism 1 and a dense model: decode steps replayed
+    # as CUDA graphs (captured per bucket of rows and attended length at first use, kept between
+    # generate calls); false, or a model with experts, decodes the same steps eagerly.
     cuda_graphs: bool = True
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 

@@ -60,7 +60,7 @@ from mcore_rl.generation.sampling import Sampler, check_sampling, row_uniforms
 def check_layout(megatron: MegatronConfig) -> None:
     """Raise ``NotImplementedError`` naming the config keys for a policy layout
     :class:`MegatronDecoder` does not run (:func:`mcore_rl.generation.checks.
-    megatron_layout_errors`: pipeline or sequence parallelism)."""
+    megatron_layout_errors`: pipeline, sequence or expert parallelism)."""
     errors = megatron_layout_errors(megatron)
     if errors:
         raise NotImplementedError("; ".join(errors))
@@ -209,8 +209,10 @@ class MegatronDecoder:
         from mcore_rl.megatron.attention import kv_cache_attention
 
         sampler = Sampler(cfg)
+        # MoE layers read their experts' token counts on the host, which a capture forbids.
         graphs = (cfg.cuda_graphs and self.device.type == "cuda"
-                  and self.megatron.tensor_model_parallel_size == 1)
+                  and self.megatron.tensor_model_parallel_size == 1
+                  and self.gpt.config.num_moe_experts is None)
         weights = tuple(p.data_ptr() for p in self.gpt.parameters())
         if weights != self._weights:  # moved (offload and restore): the graphs read old addresses
             self._graphs, self._weights = {}, weights

@@ -21,6 +21,8 @@ CUDA RNG state (tensor-parallel RNG tracker)   the CPU default generator, so ``t
                                                leave TP-replicated params different per rank)
 ``torch.cuda.synchronize`` / streams / events  no-ops / a null stream
 ``clip_grad_by_total_norm_fp32`` type assert   our own clip (:func:`_clip_grads_cpu`), same maths
+MoE ``maybe_move_tensor_to_cpu(as_numpy=True)``  numpy also for host tensors (:func:`_host_numpy`):
+                                               the alltoall token dispatcher's split sizes
 =============================================  ================================================
 
 The distributed optimizer is a GPU path (its param-group builder checks CUDA type strings)
@@ -166,6 +168,15 @@ def _clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False, 
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _host_numpy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """Megatron's ``moe_utils.maybe_move_tensor_to_cpu`` for a process without GPU: it turns only
+    CUDA tensors into numpy arrays, and the MoE alltoall token dispatcher passes the result as
+    the split sizes of ``all_to_all_single``, which takes a sequence of ints, not a tensor."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def activate() -> None:
     """Install the CPU redirects for this process (idempotent).
 
@@ -178,6 +189,8 @@ def activate() -> None:
         import megatron.core.tensor_parallel.random as mrandom
         import megatron.core.optimizer.clip_grads as mclip
         import megatron.core.optimizer.optimizer as mopt
+        import megatron.core.transformer.moe.moe_utils as mmoe
+        import megatron.core.transformer.moe.token_dispatcher as mdispatch
 
         torch.cuda.current_device = lambda: torch.device("cpu")
         torch.cuda.synchronize = lambda *a, **k: None
@@ -195,6 +208,7 @@ def activate() -> None:
         mrandom._set_cuda_rng_state = _set_cpu_rng_state
         mclip.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
         mopt.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
+        mmoe.maybe_move_tensor_to_cpu = mdispatch.maybe_move_tensor_to_cpu = _host_numpy
         _CudaToCpuMode().__enter__()
         _ACTIVE = True
 

@@ -1,9 +1,14 @@
-"""Model builder: Megatron-Core ``GPTModel`` chunks for a Llama/Qwen2-family decoder.
+"""Model builder: Megatron-Core ``GPTModel`` chunks for the Llama, Mistral, Qwen2 and Qwen3
+decoders and their mixture-of-experts (MoE) relatives Qwen2-MoE and Qwen3-MoE.
 
-The architecture is the one of Touvron et al. 2023 ("LLaMA", sec. 2.2) that Qwen2 shares:
+The architecture is the one of Touvron et al. 2023 ("LLaMA", sec. 2.2) that the others share:
 pre-norm RMSNorm (Zhang & Sennrich 2019), SwiGLU MLP (Shazeer 2020), rotary position
-embeddings (Su et al. 2021, non-interleaved "rotate half" layout as in Hugging Face), grouped
-query attention (Ainslie et al. 2023), no biases except the optional QKV bias of Qwen2.
+embeddings (Su et al. 2021, non-interleaved "rotate half" layout as in Hugging Face; Llama
+3.x's frequency scaling as an option), grouped query attention (Ainslie et al. 2023), no biases
+except the QKV bias of the Qwen2 families. What each family adds (:data:`FAMILIES`): Qwen3's
+RMSNorm of every query and key head before RoPE; the MoE families replace each MLP by routed
+experts (top-k softmax router, Shazeer et al. 2017; Megatron-Core's ``MoELayer`` with expert
+parallelism) and Qwen2-MoE adds a shared expert whose output is scaled by ``sigmoid(x w)``.
 
 Vocabulary padding: Megatron shards the embedding and output rows evenly over TP, so the
 model is built with :func:`padded_vocab_size` rows. The pad rows (ids ``>= vocab_size``) are
@@ -26,9 +31,9 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mcore_rl.config.schema import LAYER_SPECS, MegatronConfig, ModelArchConfig
+from mcore_rl.megatron.families import FAMILIES, arch_errors, head_dim, layout_errors
 
 _PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Values of ``megatron.layer_spec`` (see :func:`layer_spec`).
 
 
 def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
@@ -52,44 +57,71 @@ def transformer_config(
     vocab_size: int,
     device: torch.device | str,
 ) -> TransformerConfig:
-    """Megatron ``TransformerConfig`` of a Llama/Qwen2 decoder.
+    """Megatron ``TransformerConfig`` of the decoder ``arch`` (see the module docstring).
 
     Args:
         arch: the model shape (``model.arch``).
-        megatron: parallel sizes and precision (``policy.megatron``).
+        megatron: parallel sizes, precision and MoE settings (``policy.megatron``).
         vocab_size: tokenizer vocabulary (checked positive; the model itself is built in
             :func:`build_model`).
         device: ``"cpu"`` turns on CPU initialization and turns off every fused kernel;
             on CUDA only the pure-PyTorch (``torch.jit``) fusions are on (bias+SwiGLU,
             bias+dropout+add), since the others need Apex or Transformer Engine.
 
-    The RoPE base (``arch.rope_theta``) is a ``GPTModel`` argument, set in :func:`build_model`.
+    The RoPE base and scaling are ``GPTModel`` arguments, set in :func:`build_model`.
     Precision ``fp32`` keeps fp32 params; ``bf16`` builds bf16 params with ``bf16=True`` (the
     optimizer then keeps fp32 main params). ``calculate_per_token_loss=True``: Megatron sums
     the loss over microbatches and DP and ``finalize_model_grads`` divides the grads by the
     all-reduced token count.
 
-    Raises ``ValueError`` naming the config key for an unknown precision, an unknown layer
-    spec (:data:`LAYER_SPECS`), or a non-positive vocabulary.
+    MoE (``arch.num_experts`` set): Megatron's router with a softmax score, top-k after the
+    softmax (``moe_router_pre_softmax``) unless ``arch.moe_norm_topk_prob`` (top-k of the logits,
+    then a softmax over those k: the renormalized probabilities), no token dropping, the
+    load-balancing and z-loss coefficients of ``megatron`` (which positions they count and
+    their weight: :mod:`mcore_rl.megatron.moe`), and the experts as ``SequentialMLP``
+    (``local``/``torch`` specs) or TE's grouped GEMM (``transformer_engine``).
+
+    Raises ``ValueError`` naming the config key for a non-positive vocabulary or what
+    :func:`arch_errors` and :func:`layout_errors` report (each key's declared choices and
+    bounds included: an unknown precision or layer spec, ...).
     """
-    if megatron.precision not in _PARAMS_DTYPES:
-        raise ValueError(
-            f"megatron.precision must be one of {sorted(_PARAMS_DTYPES)}, "
-            f"got {megatron.precision!r}"
-        )
-    if megatron.layer_spec not in LAYER_SPECS:
-        raise ValueError(f"megatron.layer_spec must be one of {LAYER_SPECS}, "
-                         f"got {megatron.layer_spec!r}")
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    errors = arch_errors(arch) or layout_errors(arch, megatron, "megatron")
+    if errors:
+        raise ValueError("; ".join(errors))
     on_cpu = torch.device(device).type == "cpu"
     dtype = _PARAMS_DTYPES[megatron.precision]
+    moe = {}
+    if arch.num_experts is not None:
+        from mcore_rl.megatron.moe import router_loss_coefficients
+
+        aux_coeff, z_coeff = router_loss_coefficients(
+            megatron.moe_aux_loss_coeff, megatron.moe_z_loss_coeff,
+            megatron.tensor_model_parallel_size)
+        moe = dict(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_router_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
+            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size,
+            moe_shared_expert_gate=FAMILIES[arch.family].shared_expert,
+            moe_token_dispatcher_type=megatron.moe_token_dispatcher_type,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=aux_coeff,
+            moe_z_loss_coeff=z_coeff,
+            moe_grouped_gemm=megatron.layer_spec == "transformer_engine",
+            expert_model_parallel_size=megatron.expert_model_parallel_size,
+            expert_tensor_parallel_size=megatron.expert_tensor_parallel_size,
+        )
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_query_groups,
+        kv_channels=head_dim(arch),
+        qk_layernorm=FAMILIES[arch.family].qk_layernorm,
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True,
@@ -119,20 +151,25 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        **moe,
     )
 
 
-def layer_spec(name: str) -> ModuleSpec:
+def layer_spec(name: str, num_experts: int | None = None, qk_layernorm: bool = False) -> ModuleSpec:
     """The ``TransformerLayer`` spec of ``megatron.layer_spec`` (all RMSNorm, SwiGLU, RoPE):
 
     - ``"local"``: Megatron's own modules (``get_gpt_layer_local_spec``), whose core attention
       (``DotProductAttention``) materializes the ``[b, heads, s, s]`` scores; norms are
-      :class:`RMSNorm` (sequence-parallel aware).
+      :class:`RMSNorm` (sequence-parallel aware); experts are Megatron's ``SequentialMLP``.
     - ``"torch"``: the local spec with its core attention replaced by
       :class:`~mcore_rl.megatron.attention.TorchSDPAttention` (torch's fused SDPA kernels).
       Same parameters and names as ``"local"``, so conversion and checkpoints are shared.
     - ``"transformer_engine"``: Megatron's TE spec (``get_gpt_layer_with_transformer_engine_spec``;
-      norms fused into the next linear, so its parameter names differ from ``"local"``).
+      norms fused into the next linear, experts in TE's grouped GEMM, so its parameter names
+      differ from ``"local"``: :mod:`mcore_rl.megatron.conversion` knows both).
+
+    ``num_experts`` (None: a dense MLP) and ``qk_layernorm`` (an RMSNorm over each query and
+    key head) are Megatron's spec arguments of the same names.
 
     Raises:
         ValueError: an unknown name (config key ``megatron.layer_spec``), or
@@ -152,14 +189,20 @@ def layer_spec(name: str) -> ModuleSpec:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None,
+            qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
+                                    normalization="RMSNorm")
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    attention = spec.submodules.self_attention.submodules
+    if qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
     if name == "torch":
         from mcore_rl.megatron.attention import TorchSDPAttention
 
-        spec.submodules.self_attention.submodules.core_attention = TorchSDPAttention
+        attention.core_attention = TorchSDPAttention
     return spec
 
 
@@ -190,7 +233,7 @@ def _decoder_spec(name: str, config: TransformerConfig, vp_stage: int | None) ->
     """The decoder spec of one chunk: for ``local``/``torch`` a ``TransformerBlock`` spec whose
     final norm is :class:`RMSNorm` too (Megatron would pick ``WrappedTorchNorm`` without
     Apex), built as ``get_gpt_decoder_block_spec`` does; the TE layer spec as it is."""
-    spec = layer_spec(name)
+    spec = layer_spec(name, config.num_moe_experts, config.qk_layernorm)
     if name == "transformer_engine":
         return spec
     from megatron.core.transformer.transformer_block import (
@@ -204,6 +247,17 @@ def _decoder_spec(name: str, config: TransformerConfig, vp_stage: int | None) ->
         layer_specs=[spec] * layers, layer_norm=RMSNorm))
 
 
+def _define_te_gemm_without_te() -> None:
+    """megatron-core 0.16 imports ``te_general_gemm`` into ``moe_utils`` only when Transformer
+    Engine imports, and its router's gating linear then reads the missing name (``NameError``);
+    0.19 sets it to None without TE. Define it as None where it is missing (the router then
+    uses ``torch.mm``)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def build_model(
     arch: ModelArchConfig,
     megatron: MegatronConfig,
@@ -212,7 +266,7 @@ def build_model(
 ) -> list[GPTModel]:
     """Build this rank's ``GPTModel`` chunks, one per virtual pipeline stage (one without VPP).
 
-    Needs Megatron's ``parallel_state`` initialized with the same TP/PP/VPP sizes
+    Needs Megatron's ``parallel_state`` initialized with the same TP/PP/VPP/EP/expert-TP sizes
     (:func:`mcore_rl.megatron.parallel.initialize`). Embedding and output layer have
     :func:`padded_vocab_size` rows; embeddings are tied when ``arch.tie_word_embeddings``.
     Weights are Megatron's random init; load real ones with
@@ -227,23 +281,30 @@ def build_model(
     (``nn.Module.compile``: torch.compile with the module's names kept).
 
     Raises ``ValueError`` as :func:`transformer_config`, when Megatron's parallel state
-    disagrees with the config's TP/PP/VPP sizes, or for ``compile_layers`` off CUDA.
+    disagrees with the config's TP/PP/VPP/EP/expert-TP sizes, or for ``compile_layers`` off
+    CUDA.
     """
     config = transformer_config(arch, megatron, vocab_size, device)
+    if arch.num_experts is not None:
+        _define_te_gemm_without_te()
     state = (
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
     )
     wanted = (
         megatron.tensor_model_parallel_size,
         megatron.pipeline_model_parallel_size,
         megatron.virtual_pipeline_model_parallel_size,
+        megatron.expert_model_parallel_size,
+        megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size,
     )
     if state != wanted:
         raise ValueError(
-            f"megatron (tensor, pipeline, virtual pipeline) sizes {wanted} differ from the "
-            f"initialized parallel state {state}"
+            f"megatron (tensor, pipeline, virtual pipeline, expert, expert tensor) sizes "
+            f"{wanted} differ from the initialized parallel state {state}"
         )
     if megatron.compile_layers and torch.device(device).type != "cuda":
         raise ValueError(f"megatron.compile_layers needs a CUDA device, got {device!r}")
@@ -267,6 +328,8 @@ def build_model(
                 share_embeddings_and_output_weights=arch.tie_word_embeddings,
                 position_embedding_type="rope",
                 rotary_base=arch.rope_theta,
+                rope_scaling=arch.rope_scaling_factor is not None,
+                rope_scaling_factor=arch.rope_scaling_factor or 8.0,
                 vp_stage=vp_stage,
             ).to(device)  # as Megatron-LM's get_model: the local spec's torch norms start on the CPU
         )

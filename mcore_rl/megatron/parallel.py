@@ -44,9 +44,13 @@ def initialize(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     seed: int = 1234,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> torch.device:
-    """Join the process group and build Megatron's TP/PP/DP groups; seed Megatron's
-    model-parallel RNG tracker. Returns the torch device of this rank.
+    """Join the process group and build Megatron's TP/PP/DP groups and its expert groups
+    (EP x expert TP x expert DP over the same ranks, Megatron's "MoE parallel folding";
+    ``expert_tensor_parallel_size`` None: the TP size); seed Megatron's model-parallel RNG
+    tracker. Returns the torch device of this rank.
 
     RNG (dropout), as Megatron-LM's ``_set_random_seed``: pipeline stage ``p`` uses
     ``seed + 100 p`` (layers of different stages draw different masks), and
@@ -54,13 +58,20 @@ def initialize(
     stage (dropout of replicated activations agrees) and the tracker's ``model-parallel-rng``
     differ per TP rank (dropout inside TP-split regions is independent per shard).
 
-    Raises ``ValueError`` when ``world_size`` is not divisible by TP x PP.
+    Raises ``ValueError`` when ``world_size`` is not divisible by TP x PP or by expert TP x
+    EP x PP.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size or tensor_model_parallel_size
     if world_size % (tp * pp) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
             f"pipeline_model_parallel_size ({pp})"
+        )
+    if world_size % (etp * ep * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert_tensor_parallel_size ({etp}) x "
+            f"expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp})"
         )
     device = resolve_device(device)
     if device == "cpu":
@@ -90,6 +101,8 @@ def initialize(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
         )
     model_parallel_cuda_manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     return torch_device

@@ -186,6 +186,8 @@ class MegatronTrainWorker:
             megatron.pipeline_model_parallel_size,
             megatron.virtual_pipeline_model_parallel_size,
             seed=seed,
+            expert_model_parallel_size=megatron.expert_model_parallel_size,
+            expert_tensor_parallel_size=megatron.expert_tensor_parallel_size,
         )
         from megatron.core import parallel_state as ps
 
@@ -340,13 +342,33 @@ class MegatronTrainWorker:
         b, s = ids.shape
         # bf16: the last stage returns bf16 (Float16Module would upcast the whole output, a
         # full-vocabulary fp32 copy of the logits); consumers compute in fp32 themselves.
-        half = {"fp32_output": False} if self.megatron_cfg.precision == "bf16" else {}
-        return model(
-            ids,
-            position_ids(b, s, ids.device),
-            attention_mask(self.megatron_cfg.layer_spec, b, s, ids.device),
-            **half,
-        )
+        kwargs = {"fp32_output": False} if self.megatron_cfg.precision == "bf16" else {}
+        router_losses = contextlib.nullcontext()
+        if self.arch.num_experts is not None:
+            kwargs["padding_mask"], router_losses = self._router_losses(model, mb)
+        with router_losses:
+            return model(
+                ids,
+                position_ids(b, s, ids.device),
+                attention_mask(self.megatron_cfg.layer_spec, b, s, ids.device),
+                **kwargs,
+            )
+
+    def _router_losses(self, model, mb: Batch):
+        """``(padding_mask, context)`` of an MoE model's forward on ``mb``: the router losses
+        count the loss positions only, and are off for a micro-batch without any
+        (:mod:`mcore_rl.megatron.moe`). Megatron splits the mask over the sequence-parallel
+        ranks on the first pipeline stage only; later stages get their slice here."""
+        from megatron.core.utils import unwrap_model
+
+        from mcore_rl.megatron import moe
+
+        mask = moe.router_padding_mask(mb)
+        off = moe.router_losses_off(self.model_config) if bool(mask.all()) else contextlib.nullcontext()
+        if self.megatron_cfg.sequence_parallel and not unwrap_model(model).pre_process:
+            tp, rank = self.ps.get_tensor_model_parallel_world_size(), self.ps.get_tensor_model_parallel_rank()
+            mask = mask.chunk(tp, dim=1)[rank]
+        return mask, off
 
     def _run_schedule(
         self,
@@ -385,6 +407,10 @@ class MegatronTrainWorker:
                                            max(mb["input_ids"].numel() for mb in mbs))
         mbs = [{k: self._to_device(v) for k, v in mb.items()} for mb in mbs]
         num_mb = len(mbs)
+        if not forward_only and self.arch.num_experts is not None:
+            from mcore_rl.megatron.moe import router_padding_mask
+
+            self._router_microbatches += sum(not bool(router_padding_mask(mb).all()) for mb in mbs)
         seq_len, rows = mbs[0]["input_ids"].shape[1], mbs[0]["input_ids"].shape[0]
         self.model_config.variable_seq_lengths = shapes_vary(mbs)
 
@@ -464,7 +490,9 @@ class MegatronTrainWorker:
             (raw sum over all micro-batches and DP ranks / global count of its kind), plus
             ``grad_norm`` (after scaling, before clipping), ``lr`` (used by this step),
             ``num_valid_tokens``/``num_valid_sequences`` (global sums),
-            ``microbatch_tokens_max`` (:meth:`_optimizer_step`).
+            ``microbatch_tokens_max`` (:meth:`_optimizer_step`); with experts and a router
+            loss coefficient set, ``moe_aux_loss`` / ``moe_z_loss``
+            (:func:`~mcore_rl.megatron.moe.router_loss_metrics`).
 
         Raises:
             RuntimeError: a split train step is open (:meth:`begin_train_step`).
@@ -491,6 +519,11 @@ class MegatronTrainWorker:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.arch.num_experts is not None:
+            from mcore_rl.megatron.moe import clear_router_losses
+
+            clear_router_losses()
+            self._router_microbatches = 0
 
     def _optimizer_step(self, outputs: List[Dict[str, torch.Tensor]], loss_fn,
                         global_batch_size: int) -> Dict[str, float]:
@@ -516,6 +549,11 @@ class MegatronTrainWorker:
         if self.manual_gc_interval and self.trainer_version % self.manual_gc_interval == 0:
             gc.collect()
         metrics = self._reduce_metrics(outputs, loss_fn)
+        if self.arch.num_experts is not None:
+            from mcore_rl.megatron.moe import router_loss_metrics
+
+            metrics.update(router_loss_metrics(self.model_config, self._router_microbatches,
+                                               self.device))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(lr)
         metrics["update_successful"] = float(bool(success))
@@ -571,6 +609,7 @@ class MegatronTrainWorker:
     # same rows: begin_train_step, train_microbatch (any number of times, and a different
     # number on each DP rank), finish_train_step; abort_train_step drops an open step.
     _split_step: Optional[_SplitStep] = None  # the open split step, if any
+    _router_microbatches = 0  # MoE: this step's micro-batches with loss positions, this rank
 
     @requires_device_state(training=True)
     def begin_train_step(self, loss_fn, global_batch_size: int, micro_batch_size: int) -> None:

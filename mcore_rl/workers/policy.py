@@ -20,13 +20,16 @@ from mcore_rl.workers.megatron_worker import LossOutput, MegatronTrainWorker, re
 
 def initial_hf_state_dict(hf_config, seed: int) -> Dict[str, torch.Tensor]:
     """Weights of a freshly initialised Hugging Face model for ``hf_config`` (fp32), seeded,
-    so that the same seed gives the same starting policy in every parallel layout."""
+    so that the same seed gives the same starting policy in every parallel layout; under the
+    checkpoint names (:func:`~mcore_rl.megatron.conversion.hf_checkpoint_state_dict`)."""
     from transformers import AutoModelForCausalLM
+
+    from mcore_rl.megatron.conversion import hf_checkpoint_state_dict
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    return model.state_dict()
+    return hf_checkpoint_state_dict(model)
 
 
 class PolicyWorker(MegatronTrainWorker):

@@ -1,0 +1,103 @@
+"""The decoder families the model builder supports, and the checks of a model shape and an MoE
+layout that the config loader and the builder share (no Megatron import: the loader runs
+before any worker).
+
+A family is a Hugging Face ``model_type`` (:data:`FAMILIES`); what it adds to the Llama
+architecture is described in :mod:`mcore_rl.megatron.model`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcore_rl.config import checks
+from mcore_rl.config.schema import MegatronConfig, ModelArchConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a Hugging Face ``model_type`` fixes about the decoder."""
+
+    qkv_bias: bool  # biases on the q/k/v projections (and no other)
+    qk_layernorm: bool  # RMSNorm over each query and key head, before RoPE (Qwen3)
+    moe: bool  # every MLP is a layer of routed experts
+    shared_expert: bool  # plus a shared expert gated by sigmoid(x w) (Qwen2-MoE)
+
+
+# Keyed by the schema's MODEL_FAMILIES (the choices of ``model.arch.family``), in its order.
+FAMILIES = {
+    "llama": Family(qkv_bias=False, qk_layernorm=False, moe=False, shared_expert=False),
+    "mistral": Family(qkv_bias=False, qk_layernorm=False, moe=False, shared_expert=False),
+    "qwen2": Family(qkv_bias=True, qk_layernorm=False, moe=False, shared_expert=False),
+    "qwen3": Family(qkv_bias=False, qk_layernorm=True, moe=False, shared_expert=False),
+    "qwen2_moe": Family(qkv_bias=True, qk_layernorm=False, moe=True, shared_expert=True),
+    "qwen3_moe": Family(qkv_bias=False, qk_layernorm=True, moe=True, shared_expert=False),
+}
+
+
+def head_dim(arch: ModelArchConfig) -> int:
+    """Size of one attention head: ``arch.head_dim``, else ``hidden_size / num_attention_heads``."""
+    return arch.head_dim or arch.hidden_size // arch.num_attention_heads
+
+
+def arch_errors(arch: ModelArchConfig) -> list[str]:
+    """Why ``arch`` (``model.arch``) describes no model of its family, one message per reason
+    naming the keys; empty when it does. Checked: each key's declared choices and bounds
+    (:func:`mcore_rl.config.checks.errors`: a known family, positive sizes), then the family's
+    QKV bias and the MoE keys (experts only for the MoE families, top-k within them, a shared
+    expert size exactly for qwen2_moe)."""
+    errors = checks.errors(arch, "model.arch")
+    if errors:
+        return errors
+    family = FAMILIES[arch.family]
+    if arch.qkv_bias != family.qkv_bias:
+        errors.append(f"model.arch.qkv_bias must be {str(family.qkv_bias).lower()} for family "
+                      f"{arch.family} (got {str(arch.qkv_bias).lower()})")
+    if family.moe != (arch.num_experts is not None):
+        errors.append(f"model.arch.num_experts must be {'set' if family.moe else 'null'} for "
+                      f"family {arch.family} (got {arch.num_experts})")
+    if arch.num_experts is not None and not 1 <= arch.moe_router_topk <= arch.num_experts:
+        errors.append(f"model.arch.moe_router_topk ({arch.moe_router_topk}) must be in [1, "
+                      f"model.arch.num_experts ({arch.num_experts})]")
+    if family.shared_expert != (arch.moe_shared_expert_ffn_hidden_size is not None):
+        errors.append(f"model.arch.moe_shared_expert_ffn_hidden_size must be "
+                      f"{'set' if family.shared_expert else 'null'} for family {arch.family} "
+                      f"(got {arch.moe_shared_expert_ffn_hidden_size})")
+    return errors
+
+
+def layout_errors(arch: ModelArchConfig, megatron: MegatronConfig, key: str,
+                  world_size: int | None = None) -> list[str]:
+    """Why the MoE settings of ``megatron`` (config section ``key``, e.g. ``policy.megatron``)
+    cannot run ``arch``, one message per reason naming the keys; empty when they can.
+
+    Checked: each key's declared choices and bounds (:func:`mcore_rl.config.checks.errors`: a
+    known token dispatcher, non-negative router loss coefficients, sizes >= 1), then expert
+    parallelism (EP) or expert TP only with experts, ``num_experts`` divisible by EP, sequence
+    parallelism with TP > 1 for MoE training (Megatron-Core's ``MoELayer`` refuses MoE + TP
+    without it), and, given ``world_size`` (processes of the worker world), ``expert TP x EP x
+    PP`` dividing it (Megatron's expert groups tile the same ranks as TP x DP x PP).
+    """
+    errors = checks.errors(megatron, key)
+    if errors:
+        return errors
+    ep, etp = megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    if arch.num_experts is None:
+        if ep > 1 or etp not in (None, tp):
+            errors.append(f"{key}.expert_model_parallel_size ({ep}) and "
+                          f"expert_tensor_parallel_size ({etp}) need a model with experts "
+                          f"(model.arch.family {arch.family} is dense)")
+        return errors
+    if arch.num_experts % ep:
+        errors.append(f"model.arch.num_experts ({arch.num_experts}) must be divisible by "
+                      f"{key}.expert_model_parallel_size ({ep})")
+    if tp > 1 and not megatron.sequence_parallel:
+        errors.append(f"{key}.sequence_parallel must be true with experts and "
+                      f"{key}.tensor_model_parallel_size > 1 (got {tp})")
+    experts_per_layer = (etp or tp) * ep * pp
+    if world_size is not None and world_size % experts_per_layer:
+        errors.append(f"cluster.num_workers ({world_size}) must be divisible by "
+                      f"{key}.expert_tensor_parallel_size x expert_model_parallel_size x "
+                      f"pipeline_model_parallel_size ({etp or tp} x {ep} x {pp})")
+    return errors
