@@ -1,5 +1,5 @@
-"""Wall time per RL step of the streaming GRPO loop against the synchronous one, on the CPU;
-prints one markdown table.
+"""Wall time per RL step of the streaming GRPO loop against the synchronous one; prints one
+markdown table.
 
 Each mode builds a trainer of the default synthetic run (``configs/grpo_synthetic.yaml``: 32
 prompts x 8 responses per step, the ~0.9M-parameter model, one policy process) with plain
@@ -12,6 +12,8 @@ generation calls outstanding, policy calls outstanding, both, neither) and the s
 histogram.
 
     python bench/streaming.py --steps 8 [--sft-steps 0] [--modes sync,stream0,stream1]
+    # one GPU for the policy, one for the hf engine's process (grpo_synthetic_gpu's model):
+    python bench/streaming.py --config grpo_synthetic_gpu --set generation.backend=hf
 
 No warm start by default (``--sft-steps``): the timing does not depend on the rewards.
 """
@@ -42,9 +44,11 @@ MODES = {
 PHASES = ("generation_busy", "trainer_busy", "overlap", "idle")
 
 
-def bench(mode: str, steps: int, sft_steps: int, out: str) -> Dict[str, float]:
-    """Seconds per RL step (after the first) of one mode, and the streaming loop's phases."""
-    cfg = load_config("grpo_synthetic", MODES[mode][1] + [
+def bench(config: str, overrides: List[str], mode: str, steps: int, sft_steps: int,
+          out: str) -> Dict[str, float]:
+    """Seconds per RL step (after the first) of one mode of ``config`` with ``overrides``, and
+    the streaming loop's phases."""
+    cfg = load_config(config, overrides + MODES[mode][1] + [
         "cluster.use_ray=false", f"sft.steps={sft_steps}", f"grpo.max_steps={steps}",
         "grpo.val_every=0", "grpo.val_at_start=false", "checkpoint.save_final=false",
         "logging.progress=false", f"run.output_dir={out}"])
@@ -75,14 +79,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sft-steps", type=int, default=0)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--config", default="grpo_synthetic")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides of every mode")
     args = parser.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
-            rows[mode] = bench(mode, args.steps, args.sft_steps, os.path.join(tmp, mode))
+            rows[mode] = bench(args.config, args.set, mode, args.steps, args.sft_steps,
+                               os.path.join(tmp, mode))
             print(f"{mode}: {rows[mode]}", file=sys.stderr, flush=True)
     base = rows.get("sync", {}).get("mean")
-    print(f"{args.steps} RL steps per mode (the first not counted), load average "
+    print(f"{args.config} {' '.join(args.set)}: {args.steps} RL steps per mode (the first not "
+          f"counted), load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end\n")
     print("| loop | s/step mean | median | vs sync | generation busy | trainer busy | overlap "
           "| idle | groups at staleness 0 / 1 |")
