@@ -231,8 +231,6 @@ def test_engines_are_placed_on_the_policys_gpus_or_their_own(monkeypatch):
 
 
 def test_rollout_mismatch_and_speed_metrics():
-    from types import SimpleNamespace
-
     from mcore_rl.controller.trainer import RLTrainer
 
     # two rows, responses at positions 2..3 and 1..3; position 0 never counts
@@ -242,7 +240,7 @@ def test_rollout_mismatch_and_speed_metrics():
     rollout = {"rewards": torch.tensor([1.0, 0.0]), "token_mask": mask, "generation_logprobs": gen,
                "prev_logprobs": prev, "response_lengths": torch.tensor([2, 3]),
                "truncated": torch.zeros(2), "input_lengths": torch.tensor([4, 4])}
-    m = RLTrainer.rollout_metrics(SimpleNamespace(_generation_seconds=2.0), rollout, 0)
+    m = RLTrainer.rollout_metrics(rollout, 0, 2.0)
     diffs = torch.tensor([0.1, 0.2, 0.0, 0.3, 0.0])
     assert m["train/logprob_mismatch_max"] == pytest.approx(0.3)
     assert m["train/logprob_mismatch_mean"] == pytest.approx(float(diffs.mean()))

@@ -90,7 +90,8 @@ class GRPOTrainer(RLTrainer):
                                  for part in B.shard(rollout, g.optimizer_steps_per_rollout)]
             with t.phase("refit"):
                 refit = self.refit()
-        metrics = self.rollout_metrics(rollout, self._reward_errors)
+        metrics = self.rollout_metrics(rollout, self._reward_errors,
+                                       t.seconds("generation"))
         metrics.update({f"train/{k}": v for k, v in sampling.items()})
         for k in train_metrics[-1]:
             metrics[f"train/{k}"] = sum(m[k] for m in train_metrics) / len(train_metrics)

@@ -147,7 +147,7 @@ class PPOTrainer(RLTrainer):
             if train_policy:
                 with t.phase("refit"):
                     refit = self.refit()
-        metrics = self.rollout_metrics(rollout, reward_errors)
+        metrics = self.rollout_metrics(rollout, reward_errors, t.seconds("generation"))
         metrics.update(critic)
         metrics.update(_mean_metrics(value_metrics, "critic/"))
         metrics.update(_mean_metrics(policy_metrics, "train/"))

@@ -263,7 +263,10 @@ class StreamingGRPOTrainer(GRPOTrainer):
         clock.mark(bool(self.generating), False)
 
         rollout = B.concat(chunks)
-        metrics = self.rollout_metrics(rollout, sum(sg.reward_errors for sg in fed))
+        # tokens per second: this step's rows over the wall seconds generation was busy in it
+        # (rows decoded in the previous step count there, at max_staleness > 0)
+        metrics = self.rollout_metrics(rollout, sum(sg.reward_errors for sg in fed),
+                                       clock.seconds["generation_busy"])
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update(refit)
         staleness = [self.step - sg.version for sg in fed]

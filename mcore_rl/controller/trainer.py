@@ -228,11 +228,9 @@ class RLTrainer:
         ``reward``."""
         idx = self.sampler.next_batch()
         prompt_idx = [i for i in idx for _ in range(num_generations)]
-        start = time.perf_counter()
         with self.timer.phase("generation"):
             rollout = self.generation.generate(self._prompts(self.train_data, prompt_idx),
                                                seed=step_seed(self.cfg.run.seed, self.step))
-        self._generation_seconds = time.perf_counter() - start
         with self.timer.phase("reward"):
             rewards, reward_errors, _ = self._score(
                 rollout, [self.train_data.examples[i] for i in prompt_idx])
@@ -240,7 +238,9 @@ class RLTrainer:
         rollout["sample_mask"] = torch.ones(B.batch_size(rollout))
         return rollout, reward_errors
 
-    def rollout_metrics(self, rollout: B.Batch, reward_errors: int) -> Dict[str, float]:
+    @staticmethod
+    def rollout_metrics(rollout: B.Batch, reward_errors: int,
+                        generation_seconds: float) -> Dict[str, float]:
         """Reward, length, generation speed and trainer/rollout logprob-mismatch figures of a
         scored rollout that has ``prev_logprobs`` (from :meth:`generate_and_score`).
 
@@ -248,8 +248,8 @@ class RLTrainer:
         ``_mean`` are the max and mean of ``|prev_logprobs - generation_logprobs|``;
         ``train/token_mult_prob_error`` is the mean of ``exp(|...|)`` (1 when the rollout
         engine and the trainer agree; NeMo RL's multiplicative probability error, its
-        docs/adding-new-models.md). ``generation/tokens_per_s``: response tokens per second of
-        the step's ``generate`` call."""
+        docs/adding-new-models.md). ``generation/tokens_per_s``: the rollout's response tokens
+        per ``generation_seconds`` (the wall seconds spent generating them)."""
         rewards = rollout["rewards"]
         mask = rollout["token_mask"][:, 1:]
         mismatch = (rollout["prev_logprobs"] - rollout["generation_logprobs"]).abs()[:, 1:] * mask
@@ -257,7 +257,7 @@ class RLTrainer:
         return {
             "train/logprob_mismatch_mean": float(mismatch.sum()) / tokens if tokens else 0.0,
             "train/token_mult_prob_error": float((mismatch.exp() * mask).sum()) / tokens if tokens else 1.0,
-            "generation/tokens_per_s": float(rollout["response_lengths"].sum()) / self._generation_seconds,
+            "generation/tokens_per_s": float(rollout["response_lengths"].sum()) / generation_seconds,
             "train/reward_mean": float(rewards.mean()),
             "train/reward_std": float(rewards.std()),
             "train/reward_errors": float(reward_errors),

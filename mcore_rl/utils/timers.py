@@ -22,6 +22,10 @@ class PhaseTimer:
         finally:
             self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def seconds(self, name: str) -> float:
+        """Seconds spent in phase ``name`` since the last :meth:`pop` (0 if none)."""
+        return self._seconds.get(name, 0.0)
+
     def pop(self) -> Dict[str, float]:
         out = {f"timing/{k}_s": v for k, v in self._seconds.items()}
         self._seconds.clear()
