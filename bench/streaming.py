@@ -12,8 +12,8 @@ generation calls outstanding, policy calls outstanding, both, neither) and the s
 histogram.
 
     python bench/streaming.py --steps 8 [--sft-steps 0] [--modes sync,stream0,stream1]
-    # one GPU for the policy, one for the hf engine's process (grpo_synthetic_gpu's model):
-    python bench/streaming.py --config grpo_synthetic_gpu --set generation.backend=hf
+    # one GPU shared by the policy and the hf engine's process (grpo_synthetic_gpu's model),
+    # 128-token responses: scripts/gpu/streaming_bench.sh
 
 No warm start by default (``--sft-steps``): the timing does not depend on the rewards.
 """
@@ -36,6 +36,7 @@ from mcore_rl.controller.grpo import trainer_class  # noqa: E402
 MODES = {
     "sync": ("synchronous, hf in the controller's process", []),
     "sync1": ("synchronous, hf in 1 process of its own", ["generation.num_workers=1"]),
+    "sync_megatron": ("synchronous, the policy decodes (megatron)", ["generation.backend=megatron"]),
     "stream0": ("streaming, max_staleness=0", ["grpo.streaming=true", "generation.num_workers=1",
                                                "grpo.max_staleness=0"]),
     "stream1": ("streaming, max_staleness=1", ["grpo.streaming=true", "generation.num_workers=1",
@@ -81,15 +82,19 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--config", default="grpo_synthetic")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides of every mode")
+    parser.add_argument("--stream-set", nargs="*", default=[],
+                        help="config overrides of the streaming modes only")
     args = parser.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
-            rows[mode] = bench(args.config, args.set, mode, args.steps, args.sft_steps,
+            overrides = args.set + (args.stream_set if mode.startswith("stream") else [])
+            rows[mode] = bench(args.config, overrides, mode, args.steps, args.sft_steps,
                                os.path.join(tmp, mode))
             print(f"{mode}: {rows[mode]}", file=sys.stderr, flush=True)
     base = rows.get("sync", {}).get("mean")
-    print(f"{args.config} {' '.join(args.set)}: {args.steps} RL steps per mode (the first not "
+    print(f"{args.config} {' '.join(args.set)} (streaming modes: {' '.join(args.stream_set)}): "
+          f"{args.steps} RL steps per mode (the first not "
           f"counted), load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end\n")
     print("| loop | s/step mean | median | vs sync | generation busy | trainer busy | overlap "

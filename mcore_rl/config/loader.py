@@ -336,9 +336,6 @@ def validate(cfg: TrainConfig) -> None:
         check(grpo.optimizer_steps_per_rollout == 1,
               f"grpo.streaming=true needs grpo.optimizer_steps_per_rollout=1 (got "
               f"{grpo.optimizer_steps_per_rollout}): a streamed RL step is one optimizer step")
-        check(not cfg.cluster.colocate_generation,
-              "grpo.streaming=true needs cluster.colocate_generation=false: generation and "
-              "training run at the same time")
         check(grpo.advantage_estimator in ("grpo", "rloo"),
               f"grpo.streaming=true needs a per-group grpo.advantage_estimator (grpo or rloo; got "
               f"{grpo.advantage_estimator}): a group trains as soon as it is scored")

@@ -68,7 +68,9 @@ class ClusterConfig:
     # each GPU per rank); "separate": each group on GPUs of its own (PPO: 2 x num_workers).
     placement: str = one_of("colocated", PLACEMENTS)
     # Rollout engine on the policy's GPUs: the policy's weights, grads and optimizer state leave
-    # the GPU after each refit and come back for logprobs and training (offload lifecycle).
+    # the GPU after each refit and come back for logprobs and training (offload lifecycle). The
+    # streaming loop (grpo.streaming) generates while it trains, so there both stay resident and
+    # share each GPU (one GPU runs it; memory must hold both).
     colocate_generation: bool = False
     # Garbage collection in the Megatron workers. 0: Python's automatic collection. N > 0: off,
     # with a full collection after every N-th optimizer step on all ranks at once (Megatron-LM's

@@ -125,6 +125,9 @@ class StreamingGRPOTrainer(GRPOTrainer):
         if not isinstance(self.generation, RemoteGeneration):
             raise ValueError("grpo.streaming=true needs generation.backend=hf with "
                              "generation.num_workers >= 1")
+        # cluster.colocate_generation: the generation processes share the policy's GPUs with
+        # everything resident (no offload lifecycle): generation and training run at once
+        self.colocation.enabled = False
         self.todo: Deque[PromptGroup] = collections.deque()  # to generate
         # generation call -> (process, its prompt groups)
         self.generating: Dict[Future, Tuple[int, List[PromptGroup]]] = {}
