@@ -63,7 +63,8 @@ def main() -> None:
     cfg = load_config(args.config_name, [
         *args.override, f"generation.max_new_tokens={args.new_tokens}",
         f"data.max_prompt_length={args.prompt_length}", f"data.max_total_length={length}",
-        f"model.arch.max_position_embeddings={max(length, 32)}"])
+        f"model.arch.max_position_embeddings={max(length, 32)}",
+        "policy.optimizer.lr_warmup_steps=0"])  # the policy never trains here (1 step's schedule)
     device = resolve_device(cfg.cluster.device)
     tokenizer = load_tokenizer(cfg.model)
     arch = cfg.model.arch
