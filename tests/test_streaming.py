@@ -26,6 +26,7 @@ duplicated a group, or normalized by another count, moves parameters by 1e-5 to 
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from concurrent.futures import wait
@@ -36,8 +37,7 @@ import torch
 from mcore_rl.algorithms.losses import ClippedPGLoss
 from mcore_rl.algorithms.registry import build_policy_loss
 from mcore_rl.config.loader import ConfigError, load_config
-from mcore_rl.controller.grpo import GRPOTrainer
-from mcore_rl.controller.streaming import StepFailed, StreamingGRPOTrainer
+from mcore_rl.controller.streaming import StepFailed, StreamingLoop
 from mcore_rl.generation import remote
 
 PARITY_RTOL = 1e-5
@@ -86,38 +86,48 @@ class FaultyGenerationWorker(remote.GenerationWorker):
         return super().generate(*args)
 
 
+def raise_if_flagged(flag):
+    """Raise an injected micro-batch fault when the file ``flag`` exists, and remove it (the
+    first micro-batch of any rank that sees it raises)."""
+    if os.path.exists(flag):
+        try:
+            os.remove(flag)
+        except FileNotFoundError:  # the other DP rank took it
+            pass
+        raise RuntimeError("injected micro-batch fault")
+
+
 class RaiseOnce(ClippedPGLoss):
     """:class:`ClippedPGLoss` that raises in the first micro-batch it sees while ``flag``
-    exists, and removes it."""
+    exists (:func:`raise_if_flagged`)."""
 
     def __init__(self, cfg, flag):
         super().__init__(cfg)
         self.flag = flag
 
     def __call__(self, logprobs, batch):
-        if os.path.exists(self.flag):
-            try:
-                os.remove(self.flag)
-            except FileNotFoundError:  # the other DP rank took it
-                pass
-            raise RuntimeError("injected micro-batch fault")
+        raise_if_flagged(self.flag)
         return super().__call__(logprobs, batch)
 
 
 class Run:
-    """A streaming trainer after its warm start, reset to it by :meth:`reset`."""
+    """A streaming trainer of ``config`` after its warm start, reset to it by :meth:`reset`;
+    its synchronous loop is the trainer's class after :class:`StreamingLoop` in the MRO."""
 
-    def __init__(self, out, overrides):
+    def __init__(self, out, overrides, config="grpo_synthetic", base=BASE):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(remote, "GenerationWorker", FaultyGenerationWorker)
-            cfg = load_config("grpo_synthetic", BASE + overrides + [f"run.output_dir={out}"])
-            self.trainer = StreamingGRPOTrainer(cfg)
+            cfg = load_config(config, base + overrides + [f"run.output_dir={out}"])
+            self.trainer = importlib.import_module(f"mcore_rl.controller.{cfg.algorithm}") \
+                .trainer_class(cfg)(cfg)
         self.trainer.fit()  # warm start and the final checkpoint of a 0-step run
         self.start = self.trainer.checkpoints.step_dir(0)
         self.start_weights = self.weights()
 
     def weights(self):
-        return self.trainer.policy.call("get_hf_weights")[0]
+        """The parameters of every worker group (policy; PPO: and critic), ``<group>/<name>``."""
+        return {f"{name}/{k}": v for name, group in self.trainer._groups().items()
+                for k, v in group.call("get_hf_weights")[0].items()}
 
     def reset(self):
         t = self.trainer
@@ -133,7 +143,7 @@ class Run:
         for i in range(n):
             if between:
                 between(i)
-            out.append(GRPOTrainer.rl_step(t) if sync else t.rl_step())
+            out.append(super(StreamingLoop, t).rl_step() if sync else t.rl_step())
             t.step += 1
         return out
 

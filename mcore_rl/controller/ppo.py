@@ -183,12 +183,22 @@ def _mean_metrics(metrics: List[Dict[str, float]], prefix: str) -> Dict[str, flo
     return {f"{prefix}{k}": sum(m[k] for m in metrics) / len(metrics) for k in metrics[-1]}
 
 
+def trainer_class(cfg: TrainConfig):
+    """:class:`PPOTrainer`, or with ``ppo.streaming`` the streaming loop's
+    (:class:`~mcore_rl.controller.streaming.StreamingPPOTrainer`)."""
+    if cfg.ppo.streaming:
+        from mcore_rl.controller.streaming import StreamingPPOTrainer
+
+        return StreamingPPOTrainer
+    return PPOTrainer
+
+
 def run(cfg: TrainConfig) -> Dict[str, Any]:
     """``mcore-rl train`` with ``algorithm: ppo``: build, train, print the summary. Returns
     the summary dict."""
-    return run_trainer(PPOTrainer, cfg)
+    return run_trainer(trainer_class(cfg), cfg)
 
 
 def evaluate(cfg: TrainConfig) -> Dict[str, Any]:
     """``mcore-rl eval`` with ``algorithm: ppo``: :meth:`RLTrainer.evaluate`, printed."""
-    return run_eval(PPOTrainer, cfg)
+    return run_eval(trainer_class(cfg), cfg)
