@@ -8,6 +8,8 @@ before the advantages are whitened) -> ``ppo.ppo_epochs`` passes over shuffled m
 each a critic update then a policy update (the policy stays frozen for the first
 ``ppo.critic_warmup_steps`` steps) -> refit -> log. Validation, logging, warm start and
 checkpoints (policy and critic) are those of :class:`~mcore_rl.controller.trainer.RLTrainer`.
+With ``ppo.streaming`` the streaming loop (:mod:`mcore_rl.controller.streaming`) runs the same
+step on rollouts as they finish: one epoch, one mini-batch, unwhitened advantages.
 
 After a supervised warm start the critic's backbone takes the warm-started policy's weights
 (unless ``value.hf_path`` names a checkpoint of its own); its value head stays fresh.
