@@ -234,35 +234,45 @@ def test_staleness_bound_with_a_delayed_generation_process(dp2, tmp_path):
     assert all(m["stream/staleness_0"] + m["stream/staleness_1"] == 4 for m in metrics)
 
 
+def assert_fault_retried_or_stopped(run, flag):
+    """A micro-batch raises in step 2 (while ``flag`` exists): the step is aborted and run
+    again (the run's parameters are the synchronous loop's); with ``max_step_retries=0`` the
+    same fault stops the step with StepFailed and leaves the parameters as they were, and the
+    next steps run."""
+    t = run.trainer
+    run.reset()
+    metrics = run.steps(STEPS, between=lambda i: flag.touch() if i == 1 else None)
+    assert [m["stream/step_retries"] for m in metrics] == [0, 1, 0]
+    _assert_same_rollouts(metrics, run.sync_metrics)
+    _assert_same_updates(run, run.weights(), run.sync_weights)
+
+    run.reset()
+    run.steps(1)
+    before = run.weights()
+    t.loop.max_step_retries = 0
+    flag.touch()
+    try:
+        with pytest.raises(StepFailed, match=rf"(?s)RL step 2 failed 1 time\(s\) and was aborted "
+                                             rf"\({t.algorithm}.max_step_retries=0\).*injected "
+                                             rf"micro-batch fault"):
+            t.rl_step()
+    finally:
+        t.loop.max_step_retries = 2
+    after = run.weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-trained
+    run.steps(2)  # the step is closed on every rank: the run can go on
+    _assert_same_updates(run, run.weights(), run.sync_weights)
+
+
 def test_microbatch_fault_retries_or_stops(dp2, tmp_path):
-    """A micro-batch raises in step 2: the step is aborted and run again (the run's parameters
-    are the synchronous loop's); with grpo.max_step_retries=0 the same fault stops the step
-    with StepFailed and leaves the parameters as they were, and the next step runs."""
+    """:func:`assert_fault_retried_or_stopped` with grpo.max_step_retries."""
     t = dp2.trainer
     flag = tmp_path / "flag"
     t.loss_fn = RaiseOnce(t.cfg.loss, str(flag))
     try:
-        dp2.reset()
-        metrics = dp2.steps(STEPS, between=lambda i: flag.touch() if i == 1 else None)
-        assert [m["stream/step_retries"] for m in metrics] == [0, 1, 0]
-        _assert_same_rollouts(metrics, dp2.sync_metrics)
-        _assert_same_updates(dp2, dp2.weights(), dp2.sync_weights)
-
-        dp2.reset()
-        dp2.steps(1)
-        before = dp2.weights()
-        t.cfg.grpo.max_step_retries = 0
-        flag.touch()
-        with pytest.raises(StepFailed, match=r"(?s)RL step 2 failed 1 time\(s\) and was aborted "
-                                             r"\(grpo.max_step_retries=0\).*injected micro-batch fault"):
-            t.rl_step()
-        after = dp2.weights()
-        assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-trained
-        dp2.steps(2)  # the step is closed on every rank: the run can go on
-        _assert_same_updates(dp2, dp2.weights(), dp2.sync_weights)
+        assert_fault_retried_or_stopped(dp2, flag)
     finally:
         t.loss_fn = build_policy_loss(t.cfg)
-        t.cfg.grpo.max_step_retries = 2
 
 
 def test_generation_process_dies_mid_step(dp2):

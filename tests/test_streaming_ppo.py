@@ -20,14 +20,12 @@ tolerance (a lost or doubled chunk moves parameters by 1e-5 to 1e-2 of the updat
 from __future__ import annotations
 
 import pytest
-import torch
 from test_streaming import (STEPS, Run, RaiseOnce, _assert_same_rollouts, _assert_same_updates,
-                            raise_if_flagged)
+                            assert_fault_retried_or_stopped, raise_if_flagged)
 
 from mcore_rl.algorithms.losses import ClippedValueLoss
 from mcore_rl.algorithms.registry import build_policy_loss
 from mcore_rl.config.loader import ConfigError, load_config
-from mcore_rl.controller.streaming import StepFailed
 
 STREAMABLE = ["ppo.streaming=true", "generation.num_workers=1", "ppo.ppo_epochs=1",
               "ppo.num_mini_batches=1", "ppo.whiten_advantages=false"]
@@ -103,35 +101,19 @@ def test_microbatch_fault_aborts_both_steps(dp2, tmp_path, group):
     """A policy or critic micro-batch raises in step 2 (both split steps open): the step is
     aborted on both groups and run again, and the run ends with the synchronous parameters;
     with ppo.max_step_retries=0 the same fault stops the step with StepFailed, the policy and
-    the critic as they were before it, and the next steps run."""
+    the critic as they were before it, and the next steps run
+    (:func:`assert_fault_retried_or_stopped`)."""
     t = dp2.trainer
     flag = tmp_path / "flag"
-    attr = "loss_fn" if group == "policy" else "value_loss_fn"
-    setattr(t, attr, (RaiseOnce(t.cfg.loss, str(flag)) if group == "policy"
-                      else ValueRaiseOnce(t.cfg.value.loss, str(flag))))
+    if group == "policy":
+        t.loss_fn = RaiseOnce(t.cfg.loss, str(flag))
+    else:
+        t.value_loss_fn = ValueRaiseOnce(t.cfg.value.loss, str(flag))
     try:
-        dp2.reset()
-        metrics = dp2.steps(STEPS, between=lambda i: flag.touch() if i == 1 else None)
-        assert [m["stream/step_retries"] for m in metrics] == [0, 1, 0]
-        _assert_same_rollouts(metrics, dp2.sync_metrics)
-        _assert_same_updates(dp2, dp2.weights(), dp2.sync_weights)
-
-        dp2.reset()
-        dp2.steps(1)
-        before = dp2.weights()
-        t.cfg.ppo.max_step_retries = 0
-        flag.touch()
-        with pytest.raises(StepFailed, match=r"(?s)RL step 2 failed 1 time\(s\) and was aborted "
-                                             r"\(ppo.max_step_retries=0\).*injected micro-batch fault"):
-            t.rl_step()
-        after = dp2.weights()
-        assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-trained
-        dp2.steps(2)  # both steps are closed on every rank: the run can go on
-        _assert_same_updates(dp2, dp2.weights(), dp2.sync_weights)
+        assert_fault_retried_or_stopped(dp2, flag)
     finally:
         t.loss_fn = build_policy_loss(t.cfg)
         t.value_loss_fn = ClippedValueLoss(t.cfg.value.loss)
-        t.cfg.ppo.max_step_retries = 2
 
 
 @pytest.mark.parametrize("overrides, message", [
