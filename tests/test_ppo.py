@@ -165,7 +165,8 @@ def test_ppo_advantages_take_returns_before_whitening():
     rollout["reference_logprobs"] = rollout["prev_logprobs"] - 0.1
     cfg = PPOConfig(gamma=0.9, lam=0.8, reward_kl_coef=0.2, reward_kl_estimator="k1")
     trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(ppo=cfg))
-    metrics = PPOTrainer.compute_advantages(trainer, rollout)
+    PPOTrainer.compute_advantages(trainer, rollout)
+    metrics = PPOTrainer.critic_metrics(trainer, rollout)
     # k1 = logp - ref = 0.1 per token: -0.02 on every response token, outcome at the end.
     close(rollout["token_rewards"], [[0, 0, -0.02, -0.02, 1 - 0.02, 0], [0, -0.02, -0.02, -0.02, -0.02, -0.02]])
     adv, ret = gae(rollout["token_rewards"], rollout["prev_values"], mask, 0.9, 0.8)

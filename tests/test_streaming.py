@@ -26,6 +26,7 @@ duplicated a group, or normalized by another count, moves parameters by 1e-5 to 
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from concurrent.futures import wait
@@ -36,8 +37,7 @@ import torch
 from mcore_rl.algorithms.losses import ClippedPGLoss
 from mcore_rl.algorithms.registry import build_policy_loss
 from mcore_rl.config.loader import ConfigError, load_config
-from mcore_rl.controller.grpo import GRPOTrainer
-from mcore_rl.controller.streaming import StepFailed, StreamingGRPOTrainer
+from mcore_rl.controller.streaming import StepFailed, StreamingLoop
 from mcore_rl.generation import remote
 
 PARITY_RTOL = 1e-5
@@ -59,6 +59,7 @@ BASE = [
     "policy.optimizer.name=sgd",
     "policy.optimizer.lr=0.05",
     "policy.micro_batch_size=4",
+    "generation.batch_size=4",  # a generation call: one prompt group
     "logging.progress=false",
     "data.synthetic.max_value=4",
     "data.synthetic.num_train=20",
@@ -86,38 +87,48 @@ class FaultyGenerationWorker(remote.GenerationWorker):
         return super().generate(*args)
 
 
+def raise_if_flagged(flag):
+    """Raise an injected micro-batch fault when the file ``flag`` exists, and remove it (the
+    first micro-batch of any rank that sees it raises)."""
+    if os.path.exists(flag):
+        try:
+            os.remove(flag)
+        except FileNotFoundError:  # the other DP rank took it
+            pass
+        raise RuntimeError("injected micro-batch fault")
+
+
 class RaiseOnce(ClippedPGLoss):
     """:class:`ClippedPGLoss` that raises in the first micro-batch it sees while ``flag``
-    exists, and removes it."""
+    exists (:func:`raise_if_flagged`)."""
 
     def __init__(self, cfg, flag):
         super().__init__(cfg)
         self.flag = flag
 
     def __call__(self, logprobs, batch):
-        if os.path.exists(self.flag):
-            try:
-                os.remove(self.flag)
-            except FileNotFoundError:  # the other DP rank took it
-                pass
-            raise RuntimeError("injected micro-batch fault")
+        raise_if_flagged(self.flag)
         return super().__call__(logprobs, batch)
 
 
 class Run:
-    """A streaming trainer after its warm start, reset to it by :meth:`reset`."""
+    """A streaming trainer of ``config`` after its warm start, reset to it by :meth:`reset`;
+    its synchronous loop is the trainer's class after :class:`StreamingLoop` in the MRO."""
 
-    def __init__(self, out, overrides):
+    def __init__(self, out, overrides, config="grpo_synthetic", base=BASE):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(remote, "GenerationWorker", FaultyGenerationWorker)
-            cfg = load_config("grpo_synthetic", BASE + overrides + [f"run.output_dir={out}"])
-            self.trainer = StreamingGRPOTrainer(cfg)
+            cfg = load_config(config, base + overrides + [f"run.output_dir={out}"])
+            self.trainer = importlib.import_module(f"mcore_rl.controller.{cfg.algorithm}") \
+                .trainer_class(cfg)(cfg)
         self.trainer.fit()  # warm start and the final checkpoint of a 0-step run
         self.start = self.trainer.checkpoints.step_dir(0)
         self.start_weights = self.weights()
 
     def weights(self):
-        return self.trainer.policy.call("get_hf_weights")[0]
+        """The parameters of every worker group (policy; PPO: and critic), ``<group>/<name>``."""
+        return {f"{name}/{k}": v for name, group in self.trainer._groups().items()
+                for k, v in group.call("get_hf_weights")[0].items()}
 
     def reset(self):
         t = self.trainer
@@ -133,7 +144,7 @@ class Run:
         for i in range(n):
             if between:
                 between(i)
-            out.append(GRPOTrainer.rl_step(t) if sync else t.rl_step())
+            out.append(super(StreamingLoop, t).rl_step() if sync else t.rl_step())
             t.step += 1
         return out
 
@@ -227,35 +238,45 @@ def test_staleness_bound_with_a_delayed_generation_process(dp2, tmp_path):
     assert all(m["stream/staleness_0"] + m["stream/staleness_1"] == 4 for m in metrics)
 
 
+def assert_fault_retried_or_stopped(run, flag):
+    """A micro-batch raises in step 2 (while ``flag`` exists): the step is aborted and run
+    again (the run's parameters are the synchronous loop's); with ``max_step_retries=0`` the
+    same fault stops the step with StepFailed and leaves the parameters as they were, and the
+    next steps run."""
+    t = run.trainer
+    run.reset()
+    metrics = run.steps(STEPS, between=lambda i: flag.touch() if i == 1 else None)
+    assert [m["stream/step_retries"] for m in metrics] == [0, 1, 0]
+    _assert_same_rollouts(metrics, run.sync_metrics)
+    _assert_same_updates(run, run.weights(), run.sync_weights)
+
+    run.reset()
+    run.steps(1)
+    before = run.weights()
+    t.loop.max_step_retries = 0
+    flag.touch()
+    try:
+        with pytest.raises(StepFailed, match=rf"(?s)RL step 2 failed 1 time\(s\) and was aborted "
+                                             rf"\({t.algorithm}.max_step_retries=0\).*injected "
+                                             rf"micro-batch fault"):
+            t.rl_step()
+    finally:
+        t.loop.max_step_retries = 2
+    after = run.weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-trained
+    run.steps(2)  # the step is closed on every rank: the run can go on
+    _assert_same_updates(run, run.weights(), run.sync_weights)
+
+
 def test_microbatch_fault_retries_or_stops(dp2, tmp_path):
-    """A micro-batch raises in step 2: the step is aborted and run again (the run's parameters
-    are the synchronous loop's); with grpo.max_step_retries=0 the same fault stops the step
-    with StepFailed and leaves the parameters as they were, and the next step runs."""
+    """:func:`assert_fault_retried_or_stopped` with grpo.max_step_retries."""
     t = dp2.trainer
     flag = tmp_path / "flag"
     t.loss_fn = RaiseOnce(t.cfg.loss, str(flag))
     try:
-        dp2.reset()
-        metrics = dp2.steps(STEPS, between=lambda i: flag.touch() if i == 1 else None)
-        assert [m["stream/step_retries"] for m in metrics] == [0, 1, 0]
-        _assert_same_rollouts(metrics, dp2.sync_metrics)
-        _assert_same_updates(dp2, dp2.weights(), dp2.sync_weights)
-
-        dp2.reset()
-        dp2.steps(1)
-        before = dp2.weights()
-        t.cfg.grpo.max_step_retries = 0
-        flag.touch()
-        with pytest.raises(StepFailed, match=r"(?s)RL step 2 failed 1 time\(s\) and was aborted "
-                                             r"\(grpo.max_step_retries=0\).*injected micro-batch fault"):
-            t.rl_step()
-        after = dp2.weights()
-        assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-trained
-        dp2.steps(2)  # the step is closed on every rank: the run can go on
-        _assert_same_updates(dp2, dp2.weights(), dp2.sync_weights)
+        assert_fault_retried_or_stopped(dp2, flag)
     finally:
         t.loss_fn = build_policy_loss(t.cfg)
-        t.cfg.grpo.max_step_retries = 2
 
 
 def test_generation_process_dies_mid_step(dp2):

@@ -155,7 +155,8 @@ def iter_sections(cls: type = TrainConfig, path: str = "") -> Iterator[SectionDo
     """Walk the config dataclass ``cls`` depth first, in declaration order.
 
     Yields one :class:`SectionDoc` per dataclass (``cls`` itself first, with ``path`` as its
-    dotted prefix). Meanings come from ``schema.py`` comments (see :func:`_source_notes`).
+    dotted prefix). Meanings come from ``schema.py`` comments (see :func:`_source_notes`); a
+    field inherited from a base dataclass has the comment written in the base.
 
     Raises:
         TypeError: ``cls`` is not a dataclass of :mod:`mcore_rl.config.schema`.
@@ -171,8 +172,9 @@ def iter_sections(cls: type = TrainConfig, path: str = "") -> Iterator[SectionDo
             nested.append((hints[f.name], key))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        owner = next(c for c in cls.__mro__ if f.name in vars(c).get("__annotations__", {}))
         keys.append(KeyDoc(key, _type_text(hints[f.name]), _default_text(default),
-                           comments.get((cls.__name__, f.name), ""),
+                           comments.get((owner.__name__, f.name), ""),
                            describe(cls, f.name, quote=lambda text: f"`{text}`")))
     yield SectionDoc(path, docstrings.get(cls.__name__, ""), tuple(keys))
     for sub_cls, sub_path in nested:

@@ -329,19 +329,7 @@ def validate(cfg: TrainConfig) -> None:
         errors += hf_checkpoint_errors("value.hf_path", cfg.value.hf_path)
     if model.tokenizer not in (None, CHAR_TOKENIZER):
         errors += filter(None, [tokenizer_dir_error("model.tokenizer", model.tokenizer)])
-    if cfg.algorithm == "grpo" and grpo.streaming:
-        check(gen.num_workers >= 1,
-              "grpo.streaming=true needs generation.num_workers >= 1: the rollout engine runs in "
-              "processes of its own while the policy trains")
-        check(grpo.optimizer_steps_per_rollout == 1,
-              f"grpo.streaming=true needs grpo.optimizer_steps_per_rollout=1 (got "
-              f"{grpo.optimizer_steps_per_rollout}): a streamed RL step is one optimizer step")
-        check(grpo.advantage_estimator in ("grpo", "rloo"),
-              f"grpo.streaming=true needs a per-group grpo.advantage_estimator (grpo or rloo; got "
-              f"{grpo.advantage_estimator}): a group trains as soon as it is scored")
-        check(not grpo.dynamic_sampling,
-              "grpo.streaming=true cannot use grpo.dynamic_sampling (it draws prompt groups in "
-              "rounds until the batch is full); the streaming loop trains each group as it comes")
+    errors += streaming_errors(cfg)
     rollouts = grpo.num_prompts_per_step * grpo.num_generations
     check(grpo.optimizer_steps_per_rollout < 1 or rollouts % grpo.optimizer_steps_per_rollout == 0,
           f"grpo.num_prompts_per_step x grpo.num_generations ({grpo.num_prompts_per_step} x "
@@ -357,6 +345,46 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"invalid config: {errors[0]}")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def streaming_errors(cfg: TrainConfig) -> List[str]:
+    """Why the streaming loop (``<algorithm>.streaming=true``,
+    :mod:`mcore_rl.controller.streaming`) cannot run ``cfg``, one message per reason naming
+    its keys; empty when it can or when the run does not stream. The loop trains each prompt
+    group as soon as it is scored, in one optimizer step per RL step, while the rollout engine
+    generates the rest in processes of its own, so it refuses what needs the whole batch before
+    any of it trains: GRPO's batch-wide estimator (REINFORCE++), dynamic sampling and several
+    optimizer steps a rollout; PPO's advantage whitening (the batch's mean and std),
+    several epochs and several mini-batches."""
+    if not cfg.streaming:
+        return []
+    loop, name = cfg.loop, cfg.algorithm
+    on = f"{name}.streaming=true"
+    errors = []
+    if cfg.generation.num_workers < 1:
+        errors.append(f"{on} needs generation.num_workers >= 1: the rollout engine runs in "
+                      f"processes of its own while the policy trains")
+    one_step = "a streamed RL step is one optimizer step on rows that train as they arrive"
+    if name == "grpo":
+        if loop.optimizer_steps_per_rollout != 1:
+            errors.append(f"{on} needs grpo.optimizer_steps_per_rollout=1 (got "
+                          f"{loop.optimizer_steps_per_rollout}): {one_step}")
+        if loop.advantage_estimator not in ("grpo", "rloo"):
+            errors.append(f"{on} needs a per-group grpo.advantage_estimator (grpo or rloo; got "
+                          f"{loop.advantage_estimator}): a group trains as soon as it is scored")
+        if loop.dynamic_sampling:
+            errors.append(f"{on} cannot use grpo.dynamic_sampling (it draws prompt groups in "
+                          f"rounds until the batch is full); the streaming loop trains each "
+                          f"group as it comes")
+    else:
+        for key in ("ppo_epochs", "num_mini_batches"):
+            if getattr(loop, key) != 1:
+                errors.append(f"{on} needs ppo.{key}=1 (got {getattr(loop, key)}): {one_step}")
+        if loop.whiten_advantages:
+            errors.append(f"{on} needs ppo.whiten_advantages=false: whitening takes the mean and "
+                          f"std of the whole batch's advantages, which are not known before its "
+                          f"first rows train")
+    return errors
 
 
 def task_errors(data: DataConfig) -> List[str]:

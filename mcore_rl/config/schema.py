@@ -13,7 +13,7 @@ check (:mod:`mcore_rl.config.checks`); :mod:`mcore_rl.config.docs` writes both i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from mcore_rl.algorithms.registry import advantage_estimator_names, policy_loss_names
 from mcore_rl.config.checks import bounded, one_of
@@ -69,8 +69,8 @@ class ClusterConfig:
     placement: str = one_of("colocated", PLACEMENTS)
     # Rollout engine on the policy's GPUs: the policy's weights, grads and optimizer state leave
     # the GPU after each refit and come back for logprobs and training (offload lifecycle). The
-    # streaming loop (grpo.streaming) generates while it trains, so there both stay resident and
-    # share each GPU (one GPU runs it; memory must hold both).
+    # streaming loop (grpo/ppo.streaming) generates while it trains, so there both stay
+    # resident and share each GPU (one GPU runs it; memory must hold both).
     colocate_generation: bool = False
     # Garbage collection in the Megatron workers. 0: Python's automatic collection. N > 0: off,
     # with a full collection after every N-th optimizer step on all ranks at once (Megatron-LM's
@@ -281,13 +281,14 @@ class GenerationConfig:
     top_p: float = bounded(1.0, gt=0, le=1)
     # Max response tokens; also capped at data.max_total_length minus the prompt length.
     max_new_tokens: int = bounded(16, ge=1)
-    # Sequences per generate chunk (memory bound); a step's rollouts are decoded in chunks.
+    # Sequences per generate chunk (memory bound); a step's rollouts are decoded in chunks
+    # (the streaming loop: a generation call decodes one chunk).
     batch_size: int = bounded(256, ge=1)
     # Validation decoding: greedy when true.
     greedy_validation: bool = True
     # Processes of the rollout engine's own (Ray actors, or plain processes with
     # cluster.use_ray=false), prompt groups spread over them; 0: it runs in the controller's
-    # process. generation.backend=hf only; grpo.streaming needs >= 1.
+    # process. generation.backend=hf only; grpo.streaming and ppo.streaming need >= 1.
     num_workers: int = bounded(0, ge=0)
     # backend=megatron on CUDA with tensor parallelism 1 and a dense model: decode steps replayed
     # as CUDA graphs (captured per bucket of rows and attended length at first use, kept between
@@ -382,7 +383,27 @@ class LossConfig:
 
 
 @dataclass
-class GRPOConfig:
+class StreamingLoopConfig:
+    """The streaming loop's keys, shared by the ``grpo`` and ``ppo`` sections (their first
+    keys; :mod:`mcore_rl.controller.streaming`)."""
+
+    # Streaming loop (mcore_rl/controller/streaming.py): finished prompt groups are scored and
+    # trained (split train step) while the rest are still generated, by generation.num_workers
+    # processes of their own. GRPO needs grpo.optimizer_steps_per_rollout=1; PPO needs
+    # ppo.ppo_epochs=1, ppo.num_mini_batches=1 and ppo.whiten_advantages=false.
+    streaming: bool = False
+    # Streaming: how many policy versions (policy updates) a rollout's weights may lag the
+    # weights it trains: 0 is on-policy (parameters of the synchronous loop); k lets generation
+    # run up to k steps ahead. Older rollouts are dropped and their prompts generated again.
+    max_staleness: int = bounded(0, ge=0)
+    # Streaming: times an RL step is tried again after it failed (a micro-batch raised, a
+    # generation worker died): the step is aborted, its rollouts requeued; 0 stops the run
+    # with the error at the first failure.
+    max_step_retries: int = bounded(2, ge=0)
+
+
+@dataclass
+class GRPOConfig(StreamingLoopConfig):
     """The GRPO loop (Shao et al. 2024, "DeepSeekMath", sec. 4.1)."""
 
     # Prompts sampled per RL step.
@@ -426,22 +447,10 @@ class GRPOConfig:
     val_num_prompts: int = bounded(200, ge=1)
     # Validate once before the first RL step (not on a resumed run).
     val_at_start: bool = True
-    # Streaming loop (mcore_rl/controller/streaming.py): finished prompt groups are scored and
-    # trained (split train step) while the rest are still generated, by generation.num_workers
-    # processes of their own; needs optimizer_steps_per_rollout=1.
-    streaming: bool = False
-    # Streaming: how many policy versions (RL steps) a rollout's weights may lag the weights it
-    # trains: 0 is on-policy (parameters of the synchronous loop); k lets generation run up to
-    # k steps ahead. Older rollouts are dropped and their prompts generated again.
-    max_staleness: int = bounded(0, ge=0)
-    # Streaming: times an RL step is tried again after it failed (a micro-batch raised, a
-    # generation worker died): the step is aborted, its rollouts requeued; 0 stops the run
-    # with the error at the first failure.
-    max_step_retries: int = bounded(2, ge=0)
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(StreamingLoopConfig):
     """The PPO loop (``algorithm: ppo``): clipped policy updates (Schulman et al. 2017,
     arXiv:1707.06347) with a learned critic and token-level GAE (Schulman et al. 2016,
     arXiv:1506.02438), as in RLHF (Ouyang et al. 2022, arXiv:2203.02155)."""
@@ -562,12 +571,15 @@ class CheckpointConfig:
     async_save: bool = False
 
 
+ALGORITHMS = ("grpo", "ppo")  # the RL loops, each with a config section of its name
+
+
 @dataclass
 class TrainConfig:
     """Root config of ``mcore-rl train`` (GRPO or PPO)."""
 
     # "grpo" (the grpo section) or "ppo" (the ppo and value sections).
-    algorithm: str = one_of("grpo", ("grpo", "ppo"))
+    algorithm: str = one_of("grpo", ALGORITHMS)
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -582,3 +594,14 @@ class TrainConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def loop(self) -> Optional[Union[GRPOConfig, PPOConfig]]:
+        """The section of the RL loop that ``algorithm`` names (``grpo`` or ``ppo``); None when
+        it names none (the field check of ``algorithm`` reports that)."""
+        return getattr(self, self.algorithm) if self.algorithm in ALGORITHMS else None
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the run uses the streaming loop (``<algorithm>.streaming``)."""
+        return self.loop is not None and self.loop.streaming

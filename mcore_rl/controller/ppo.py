@@ -8,6 +8,8 @@ before the advantages are whitened) -> ``ppo.ppo_epochs`` passes over shuffled m
 each a critic update then a policy update (the policy stays frozen for the first
 ``ppo.critic_warmup_steps`` steps) -> refit -> log. Validation, logging, warm start and
 checkpoints (policy and critic) are those of :class:`~mcore_rl.controller.trainer.RLTrainer`.
+With ``ppo.streaming`` the streaming loop (:mod:`mcore_rl.controller.streaming`) runs the same
+step on rollouts as they finish: one epoch, one mini-batch, unwhitened advantages.
 
 After a supervised warm start the critic's backbone takes the warm-started policy's weights
 (unless ``value.hf_path`` names a checkpoint of its own); its value head stays fresh.
@@ -15,7 +17,7 @@ After a supervised warm start the critic's backbone takes the warm-started polic
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -73,30 +75,38 @@ class PPOTrainer(RLTrainer):
             self.value.call("load_backbone", self.policy.call("get_hf_weights")[0])
 
     # ------------------------------------------------------------------ advantages
-    def compute_advantages(self, rollout: B.Batch) -> Dict[str, float]:
+    def compute_advantages(self, rollout: B.Batch) -> None:
         """Token rewards, GAE advantages and returns of a rollout that has ``rewards``,
         ``prev_logprobs``, ``prev_values`` (and ``reference_logprobs`` when
         ``ppo.reward_kl_coef > 0``); adds ``token_rewards``, ``returns`` and ``advantages``
-        (all ``[B, S]``, 0 off the valid tokens). Returns the critic's and the rewards'
-        figures on this rollout: ``critic/explained_variance`` against the GAE returns (the
-        critic's targets; a lower ``ppo.lam`` mixes more of the critic's own values into them)
-        and ``critic/explained_variance_mc`` against the Monte Carlo returns (``lam = 1``: the
-        discounted reward-to-go, independent of ``ppo.lam``)."""
+        (all ``[B, S]`` float32, 0 off the valid tokens). The returns are taken before the
+        advantages are whitened (``ppo.whiten_advantages``: over the rollout's valid tokens, so
+        a whitened rollout must be the whole batch); without whitening every row's values
+        depend on that row alone (GAE runs per sequence), so any split of the batch into parts
+        gives the same rows."""
         p = self.cfg.ppo
         mask = valid_token_mask(rollout)
-        kl = None
-        if "reference_logprobs" in rollout:
-            kl = kl_estimate(rollout["prev_logprobs"], rollout["reference_logprobs"],
-                             p.reward_kl_estimator) * mask
-        rewards = token_level_rewards(rollout["rewards"], mask, kl, p.reward_kl_coef)
-        values = rollout["prev_values"]
-        advantages, returns = gae(rewards, values, mask, p.gamma, p.lam)
-        mc_returns = gae(rewards, values, mask, p.gamma, 1.0)[1]
+        rewards = token_level_rewards(rollout["rewards"], mask, _reward_kl(rollout, mask, p),
+                                      p.reward_kl_coef)
+        advantages, returns = gae(rewards, rollout["prev_values"], mask, p.gamma, p.lam)
         if p.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
         rollout["token_rewards"] = rewards
         rollout["returns"] = returns * mask
         rollout["advantages"] = advantages * mask
+
+    def critic_metrics(self, rollout: B.Batch) -> Dict[str, float]:
+        """The critic's and the rewards' figures on a rollout that went through
+        :meth:`compute_advantages`: ``critic/explained_variance`` against the GAE returns (the
+        critic's targets; a lower ``ppo.lam`` mixes more of the critic's own values into them),
+        ``critic/explained_variance_mc`` against the Monte Carlo returns (``lam = 1``: the
+        discounted reward-to-go, independent of ``ppo.lam``), the means of the values, returns
+        and absolute advantages over the valid tokens, and ``train/reward_kl`` (per token) with
+        a reward KL."""
+        p = self.cfg.ppo
+        mask = valid_token_mask(rollout)
+        values, returns = rollout["prev_values"], rollout["returns"]
+        mc_returns = gae(rollout["token_rewards"], values, mask, p.gamma, 1.0)[1]
         valid = mask > 0
         v = values[valid]
         out = {
@@ -105,8 +115,9 @@ class PPOTrainer(RLTrainer):
             "critic/value_mean": float(v.mean()),
             "critic/value_std": float(v.std()) if v.numel() > 1 else 0.0,
             "critic/returns_mean": float(returns[valid].mean()),
-            "critic/advantages_abs_mean": float(advantages[valid].abs().mean()),
+            "critic/advantages_abs_mean": float(rollout["advantages"][valid].abs().mean()),
         }
+        kl = _reward_kl(rollout, mask, p)
         if kl is not None:
             out["train/reward_kl"] = float(kl[valid].mean())
         return out
@@ -134,7 +145,7 @@ class PPOTrainer(RLTrainer):
             with t.phase("values"):
                 rollout["prev_values"] = self.value.gather_rows(
                     "get_values", rollout, cfg.value.values_micro_batch_size)
-            critic = self.compute_advantages(rollout)
+            self.compute_advantages(rollout)
             value_metrics, policy_metrics = [], []
             for epoch in range(p.ppo_epochs):
                 for part in self._mini_batches(rollout, epoch):
@@ -148,13 +159,23 @@ class PPOTrainer(RLTrainer):
                 with t.phase("refit"):
                     refit = self.refit()
         metrics = self.rollout_metrics(rollout, reward_errors, t.seconds("generation"))
-        metrics.update(critic)
+        metrics.update(self.critic_metrics(rollout))
         metrics.update(_mean_metrics(value_metrics, "critic/"))
         metrics.update(_mean_metrics(policy_metrics, "train/"))
         if train_policy:
             metrics.update(refit)
         metrics.update(self.timer.pop())
         return metrics
+
+
+def _reward_kl(rollout: B.Batch, mask: torch.Tensor, p) -> Optional[torch.Tensor]:
+    """The reward's per-token KL term ``[B, S]`` float32 (``ppo.reward_kl_estimator`` of
+    ``prev_logprobs`` against ``reference_logprobs``, 0 off ``mask``), or None without a
+    reference (``p``: the ``ppo`` section)."""
+    if "reference_logprobs" not in rollout:
+        return None
+    return kl_estimate(rollout["prev_logprobs"], rollout["reference_logprobs"],
+                       p.reward_kl_estimator) * mask
 
 
 def _mean_metrics(metrics: List[Dict[str, float]], prefix: str) -> Dict[str, float]:
@@ -164,12 +185,22 @@ def _mean_metrics(metrics: List[Dict[str, float]], prefix: str) -> Dict[str, flo
     return {f"{prefix}{k}": sum(m[k] for m in metrics) / len(metrics) for k in metrics[-1]}
 
 
+def trainer_class(cfg: TrainConfig):
+    """:class:`PPOTrainer`, or with ``ppo.streaming`` the streaming loop's
+    (:class:`~mcore_rl.controller.streaming.StreamingPPOTrainer`)."""
+    if cfg.ppo.streaming:
+        from mcore_rl.controller.streaming import StreamingPPOTrainer
+
+        return StreamingPPOTrainer
+    return PPOTrainer
+
+
 def run(cfg: TrainConfig) -> Dict[str, Any]:
     """``mcore-rl train`` with ``algorithm: ppo``: build, train, print the summary. Returns
     the summary dict."""
-    return run_trainer(PPOTrainer, cfg)
+    return run_trainer(trainer_class(cfg), cfg)
 
 
 def evaluate(cfg: TrainConfig) -> Dict[str, Any]:
     """``mcore-rl eval`` with ``algorithm: ppo``: :meth:`RLTrainer.evaluate`, printed."""
-    return run_eval(PPOTrainer, cfg)
+    return run_eval(trainer_class(cfg), cfg)

@@ -1,39 +1,57 @@
-"""The streaming GRPO loop (``grpo.streaming: true``): prompt groups train as they finish.
+"""The streaming loop (``grpo.streaming`` / ``ppo.streaming``): prompt groups train as they finish.
 
 Generation runs in processes of its own (:class:`~mcore_rl.generation.remote.RemoteGeneration`,
-``generation.num_workers``), a training micro-batch's worth of prompt groups per call, two
-calls queued per process. Each
-finished group comes back with ``trainer_version``, the policy version of the weights that
-generated it (the RL steps the policy had completed when they were taken). The controller
-scores it, computes its GRPO advantages (per group, so the same as over the whole batch), gives
-it to the DP rank with the fewest rows so far, and once a DP rank holds a micro-batch's worth of
-rows gets their old (and reference) logprobs there and feeds them to ``train_microbatch`` on
-that rank (the split train step, :class:`~mcore_rl.controller.worker_group.DataParallelGroup`);
-generation, logprobs and training run at once. When ``grpo.num_prompts_per_step`` groups are
-in, ``finish_train_step`` takes the optimizer step, and the new weights are pushed to the
-generation processes, queued behind the calls they already hold.
+``generation.num_workers``), a decoding batch (``generation.batch_size`` rows) of prompt
+groups per call, two calls queued per process. Each finished group comes back with ``trainer_version``, the policy
+version of the weights that generated it (the policy updates done when they were taken). The
+controller scores it (GRPO: its group advantages too, per group, so the same as over the whole
+batch), gives it to the policy's DP rank with the fewest rows so far, and once a DP rank holds
+a micro-batch's worth of rows (a chunk) takes the chunk's old (and reference) logprobs there
+(PPO: and the critic's values on the critic's DP rank with the fewest rows); when they are in
+(PPO: then the chunk's token rewards and GAE advantages and returns, exact per chunk since GAE
+runs per sequence) it feeds the chunk to ``train_microbatch`` of every split step of the RL step
+(GRPO: the policy's; PPO: the critic's and the policy's, the critic's alone in the
+``ppo.critic_warmup_steps``), :class:`~mcore_rl.controller.worker_group.DataParallelGroup`.
+Generation, the forward passes and training run at once. When ``num_prompts_per_step`` groups
+are in, ``finish_train_step`` takes the optimizer steps (PPO: the critic's first, as the
+synchronous loop), and the new policy weights are pushed to the generation processes, queued
+behind the calls they already hold.
 
-Staleness. Training RL step ``s`` (the policy at version ``s``) on a group of version ``v`` has
-staleness ``s - v``. Generation is let run ahead by ``grpo.max_staleness`` = k steps' worth of
-groups, and the bound is enforced where groups are consumed: a group older than k is dropped
-and its prompt queued to be generated again with newer weights (``stream/dropped_stale``);
-never trained. With k = 0 the step's groups are those the synchronous loop samples (the same
-prompts, seeds and per-row random streams, decoded with the same weights), so the parameters
-are the synchronous loop's up to float rounding (the rows are summed in another order).
+What needs the whole batch before its first rows train cannot stream, and is refused at load
+time (:func:`mcore_rl.config.loader.streaming_errors`): GRPO's batch-wide estimator
+(REINFORCE++), dynamic sampling and ``grpo.optimizer_steps_per_rollout > 1``; PPO's advantage
+whitening (``ppo.whiten_advantages``: the batch's mean and std), ``ppo.ppo_epochs > 1`` and
+``ppo.num_mini_batches > 1``. Streaming PPO is therefore one critic and one policy step per
+RL step on unwhitened GAE advantages, with the reward KL and critic warm-up of the synchronous
+loop.
 
-Failure. A micro-batch that raises, or a generation process that fails or dies, aborts the open
-step (``abort_train_step`` on every rank: gradients dropped, weights untouched); the step's
-groups go back to the front of the queue (those of a dead process's calls are generated again
-elsewhere, with the same seeds and rows) and the step runs again, up to
-``grpo.max_step_retries`` times; then the run stops with :class:`StepFailed`. A checkpoint is
-only ever written between steps, so nothing half-trained reaches one.
+Staleness. Training at policy version ``s`` on a group of version ``v`` has staleness
+``s - v`` (the version counts policy updates: RL steps, less PPO's critic warm-up steps).
+Generation is let run ahead by ``max_staleness`` = k steps' worth of groups, and the bound is
+enforced where groups are consumed: a group older than k is dropped and its prompt queued to be
+generated again with newer weights (``stream/dropped_stale``); never trained. With k = 0 the
+step's groups are those the synchronous loop samples (the same prompts, seeds and per-row
+random streams, decoded with the same weights), so the parameters (policy and critic) are the
+synchronous loop's up to float rounding (the rows are summed in another order).
+
+Failure. A micro-batch or forward pass that raises, or a generation process that fails or dies,
+aborts the open step (``abort_train_step`` of every split step on every rank: gradients
+dropped, weights untouched); the step's groups go back to the front of the queue (those of a
+dead process's calls are generated again elsewhere, with the same seeds and rows) and the step
+runs again, up to ``max_step_retries`` times; then the run stops with :class:`StepFailed`. A
+``finish_train_step`` that raises closes the other split steps and stops the run (PPO: when the
+policy's raises, the critic has already stepped). A checkpoint is only ever written between
+steps, so nothing half-trained reaches one.
 
 Metrics (per RL step): ``stream/staleness_<j>`` (prompt groups trained at staleness j, j = 0..k:
 the histogram), ``stream/staleness_mean`` (per sequence), ``stream/dropped_stale`` (prompt
 groups), ``stream/step_retries``, ``stream/generation_workers`` (live processes), and wall
 seconds of the step by what was running (:class:`BusyClock`): ``timing/generation_busy_s``,
 ``timing/trainer_busy_s``, ``timing/overlap_s`` (both), ``timing/idle_s`` (neither: the
-controller alone), with ``timing/step_s``, ``timing/finish_s``, ``timing/refit_s``.
+controller alone), with ``timing/step_s``, ``timing/finish_s``, ``timing/refit_s``;
+``generation/tokens_per_s`` is the step's response tokens over its generation-busy seconds.
+PPO adds the synchronous loop's ``critic/*`` figures (:meth:`PPOTrainer.critic_metrics` over
+the step's rows, and the critic's step as ``critic/<metric>``).
 """
 
 from __future__ import annotations
@@ -42,14 +60,15 @@ import collections
 import dataclasses
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any, Deque, Dict, List, Tuple
+from typing import Any, Callable, Deque, Dict, List, Tuple
 
 import torch
 
 from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.grpo import GRPOTrainer
+from mcore_rl.controller.ppo import PPOTrainer
 from mcore_rl.controller.trainer import step_seed
-from mcore_rl.controller.worker_group import WorkerError
+from mcore_rl.controller.worker_group import DataParallelGroup, WorkerError
 from mcore_rl.data import batch as B
 from mcore_rl.generation.base import assemble_rollout
 
@@ -58,7 +77,7 @@ CALLS_PER_WORKER = 2
 
 
 class StepFailed(RuntimeError):
-    """An RL step failed more than ``grpo.max_step_retries`` times; it was aborted (no
+    """An RL step failed more than ``<algorithm>.max_step_retries`` times; it was aborted (no
     parameter changed)."""
 
 
@@ -81,8 +100,8 @@ class PromptGroup:
 @dataclasses.dataclass
 class ScoredGroup:
     """A finished, scored prompt group: ``rows`` (rollout keys plus ``rewards``,
-    ``sample_mask``, ``advantages`` and ``trainer_version`` [N] int64), the policy ``version``
-    that generated it, and its reward errors."""
+    ``sample_mask`` and ``trainer_version`` [N] int64; GRPO: ``advantages``), the policy
+    ``version`` that generated it, and its reward errors."""
 
     item: PromptGroup
     version: int
@@ -91,8 +110,8 @@ class ScoredGroup:
 
 
 class BusyClock:
-    """Wall seconds split by what was running: generation calls outstanding, policy calls
-    outstanding, both, neither. :meth:`mark` closes the interval since the last mark (it is
+    """Wall seconds split by what was running: generation calls outstanding, trainer calls
+    (policy or critic) outstanding, both, neither. :meth:`mark` closes the interval since the last mark (it is
     charged to the state given then) and opens one in the new state."""
 
     def __init__(self) -> None:
@@ -110,9 +129,40 @@ class BusyClock:
         self._last, self._state = now, (generating, training)
 
 
-class StreamingGRPOTrainer(GRPOTrainer):
-    """GRPO with the streaming loop of the module docstring (``grpo.streaming``,
-    ``grpo.max_staleness``, ``grpo.max_step_retries``; ``generation.num_workers`` processes).
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitStep:
+    """One worker group's split train step in an RL step: the ``group``, its ``loss_fn`` and
+    ``micro_batch_size`` (rows per forward/backward), and the ``prefix`` of its metrics."""
+
+    group: DataParallelGroup
+    loss_fn: Callable
+    micro_batch_size: int
+    prefix: str
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """Rows fed to the split steps together, with the forward calls whose results they wait
+    for: ``calls`` maps a batch key (``prev_logprobs``, ...) to its call, ``dp_ranks`` a
+    worker group's name to the DP rank that takes the chunk."""
+
+    rows: B.Batch
+    dp_ranks: Dict[str, int]
+    calls: Dict[str, Future]
+
+
+class StreamingLoop:
+    """The streaming loop of the module docstring, on a synchronous trainer (the classes after
+    it in the MRO: :class:`GRPOTrainer` or :class:`PPOTrainer`), whose section gives
+    ``streaming``, ``max_staleness``, ``max_step_retries``, ``num_prompts_per_step`` and
+    ``num_generations``; ``generation.num_workers`` processes.
+
+    Hooks for the algorithm: :meth:`_score_group` (a scored group's own extras),
+    :meth:`_chunk_calls` (forward passes a chunk needs), :meth:`_prepare_chunk` (what a chunk
+    computes from them), :meth:`_split_steps` (the groups whose split steps run this step),
+    :meth:`_policy_version` and :meth:`_batch_metrics`.
 
     Raises (at construction):
         ValueError: the rollout backend does not run in processes of its own.
@@ -123,8 +173,8 @@ class StreamingGRPOTrainer(GRPOTrainer):
 
         super().__init__(cfg)
         if not isinstance(self.generation, RemoteGeneration):
-            raise ValueError("grpo.streaming=true needs generation.backend=hf with "
-                             "generation.num_workers >= 1")
+            raise ValueError(f"{self.algorithm}.streaming=true needs generation.backend=hf with "
+                             f"generation.num_workers >= 1")
         # cluster.colocate_generation: the generation processes share the policy's GPUs with
         # everything resident (no offload lifecycle): generation and training run at once
         self.colocation.enabled = False
@@ -134,6 +184,39 @@ class StreamingGRPOTrainer(GRPOTrainer):
         self.ready: Deque[ScoredGroup] = collections.deque()  # finished, not trained yet
         self.batches_drawn = 0  # sampler batches drawn (the synchronous loop draws one per step)
         self.dropped_stale = 0  # prompt groups dropped as stale in this RL step
+
+    # ------------------------------------------------------------------ algorithm hooks
+    def _score_group(self, rows: B.Batch) -> None:
+        """What a scored prompt group adds to its ``rows`` (with ``rewards``) in place."""
+
+    def _chunk_calls(self, chunk: B.Batch, dp_ranks: Dict[str, int]) -> Dict[str, Future]:
+        """Start the forward passes ``chunk`` needs before it trains, on the DP ranks
+        ``dp_ranks`` (by worker group name); returns each call by the batch key its result
+        ``[rows, S]`` goes under: the policy's ``prev_logprobs`` (and
+        ``reference_logprobs``). A DP rank answers its calls in order."""
+        methods = {"prev_logprobs": "get_logprobs"}
+        if self.use_reference:
+            methods["reference_logprobs"] = "get_reference_logprobs"
+        mbs = self.cfg.policy.logprob_micro_batch_size
+        return {key: self.policy.call_per_dp_async(m, [[chunk, mbs]], dp_ranks=[dp_ranks["policy"]])
+                for key, m in methods.items()}
+
+    def _prepare_chunk(self, chunk: B.Batch) -> None:
+        """What a chunk computes in place once its forward passes are in, before it trains."""
+
+    def _split_steps(self) -> Dict[str, SplitStep]:
+        """The split steps of the RL step at hand, by worker group name, in the order they
+        finish: the policy's."""
+        return {"policy": SplitStep(self.policy, self.loss_fn, self.cfg.policy.micro_batch_size,
+                                    "train/")}
+
+    def _policy_version(self, step: int) -> int:
+        """The policy updates before RL step ``step`` (0-based): the version of its weights."""
+        return step
+
+    def _batch_metrics(self, rollout: B.Batch) -> Dict[str, float]:
+        """The algorithm's figures on the step's rows (the chunks fed, concatenated)."""
+        return {}
 
     # ------------------------------------------------------------------ checkpoints
     def controller_state(self) -> Dict[str, Any]:
@@ -152,30 +235,31 @@ class StreamingGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ refit
     def refit(self) -> Dict[str, float]:
-        """Load the policy's weights into every generation process as version ``self.step``;
-        waits (the start of a run, or of an evaluation)."""
+        """Load the policy's weights into every generation process as the version of RL step
+        ``self.step``; waits (the start of a run, or of an evaluation)."""
         start = time.perf_counter()
-        stats = self.generation.refit(self.policy, version=self.step)
+        stats = self.generation.refit(self.policy, version=self._policy_version(self.step))
         return {"refit/seconds": time.perf_counter() - start, **stats}
 
     # ------------------------------------------------------------------ generation
     def _draw(self) -> None:
         """The sampler's next batch of prompts into :attr:`todo` (seeded as the synchronous
         loop's rollout of that step)."""
-        g, t = self.cfg.grpo, self.batches_drawn
+        n, t = self.loop.num_generations, self.batches_drawn
         seed = step_seed(self.cfg.run.seed, t)
-        self.todo.extend(PromptGroup(int(p), seed, i * g.num_generations, t)
+        self.todo.extend(PromptGroup(int(p), seed, i * n, t)
                          for i, p in enumerate(self.sampler.next_batch()))
         self.batches_drawn += 1
 
     def _dispatch(self, wanted: int) -> None:
         """Start generation calls until ``wanted`` groups are generating or finished, or every
-        live process holds :data:`CALLS_PER_WORKER` calls. A call decodes a training
-        micro-batch's worth of prompt groups (``policy.micro_batch_size`` rows, at most
-        ``generation.batch_size``; at least one group) whose rows follow each other in one
-        sampler batch."""
-        n = self.cfg.grpo.num_generations
-        per_call = max(1, min(self.cfg.policy.micro_batch_size, self.cfg.generation.batch_size) // n)
+        live process holds :data:`CALLS_PER_WORKER` calls. A call decodes one decoding batch
+        of prompt groups (``generation.batch_size`` rows; at least one group) whose rows follow
+        each other in one sampler batch: a batched engine's step costs about the same for few
+        rows as for many (on a GPU), so smaller calls would only slow generation down (4x
+        measured with 64-row calls against 256-row ones, bench/RESULTS.md)."""
+        n = self.loop.num_generations
+        per_call = max(1, self.cfg.generation.batch_size // n)
         load = {w: 0 for w in self.generation.alive}
         for w, _ in self.generating.values():
             if w in load:
@@ -215,18 +299,17 @@ class StreamingGRPOTrainer(GRPOTrainer):
                                      f"(generation.num_workers={self.cfg.generation.num_workers}); "
                                      f"the last: {e}") from e
             raise _Fault(f"generation process {worker}: {e}") from e
-        g = self.cfg.grpo
+        n = self.loop.num_generations
         for group in groups:
-            item = items[group.rows.start // g.num_generations]
-            prompts = [list(self.train_data.input_ids[item.prompt])] * g.num_generations
+            item = items[group.rows.start // n]
+            prompts = [list(self.train_data.input_ids[item.prompt])] * n
             rows = assemble_rollout(prompts, group.responses, self.generation.pad_token_id)
             with self.timer.phase("reward"):
                 rewards, errors, _ = self._score(
                     rows, [self.train_data.examples[item.prompt]] * len(prompts))
             rows["rewards"] = rewards
             rows["sample_mask"] = torch.ones(len(prompts))
-            self._shape_rewards(rows)
-            self._set_advantages(rows)  # a per-group estimator (load-time check)
+            self._score_group(rows)
             rows["trainer_version"] = torch.full((len(prompts),), version, dtype=torch.long)
             self.ready.append(ScoredGroup(item, version, rows, errors))
 
@@ -235,45 +318,49 @@ class StreamingGRPOTrainer(GRPOTrainer):
         """One streamed RL step (module docstring); returns its metrics.
 
         Raises:
-            StepFailed: the step failed ``grpo.max_step_retries`` + 1 times, or every
-                generation process is gone; it is aborted, the parameters are those before it.
+            StepFailed: the step failed ``max_step_retries`` + 1 times, or every generation
+                process is gone; it is aborted, the parameters are those before it.
         """
-        g = self.cfg.grpo
+        loop = self.loop
         start = time.perf_counter()
         clock = BusyClock()
+        steps = self._split_steps()
         self.dropped_stale = retries = 0
         while True:
             try:
-                fed, chunks = self._try_step(clock)
+                fed, chunks = self._try_step(clock, steps)
                 break
             except _Fault as fault:
                 retries += 1
-                if retries > g.max_step_retries:
+                if retries > loop.max_step_retries:
                     raise StepFailed(
                         f"RL step {self.step + 1} failed {retries} time(s) and was aborted "
-                        f"(grpo.max_step_retries={g.max_step_retries}); the last failure: "
-                        f"{fault}") from fault.__cause__
+                        f"({self.algorithm}.max_step_retries={loop.max_step_retries}); the last "
+                        f"failure: {fault}") from fault.__cause__
         with self.timer.phase("finish"):
             clock.mark(bool(self.generating), True)
-            train_metrics = self.policy.finish_train_step()
-        with self.timer.phase("refit"):
-            refit_start = time.perf_counter()
-            weights = self.policy.call("get_hf_weights")[0]
-            clock.mark(bool(self.generating), False)
-            self.generation.push(weights, self.step + 1)
-            refit = {"refit/seconds": time.perf_counter() - refit_start,
-                     "refit/gbytes": sum(t.numel() * t.element_size() for t in weights.values()) / 1e9}
+            step_metrics = self._finish(steps)
+        metrics: Dict[str, float] = {}
+        if "policy" in steps:
+            with self.timer.phase("refit"):
+                refit_start = time.perf_counter()
+                weights = self.policy.call("get_hf_weights")[0]
+                clock.mark(bool(self.generating), False)
+                self.generation.push(weights, self._policy_version(self.step + 1))
+                metrics["refit/seconds"] = time.perf_counter() - refit_start
+                metrics["refit/gbytes"] = sum(t.numel() * t.element_size()
+                                              for t in weights.values()) / 1e9
         clock.mark(bool(self.generating), False)
 
         rollout = B.concat(chunks)
-        # tokens per second: this step's rows over the wall seconds generation was busy in it
-        # (rows decoded in the previous step count there, at max_staleness > 0)
-        metrics = self.rollout_metrics(rollout, sum(sg.reward_errors for sg in fed),
-                                       clock.seconds["generation_busy"])
-        metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
-        metrics.update(refit)
-        staleness = [self.step - sg.version for sg in fed]
-        for j in range(g.max_staleness + 1):
+        metrics.update(self.rollout_metrics(rollout, sum(sg.reward_errors for sg in fed),
+                                            clock.seconds["generation_busy"]))
+        metrics.update(self._batch_metrics(rollout))
+        for name, step in steps.items():
+            metrics.update({f"{step.prefix}{k}": v for k, v in step_metrics[name].items()})
+        version = self._policy_version(self.step)
+        staleness = [version - sg.version for sg in fed]
+        for j in range(loop.max_staleness + 1):
             metrics[f"stream/staleness_{j}"] = float(staleness.count(j))
         metrics["stream/staleness_mean"] = float(sum(staleness)) / len(staleness)
         metrics["stream/dropped_stale"] = float(self.dropped_stale)
@@ -284,76 +371,145 @@ class StreamingGRPOTrainer(GRPOTrainer):
         metrics["timing/step_s"] = time.perf_counter() - start
         return metrics
 
-    def _try_step(self, clock: BusyClock) -> Tuple[List[ScoredGroup], List[B.Batch]]:
-        """One try of the step: begin, feed groups as they are ready (counting those dropped as
-        stale in :attr:`dropped_stale`), wait for every micro-batch. Returns the groups trained
-        (in feeding order) and the chunks fed (with their logprobs).
+    def _finish(self, steps: Dict[str, SplitStep]) -> Dict[str, Dict[str, float]]:
+        """``finish_train_step`` of every split step, in order; their metrics by group name.
+        One that raises closes the others (those already finished have stepped) and
+        re-raises."""
+        out = {}
+        try:
+            for name, step in steps.items():
+                out[name] = step.group.finish_train_step()
+        except BaseException:
+            for step in steps.values():
+                step.group.abort_train_step()
+            raise
+        return out
+
+    def _try_step(self, clock: BusyClock, steps: Dict[str, SplitStep]
+                  ) -> Tuple[List[ScoredGroup], List[B.Batch]]:
+        """One try of the step: begin the split ``steps``, feed groups as they are ready
+        (counting those dropped as stale in :attr:`dropped_stale`), wait for every micro-batch.
+        Returns the groups trained (in feeding order) and the chunks fed (with their forward
+        results and what :meth:`_prepare_chunk` added).
 
         Raises:
-            _Fault: a policy or generation call failed: the step is aborted on every rank and
-                its groups are back at the front of :attr:`ready`.
+            _Fault: a worker call failed: the step is aborted on every rank of every split step
+                and its groups are back at the front of :attr:`ready`.
         """
-        g, policy = self.cfg.grpo, self.policy
-        need, mbs = g.num_prompts_per_step, self.cfg.policy.micro_batch_size
-        policy.begin_train_step(self.loss_fn, need * g.num_generations, mbs)
+        loop, policy = self.loop, self.policy
+        need, n, mbs = loop.num_prompts_per_step, loop.num_generations, self.cfg.policy.micro_batch_size
+        version = self._policy_version(self.step)
         fed: List[ScoredGroup] = []
         buffers: List[List[ScoredGroup]] = [[] for _ in range(policy.dp_size)]
-        dp_rows = [0] * policy.dp_size
-        # the chunk's last logprob call -> (DP rank, chunk, its logprob calls)
-        logprobs: Dict[Future, Tuple[int, B.Batch, List[Future]]] = {}
+        dp_rows = {name: [0] * group.dp_size for name, group in self._groups().items()}
+        waiting: Dict[Future, _Chunk] = {}  # a forward call -> the chunk that waits for it
         training: set = set()  # train_microbatch calls outstanding
         chunks: List[B.Batch] = []
 
         def flush(d: int) -> None:
             chunk = B.concat([sg.rows for sg in buffers[d]])
             buffers[d].clear()
-            methods = ["get_logprobs"] + (["get_reference_logprobs"] if self.use_reference else [])
-            lp = [policy.call_per_dp_async(m, [[chunk, self.cfg.policy.logprob_micro_batch_size]],
-                                           dp_ranks=[d]) for m in methods]
-            logprobs[lp[-1]] = (d, chunk, lp)  # a DP rank answers in call order: last is last
+            ranks = {"policy": d}
+            for name, rows in dp_rows.items():
+                if name != "policy":
+                    ranks[name] = min(range(len(rows)), key=rows.__getitem__)
+                    rows[ranks[name]] += B.batch_size(chunk)
+            c = _Chunk(chunk, ranks, self._chunk_calls(chunk, ranks))
+            waiting.update((f, c) for f in c.calls.values())
+
+        def forwarded(f: Future) -> None:
+            c = waiting.pop(f)
+            f.result()  # a failed call raises here
+            if any(x in waiting for x in c.calls.values()):
+                return
+            for key, call in c.calls.items():
+                c.rows[key] = call.result()[0]
+            self._prepare_chunk(c.rows)
+            chunks.append(c.rows)
+            training.update(step.group.train_microbatch(c.rows, c.dp_ranks[name])
+                            for name, step in steps.items())
 
         try:
+            for step in steps.values():
+                step.group.begin_train_step(step.loss_fn, need * n, step.micro_batch_size)
             while True:
                 while self.ready and len(fed) < need:
                     sg = self.ready.popleft()
-                    if self.step - sg.version > g.max_staleness:
+                    if version - sg.version > loop.max_staleness:
                         self.todo.append(sg.item)  # generated again with newer weights
                         self.dropped_stale += 1
                         continue
-                    d = min(range(policy.dp_size), key=dp_rows.__getitem__)
+                    d = min(range(policy.dp_size), key=dp_rows["policy"].__getitem__)
                     buffers[d].append(sg)
                     fed.append(sg)
-                    dp_rows[d] += g.num_generations
+                    dp_rows["policy"][d] += n
                     if sum(B.batch_size(x.rows) for x in buffers[d]) >= mbs:
                         flush(d)
                 if len(fed) == need:
                     for d in range(policy.dp_size):
                         if buffers[d]:
                             flush(d)
-                self._dispatch(need - len(fed) + g.max_staleness * need)
-                clock.mark(bool(self.generating), bool(logprobs or training))
-                if len(fed) == need and not logprobs and not training:
+                self._dispatch(need - len(fed) + loop.max_staleness * need)
+                clock.mark(bool(self.generating), bool(waiting or training))
+                if len(fed) == need and not waiting and not training:
                     return fed, chunks
-                done, _ = wait([*self.generating, *logprobs, *training], return_when=FIRST_COMPLETED)
-                clock.mark(bool(self.generating), bool(logprobs or training))
+                done, _ = wait([*self.generating, *waiting, *training], return_when=FIRST_COMPLETED)
+                clock.mark(bool(self.generating), bool(waiting or training))
                 for f in done:
                     if f in self.generating:
                         self._generated(f)
-                    elif f in logprobs:
-                        d, chunk, lp = logprobs.pop(f)
-                        chunk["prev_logprobs"] = lp[0].result()[0]
-                        if self.use_reference:
-                            chunk["reference_logprobs"] = lp[1].result()[0]
-                        chunks.append(chunk)
-                        training.add(policy.train_microbatch(chunk, d))
+                    elif f in waiting:
+                        forwarded(f)
                     else:
                         training.discard(f)
                         f.result()
         except BaseException as e:
             # Close the step on every rank once its calls are answered; its groups go back.
-            wait([x for _, _, lp in logprobs.values() for x in lp] + list(training))
-            policy.abort_train_step()
+            wait([*waiting, *training])
+            for step in steps.values():
+                step.group.abort_train_step()
             self.ready.extendleft(reversed(fed))
             if isinstance(e, WorkerError):
                 raise _Fault(str(e)) from e
             raise
+
+
+class StreamingGRPOTrainer(StreamingLoop, GRPOTrainer):
+    """GRPO (:class:`GRPOTrainer`) with the streaming loop (``grpo.streaming``): each group's
+    rewards shaped and advantages set as it is scored (a per-group estimator: load-time
+    check)."""
+
+    def _score_group(self, rows: B.Batch) -> None:
+        self._shape_rewards(rows)
+        self._set_advantages(rows)
+
+
+class StreamingPPOTrainer(StreamingLoop, PPOTrainer):
+    """PPO (:class:`PPOTrainer`) with the streaming loop (``ppo.streaming``): a chunk's values
+    come from the critic with its logprobs, then its token rewards, GAE advantages and returns
+    (:meth:`PPOTrainer.compute_advantages`, unwhitened: load-time check); the critic's split
+    step runs in every RL step, the policy's after ``ppo.critic_warmup_steps`` (the policy
+    version counts the policy's updates, so the warm-up's rollouts are not stale)."""
+
+    def _chunk_calls(self, chunk: B.Batch, dp_ranks: Dict[str, int]) -> Dict[str, Future]:
+        calls = super()._chunk_calls(chunk, dp_ranks)
+        calls["prev_values"] = self.value.call_per_dp_async(
+            "get_values", [[chunk, self.cfg.value.values_micro_batch_size]],
+            dp_ranks=[dp_ranks["value"]])
+        return calls
+
+    def _prepare_chunk(self, chunk: B.Batch) -> None:
+        self.compute_advantages(chunk)
+
+    def _split_steps(self) -> Dict[str, SplitStep]:
+        critic = {"value": SplitStep(self.value, self.value_loss_fn,
+                                     self.cfg.value.micro_batch_size, "critic/")}
+        if self.step < self.cfg.ppo.critic_warmup_steps:
+            return critic
+        return {**critic, **super()._split_steps()}
+
+    def _policy_version(self, step: int) -> int:
+        return max(0, step - self.cfg.ppo.critic_warmup_steps)
+
+    def _batch_metrics(self, rollout: B.Batch) -> Dict[str, float]:
+        return self.critic_metrics(rollout)

@@ -249,15 +249,15 @@ class RLTrainer:
         ``train/token_mult_prob_error`` is the mean of ``exp(|...|)`` (1 when the rollout
         engine and the trainer agree; NeMo RL's multiplicative probability error, its
         docs/adding-new-models.md). ``generation/tokens_per_s``: the rollout's response tokens
-        per ``generation_seconds`` (the wall seconds spent generating them)."""
+        per ``generation_seconds`` (the wall seconds spent generating them; absent when 0, as
+        in a streamed step whose groups were all decoded before it)."""
         rewards = rollout["rewards"]
         mask = rollout["token_mask"][:, 1:]
         mismatch = (rollout["prev_logprobs"] - rollout["generation_logprobs"]).abs()[:, 1:] * mask
         tokens = float(mask.sum())
-        return {
+        out = {
             "train/logprob_mismatch_mean": float(mismatch.sum()) / tokens if tokens else 0.0,
             "train/token_mult_prob_error": float((mismatch.exp() * mask).sum()) / tokens if tokens else 1.0,
-            "generation/tokens_per_s": float(rollout["response_lengths"].sum()) / generation_seconds,
             "train/reward_mean": float(rewards.mean()),
             "train/reward_std": float(rewards.std()),
             "train/reward_errors": float(reward_errors),
@@ -266,6 +266,10 @@ class RLTrainer:
             "train/logprob_mismatch_max": float(mismatch.max()) if mask.sum() > 0 else 0.0,
             "train/num_tokens": float(rollout["input_lengths"].sum()),
         }
+        if generation_seconds > 0:
+            out["generation/tokens_per_s"] = (float(rollout["response_lengths"].sum())
+                                              / generation_seconds)
+        return out
 
     # ------------------------------------------------------------------ phases
     def validate(self) -> Dict[str, float]:

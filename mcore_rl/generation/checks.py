@@ -34,16 +34,17 @@ def megatron_layout_errors(megatron: MegatronConfig) -> List[str]:
 def megatron_config_errors(cfg: TrainConfig) -> List[str]:
     """The load-time check of ``generation.backend=megatron``: :func:`megatron_layout_errors`
     of ``policy.megatron``; it decodes in the policy's processes, so neither
-    ``generation.num_workers`` nor ``grpo.streaming``."""
+    ``generation.num_workers`` nor streaming (``grpo.streaming``, ``ppo.streaming``)."""
     errors = megatron_layout_errors(cfg.policy.megatron)
     if cfg.generation.num_workers:
         errors.append(f"generation.backend=megatron decodes in the policy's processes: "
                       f"generation.num_workers must be 0 (got {cfg.generation.num_workers}); "
                       f"use generation.backend=hf")
-    if cfg.algorithm == "grpo" and cfg.grpo.streaming:
-        errors.append("generation.backend=megatron cannot stream (grpo.streaming=true): it decodes "
-                      "with the policy workers' own weights, which the streaming loop trains at "
-                      "the same time; use generation.backend=hf with generation.num_workers >= 1")
+    if cfg.streaming:
+        errors.append(f"generation.backend=megatron cannot stream ({cfg.algorithm}.streaming=true): "
+                      f"it decodes with the policy workers' own weights, which the streaming loop "
+                      f"trains at the same time; use generation.backend=hf with "
+                      f"generation.num_workers >= 1")
     return errors
 
 
