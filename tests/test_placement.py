@@ -26,6 +26,14 @@ class GpuProbe:
 
         return [str(i) for i in ray.get_gpu_ids()]
 
+    def fail(self):
+        raise ValueError("a method that raises")
+
+    def exit(self):
+        import os
+
+        os._exit(1)
+
     def shutdown(self):
         pass
 
@@ -97,3 +105,29 @@ def test_too_few_gpus_is_one_clear_error(fake_gpu_ray):
     with pytest.raises(RuntimeError, match=r"needs 8 GPUs \(policy 4 x 1 \+ value 4 x 1; "
                                            r"cluster.placement.*the Ray cluster has 4"):
         Placement(plan, use_ray=True, gpus=True)
+
+
+def test_a_dead_actor_fails_its_calls_as_gone(fake_gpu_ray):
+    """On Ray, as with plain processes (tests/test_worker_groups.py): an actor that dies fails
+    its pending and later calls with WorkerError.gone naming its rank (the streaming loop
+    drops that generation process and requeues its prompt groups); a method that raises is not
+    "gone"; the other ranks go on."""
+    from mcore_rl.controller.worker_group import WorkerError
+
+    placement = Placement(config_plan(ClusterConfig(num_workers=2), {"policy": 2}, {}),
+                          use_ray=True, gpus=False)
+    group = placement.make_group("policy", GpuProbe, {})
+    try:
+        with pytest.raises(WorkerError, match="a method that raises") as err:
+            group.call("fail")
+        assert err.value.gone == set()
+        dying = group.call_async("exit", ranks=[1])
+        later = group.call_async("layout", ranks=[1])
+        for f in (dying, later):
+            with pytest.raises(WorkerError, match=r"\[rank 1\]") as err:
+                f.result(timeout=120)
+            assert err.value.gone == {1}
+        assert group.call_async("layout", ranks=[0]).result() == [{"rank": 0}]
+    finally:
+        group.shutdown()
+        placement.shutdown()
