@@ -1,8 +1,8 @@
 """The streaming GRPO loop (``grpo.streaming: true``): prompt groups train as they finish.
 
-Generation runs in processes of its own (:class:`~mcore_rl.generation.remote.RemoteGeneration`,
-``generation.num_workers``), a training micro-batch's worth of prompt groups per call, two
-calls queued per process. Each
+Generation runs in processes of its own (a :class:`~mcore_rl.generation.base.StreamingBackend`:
+the hf engine in ``generation.num_workers`` processes, or ``generation.vllm.num_engines`` vLLM
+engines), a training micro-batch's worth of prompt groups per call, two calls queued per process. Each
 finished group comes back with ``trainer_version``, the policy version of the weights that
 generated it (the RL steps the policy had completed when they were taken). The controller
 scores it, computes its GRPO advantages (per group, so the same as over the whole batch), gives
@@ -112,19 +112,23 @@ class BusyClock:
 
 class StreamingGRPOTrainer(GRPOTrainer):
     """GRPO with the streaming loop of the module docstring (``grpo.streaming``,
-    ``grpo.max_staleness``, ``grpo.max_step_retries``; ``generation.num_workers`` processes).
+    ``grpo.max_staleness``, ``grpo.max_step_retries``).
 
     Raises (at construction):
-        ValueError: the rollout backend does not run in processes of its own.
+        ValueError: the rollout backend is not a
+            :class:`~mcore_rl.generation.base.StreamingBackend` (the error names those that are).
     """
 
     def __init__(self, cfg: TrainConfig):
-        from mcore_rl.generation.remote import RemoteGeneration
+        from mcore_rl.generation.base import StreamingBackend
+        from mcore_rl.generation.checks import STREAMING_BACKENDS
 
         super().__init__(cfg)
-        if not isinstance(self.generation, RemoteGeneration):
-            raise ValueError("grpo.streaming=true needs generation.backend=hf with "
-                             "generation.num_workers >= 1")
+        if not isinstance(self.generation, StreamingBackend):
+            name = type(self.generation).__name__
+            self.close()
+            raise ValueError(f"grpo.streaming=true needs a rollout engine in processes of its own "
+                             f"({STREAMING_BACKENDS}); {name} is not one")
         self.todo: Deque[PromptGroup] = collections.deque()  # to generate
         # generation call -> (process, its prompt groups)
         self.generating: Dict[Future, Tuple[int, List[PromptGroup]]] = {}
@@ -255,11 +259,9 @@ class StreamingGRPOTrainer(GRPOTrainer):
             train_metrics = self.policy.finish_train_step()
         with self.timer.phase("refit"):
             refit_start = time.perf_counter()
-            weights = self.policy.call("get_hf_weights")[0]
+            pushed = self.generation.push(self.policy, self.step + 1)
             clock.mark(bool(self.generating), False)
-            self.generation.push(weights, self.step + 1)
-            refit = {"refit/seconds": time.perf_counter() - refit_start,
-                     "refit/gbytes": sum(t.numel() * t.element_size() for t in weights.values()) / 1e9}
+            refit = {"refit/seconds": time.perf_counter() - refit_start, "refit/gbytes": pushed.gbytes}
         clock.mark(bool(self.generating), False)
 
         rollout = B.concat(chunks)
