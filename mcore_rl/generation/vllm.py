@@ -550,11 +550,13 @@ class VLLMGenerationBackend(StreamingBackend):
         except BaseException:
             remove()
             raise
-        loaded = self.engines.call_each_async(
+        from mcore_rl.controller.worker_group import then
+
+        loads = self.engines.call_each_async(
             "load_weights", [[{"kind": "host", "buckets": files}, version]] * len(self.alive),
             ranks=self.alive)
-        loaded.add_done_callback(remove)
-        return Push(sum(size for _, size, _ in files) / 1e9, loaded)
+        loads.add_done_callback(remove)  # before the future handed out is done (callback order)
+        return Push(sum(size for _, size, _ in files) / 1e9, then(loads, lambda _: None))
 
     def _checked(self, named_tensors: Iterable[Tuple[str, torch.Tensor]],
                  written: set) -> Iterator[Tuple[str, torch.Tensor]]:
