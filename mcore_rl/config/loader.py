@@ -329,7 +329,7 @@ def validate(cfg: TrainConfig) -> None:
         errors += hf_checkpoint_errors("value.hf_path", cfg.value.hf_path)
     if model.tokenizer not in (None, CHAR_TOKENIZER):
         errors += filter(None, [tokenizer_dir_error("model.tokenizer", model.tokenizer)])
-    if cfg.algorithm == "grpo" and grpo.streaming:  # the backend's own check: whether it streams
+    if cfg.algorithm == "grpo" and grpo.streaming:  # whether the backend streams: its own check
         check(grpo.optimizer_steps_per_rollout == 1,
               f"grpo.streaming=true needs grpo.optimizer_steps_per_rollout=1 (got "
               f"{grpo.optimizer_steps_per_rollout}): a streamed RL step is one optimizer step")

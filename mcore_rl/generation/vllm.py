@@ -527,6 +527,8 @@ class VLLMGenerationBackend(StreamingBackend):
         one), write them in buckets of ``generation.vllm.refit_bucket_mb`` to files in
         ``/dev/shm`` (the whole model at once: the engines load them after their queued calls),
         queue their load on every live engine; the files go when every engine is done."""
+        from mcore_rl.controller.worker_group import then
+
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         prefix = os.path.join(shm, f"mcore_rl_refit_{os.getpid()}_{uuid.uuid4().hex[:8]}")
         files: List[Tuple[str, int, Any]] = []
@@ -550,8 +552,6 @@ class VLLMGenerationBackend(StreamingBackend):
         except BaseException:
             remove()
             raise
-        from mcore_rl.controller.worker_group import then
-
         loads = self.engines.call_each_async(
             "load_weights", [[{"kind": "host", "buckets": files}, version]] * len(self.alive),
             ranks=self.alive)
