@@ -285,7 +285,7 @@ class GenerationConfig:
     greedy_validation: bool = True
     # Processes of the rollout engine's own (Ray actors, or plain processes with
     # cluster.use_ray=false), prompt groups spread over them; 0: it runs in the controller's
-    # process. generation.backend=hf only; grpo.streaming needs >= 1.
+    # process. generation.backend=hf only; grpo.streaming with hf needs >= 1.
     num_workers: int = bounded(0, ge=0)
     # backend=megatron on CUDA with tensor parallelism 1 and a dense model: decode steps replayed
     # as CUDA graphs (captured per bucket of rows and attended length at first use, kept between
@@ -425,8 +425,9 @@ class GRPOConfig:
     # Validate once before the first RL step (not on a resumed run).
     val_at_start: bool = True
     # Streaming loop (mcore_rl/controller/streaming.py): finished prompt groups are scored and
-    # trained (split train step) while the rest are still generated, by generation.num_workers
-    # processes of their own; needs optimizer_steps_per_rollout=1.
+    # trained (split train step) while the rest are still generated, by a rollout engine in
+    # processes of its own (hf with generation.num_workers >= 1, or the vllm engines); needs
+    # optimizer_steps_per_rollout=1 and cluster.colocate_generation=false.
     streaming: bool = False
     # Streaming: how many policy versions (RL steps) a rollout's weights may lag the weights it
     # trains: 0 is on-policy (parameters of the synchronous loop); k lets generation run up to
