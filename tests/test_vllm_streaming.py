@@ -3,9 +3,12 @@ engines): on-policy parity with the synchronous vllm loop, the policy version ea
 decodes with (refits queued behind the calls an engine holds), the staleness bound, and an
 engine process that dies mid-step.
 
-One trainer for the module (two vLLM engines take tens of seconds to start on CPU), built and
-reset as tests/test_streaming.py's (:class:`test_streaming.Run`), whose parity tolerance this
-module uses (its docstring has the reasons). The reference is the synchronous loop
+One trainer for the module (one policy process; two vLLM engines, which take tens of seconds to
+start on CPU), built and reset as tests/test_streaming.py's (:class:`test_streaming.Run`), whose
+parity tolerance this module uses (its docstring has the reasons; DP and PP layouts are tested
+there). Measured: parameters within 3e-8 of the synchronous loop's (not bitwise: rows reach the
+optimizer in other micro-batches), engine logprobs within 1.5e-6 of the policy's, rows decoded
+one version back 2.5e-3 or more away from them. The reference is the synchronous loop
 (``GRPOTrainer.rl_step``) on the same engines: every row is its own vLLM request seeded with
 ``row_seed(step seed, row)``, so a row's response does not depend on which engine decodes it or
 on the other rows of its call (the engines' CPU forward gives each row the same logits in any
@@ -22,7 +25,7 @@ from mcore_rl.generation import vllm as vllm_backend
 from test_streaming import STEPS, Run, _assert_same_rollouts, _assert_same_updates
 
 VLLM = ["generation.backend=vllm", "generation.num_workers=0", "generation.vllm.num_engines=2",
-        "generation.vllm.kv_cache_gb=0.05", "cluster.num_workers=2"]
+        "generation.vllm.kv_cache_gb=0.05", "cluster.num_workers=1"]
 MISMATCH = 1e-4  # engine logprobs against the policy's with the same weights (tests/test_vllm.py)
 
 
