@@ -6,7 +6,7 @@ engine process that dies mid-step.
 One trainer for the module (one policy process; two vLLM engines, which take tens of seconds to
 start on CPU), built and reset as tests/test_streaming.py's (:class:`test_streaming.Run`), whose
 parity tolerance this module uses (its docstring has the reasons; DP and PP layouts are tested
-there). Measured: parameters within 3e-8 of the synchronous loop's (not bitwise: rows reach the
+there). Measured (with a DP=2 policy): parameters within 3e-8 of the synchronous loop's (not bitwise: rows reach the
 optimizer in other micro-batches), engine logprobs within 1.5e-6 of the policy's, rows decoded
 one version back 2.5e-3 or more away from them. The reference is the synchronous loop
 (``GRPOTrainer.rl_step``) on the same engines: every row is its own vLLM request seeded with
