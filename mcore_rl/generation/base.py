@@ -247,8 +247,9 @@ class StreamingBackend(GenerationBackend):
         weights have left it (the policy may train on).
 
         Raises:
-            ValueError: unknown names or shape mismatches (checked before any worker gets
-                them: the workers keep their weights).
+            ValueError: unknown names or shape mismatches found before any worker gets a tensor
+                (the vllm backend's host-memory path checks them all first): the workers keep
+                their weights. Found by a worker (hf), they fail ``loaded``.
         """
 
     def drop(self, worker: int) -> None:
