@@ -14,6 +14,8 @@ histogram.
     python bench/streaming.py --steps 8 [--sft-steps 0] [--modes sync,stream0,stream1]
     # one GPU shared by the policy and the hf engine's process (grpo_synthetic_gpu's model),
     # 128-token responses: scripts/gpu/streaming_bench.sh
+    # vLLM engines (1 by default; the sync1 mode is the sync one there):
+    python bench/streaming.py --set generation.backend=vllm
 
 No warm start by default (``--sft-steps``): the timing does not depend on the rewards.
 """
@@ -26,30 +28,51 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mcore_rl.config.loader import load_config  # noqa: E402
 from mcore_rl.controller.grpo import trainer_class  # noqa: E402
 
+# mode -> (loop, its overrides, whether the engine runs in processes of its own, the backend:
+# None for the config's)
 MODES = {
-    "sync": ("synchronous, hf in the controller's process", []),
-    "sync1": ("synchronous, hf in 1 process of its own", ["generation.num_workers=1"]),
-    "sync_megatron": ("synchronous, the policy decodes (megatron)", ["generation.backend=megatron"]),
-    "stream0": ("streaming, max_staleness=0", ["grpo.streaming=true", "generation.num_workers=1",
-                                               "grpo.max_staleness=0"]),
-    "stream1": ("streaming, max_staleness=1", ["grpo.streaming=true", "generation.num_workers=1",
-                                               "grpo.max_staleness=1"]),
+    "sync": ("synchronous", [], False, None),
+    "sync1": ("synchronous", [], True, None),
+    "sync_megatron": ("synchronous", [], False, "megatron"),
+    "stream0": ("streaming, max_staleness=0", ["grpo.streaming=true", "grpo.max_staleness=0"], True,
+                None),
+    "stream1": ("streaming, max_staleness=1", ["grpo.streaming=true", "grpo.max_staleness=1"], True,
+                None),
 }
 PHASES = ("generation_busy", "trainer_busy", "overlap", "idle")
 
 
-def bench(config: str, overrides: List[str], mode: str, steps: int, sft_steps: int,
+def engine(backend: str, own_processes: bool) -> Tuple[str, List[str]]:
+    """Where ``backend``'s engine runs in a mode, and the overrides that put it there: hf in the
+    controller's process, or in 1 process of its own (``generation.num_workers=1``); vllm's
+    engines always run in processes of their own (``generation.vllm.num_engines``)."""
+    if backend == "hf":
+        return (("hf in 1 process of its own", ["generation.num_workers=1"]) if own_processes
+                else ("hf in the controller's process", []))
+    if backend == "vllm":
+        return "vllm, 1 engine", []
+    return f"{backend} in the policy's processes", [f"generation.backend={backend}"]
+
+
+def mode_overrides(backend: str, mode: str) -> Tuple[str, List[str]]:
+    """A mode's label and overrides for ``backend``."""
+    loop, overrides, own, mode_backend = MODES[mode]
+    where, placed = engine(mode_backend or backend, own)
+    return f"{loop}, {where}", overrides + placed
+
+
+def bench(config: str, overrides: List[str], steps: int, sft_steps: int,
           out: str) -> Dict[str, float]:
-    """Seconds per RL step (after the first) of one mode of ``config`` with ``overrides``, and
-    the streaming loop's phases."""
-    cfg = load_config(config, overrides + MODES[mode][1] + [
+    """Seconds per RL step (after the first) of ``config`` with ``overrides`` (a mode's
+    included), and the streaming loop's phases."""
+    cfg = load_config(config, overrides + [
         "cluster.use_ray=false", f"sft.steps={sft_steps}", f"grpo.max_steps={steps}",
         "grpo.val_every=0", "grpo.val_at_start=false", "checkpoint.save_final=false",
         "logging.progress=false", f"run.output_dir={out}"])
@@ -85,11 +108,17 @@ def main() -> None:
     parser.add_argument("--stream-set", nargs="*", default=[],
                         help="config overrides of the streaming modes only")
     args = parser.parse_args()
-    rows = {}
+    backend = load_config(args.config, args.set).generation.backend
+    rows, labels, runs = {}, {}, {}
+    for mode in args.modes.split(","):
+        labels[mode], overrides = mode_overrides(backend, mode)
+        if mode.startswith("stream"):
+            overrides += args.stream_set
+        if overrides not in runs.values():  # vllm: sync and sync1 are one run
+            runs[mode] = overrides
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes.split(","):
-            overrides = args.set + (args.stream_set if mode.startswith("stream") else [])
-            rows[mode] = bench(args.config, overrides, mode, args.steps, args.sft_steps,
+        for mode, overrides in runs.items():
+            rows[mode] = bench(args.config, args.set + overrides, args.steps, args.sft_steps,
                                os.path.join(tmp, mode))
             print(f"{mode}: {rows[mode]}", file=sys.stderr, flush=True)
     base = rows.get("sync", {}).get("mean")
@@ -103,7 +132,7 @@ def main() -> None:
     for mode, r in rows.items():
         phases = " | ".join(f"{r[p]:.2f}" if p in r else "" for p in PHASES)
         rel = f"{r['mean'] / base:.2f}x" if base else ""
-        print(f"| {MODES[mode][0]} | {r['mean']:.2f} | {r['median']:.2f} | {rel} | {phases} | "
+        print(f"| {labels[mode]} | {r['mean']:.2f} | {r['median']:.2f} | {rel} | {phases} | "
               f"{r.get('staleness', '')} |")
 
 

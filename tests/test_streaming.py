@@ -295,9 +295,8 @@ def test_generation_process_dies_mid_step(dp2):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["generation.num_workers=0"], "grpo.streaming=true needs generation.num_workers >= 1"),
+    (["generation.num_workers=0"], "generation.backend=hf runs with generation.num_workers >= 1"),
     (["generation.backend=megatron"], "generation.backend=megatron cannot stream"),
-    (["generation.backend=vllm"], "the streaming loop does not drive vLLM engines yet"),
     (["grpo.optimizer_steps_per_rollout=2"], "needs grpo.optimizer_steps_per_rollout=1"),
     (["grpo.advantage_estimator=reinforce_plus_plus"], "needs a per-group grpo.advantage_estimator"),
     (["grpo.dynamic_sampling=true"], "cannot use grpo.dynamic_sampling"),

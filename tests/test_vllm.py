@@ -144,12 +144,16 @@ def test_bad_prompts_and_refits_give_clear_errors(groups, engine, eos):
     bad = {**weights, name: weights[name][:, :-1]}
     with pytest.raises(ValueError, match=rf"'{name}' has shape \(64, 63\), the model expects \(64, 64\)"):
         engine.update_weights(bad.items())
-    with pytest.raises(RuntimeError, match="refit from the policy first"):
-        engine.generate(PROMPTS, seed=5)
     with pytest.raises(ValueError, match=rf"parameters left unwritten \['{name}'\]"):
         engine.update_weights((k, v) for k, v in weights.items() if k != name)
     with pytest.raises(ValueError, match="'model.extra.weight' is not a parameter"):
         engine.update_weights([("model.extra.weight", torch.zeros(2))])
+    # every tensor is checked before any engine gets one: the engines keep their weights
+    assert torch.equal(engine.generate(PROMPTS, seed=5)["input_ids"], good["input_ids"])
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"mcore_rl_refit_{os.getpid()}_")]
+    engine._weights_loaded = False  # as after a failed load or a discarding sleep
+    with pytest.raises(RuntimeError, match="refit from the policy first"):
+        engine.generate(PROMPTS, seed=5)
     engine.update_weights(weights.items())
     assert torch.equal(engine.generate(PROMPTS, seed=5)["input_ids"], good["input_ids"])
     layouts = engine.engines.call("layout")
@@ -192,11 +196,16 @@ def test_config_checked_at_load_time():
         "data.max_total_length=40": "data.max_total_length (40) <= model.arch.max_position_embeddings (32)",
         "generation.top_p=0.9": "needs generation.temperature=1 or generation.top_p=1",
         "generation.num_workers=1": "generation.num_workers must be 0 (got 1)",
+        # the engines stream, but not colocated (sleep and wake around training)
+        "grpo.streaming=true cluster.colocate_generation=true":
+            "generation.backend=vllm cannot stream (grpo.streaming=true) with "
+            "cluster.colocate_generation=true",
     }
     for override, message in cases.items():
         extra = ["generation.temperature=0.5"] if "top_p" in override else []
         with pytest.raises(ConfigError, match=re.escape(message)):
-            load_config("grpo_synthetic", [*base, override, *extra])
+            load_config("grpo_synthetic", [*base, *override.split(), *extra])
+    assert load_config("grpo_synthetic", [*base, "grpo.streaming=true"]).grpo.streaming
     # Placement against the policy's GPUs (a GPU device needs no GPU to be checked).
     gpu = [*base, "cluster.device=cuda", "cluster.num_workers=2"]
     with pytest.raises(ConfigError, match=re.escape("num_engines x tensor_parallel_size (1 x 4) must be "

@@ -361,9 +361,6 @@ def streaming_errors(cfg: TrainConfig) -> List[str]:
     loop, name = cfg.loop, cfg.algorithm
     on = f"{name}.streaming=true"
     errors = []
-    if cfg.generation.num_workers < 1:
-        errors.append(f"{on} needs generation.num_workers >= 1: the rollout engine runs in "
-                      f"processes of its own while the policy trains")
     one_step = "a streamed RL step is one optimizer step on rows that train as they arrive"
     if name == "grpo":
         if loop.optimizer_steps_per_rollout != 1:

@@ -288,7 +288,7 @@ class GenerationConfig:
     greedy_validation: bool = True
     # Processes of the rollout engine's own (Ray actors, or plain processes with
     # cluster.use_ray=false), prompt groups spread over them; 0: it runs in the controller's
-    # process. generation.backend=hf only; grpo.streaming and ppo.streaming need >= 1.
+    # process. generation.backend=hf only; grpo/ppo.streaming with hf need >= 1.
     num_workers: int = bounded(0, ge=0)
     # backend=megatron on CUDA with tensor parallelism 1 and a dense model: decode steps replayed
     # as CUDA graphs (captured per bucket of rows and attended length at first use, kept between
@@ -388,9 +388,10 @@ class StreamingLoopConfig:
     keys; :mod:`mcore_rl.controller.streaming`)."""
 
     # Streaming loop (mcore_rl/controller/streaming.py): finished prompt groups are scored and
-    # trained (split train step) while the rest are still generated, by generation.num_workers
-    # processes of their own. GRPO needs grpo.optimizer_steps_per_rollout=1; PPO needs
-    # ppo.ppo_epochs=1, ppo.num_mini_batches=1 and ppo.whiten_advantages=false.
+    # trained (split train step) while the rest are still generated, by a rollout engine in
+    # processes of its own (hf with generation.num_workers >= 1, or the vllm engines). GRPO
+    # needs grpo.optimizer_steps_per_rollout=1; PPO needs ppo.ppo_epochs=1,
+    # ppo.num_mini_batches=1 and ppo.whiten_advantages=false.
     streaming: bool = False
     # Streaming: how many policy versions (policy updates) a rollout's weights may lag the
     # weights it trains: 0 is on-policy (parameters of the synchronous loop); k lets generation

@@ -1,8 +1,9 @@
 """The streaming loop (``grpo.streaming`` / ``ppo.streaming``): prompt groups train as they finish.
 
-Generation runs in processes of its own (:class:`~mcore_rl.generation.remote.RemoteGeneration`,
-``generation.num_workers``), a decoding batch (``generation.batch_size`` rows) of prompt
-groups per call, two calls queued per process. Each finished group comes back with ``trainer_version``, the policy
+Generation runs in processes of its own (a :class:`~mcore_rl.generation.base.StreamingBackend`:
+the hf engine in ``generation.num_workers`` processes, or ``generation.vllm.num_engines`` vLLM
+engines), a decoding batch (``generation.batch_size`` rows) of prompt groups per call, two calls
+queued per process. Each finished group comes back with ``trainer_version``, the policy
 version of the weights that generated it (the policy updates done when they were taken). The
 controller scores it (GRPO: its group advantages too, per group, so the same as over the whole
 batch), gives it to the policy's DP rank with the fewest rows so far, and once a DP rank holds
@@ -157,7 +158,8 @@ class StreamingLoop:
     """The streaming loop of the module docstring, on a synchronous trainer (the classes after
     it in the MRO: :class:`GRPOTrainer` or :class:`PPOTrainer`), whose section gives
     ``streaming``, ``max_staleness``, ``max_step_retries``, ``num_prompts_per_step`` and
-    ``num_generations``; ``generation.num_workers`` processes.
+    ``num_generations``; the generation processes of a
+    :class:`~mcore_rl.generation.base.StreamingBackend`.
 
     Hooks for the algorithm: :meth:`_score_group` (a scored group's own extras),
     :meth:`_chunk_calls` (forward passes a chunk needs), :meth:`_prepare_chunk` (what a chunk
@@ -165,16 +167,20 @@ class StreamingLoop:
     :meth:`_policy_version` and :meth:`_batch_metrics`.
 
     Raises (at construction):
-        ValueError: the rollout backend does not run in processes of its own.
+        ValueError: the rollout backend is not a
+            :class:`~mcore_rl.generation.base.StreamingBackend` (the error names those that are).
     """
 
     def __init__(self, cfg: TrainConfig):
-        from mcore_rl.generation.remote import RemoteGeneration
+        from mcore_rl.generation.base import StreamingBackend
+        from mcore_rl.generation.checks import STREAMING_BACKENDS
 
         super().__init__(cfg)
-        if not isinstance(self.generation, RemoteGeneration):
-            raise ValueError(f"{self.algorithm}.streaming=true needs generation.backend=hf with "
-                             f"generation.num_workers >= 1")
+        if not isinstance(self.generation, StreamingBackend):
+            name = type(self.generation).__name__
+            self.close()
+            raise ValueError(f"{self.algorithm}.streaming=true needs a rollout engine in processes "
+                             f"of its own ({STREAMING_BACKENDS}); {name} is not one")
         # cluster.colocate_generation: the generation processes share the policy's GPUs with
         # everything resident (no offload lifecycle): generation and training run at once
         self.colocation.enabled = False
@@ -296,8 +302,8 @@ class StreamingLoop:
                 self.generation.drop(worker)
                 if not self.generation.alive:
                     raise StepFailed(f"RL step {self.step + 1}: every generation process is gone "
-                                     f"(generation.num_workers={self.cfg.generation.num_workers}); "
-                                     f"the last: {e}") from e
+                                     f"(generation.num_workers, or generation.vllm.num_engines "
+                                     f"with vllm); the last: {e}") from e
             raise _Fault(f"generation process {worker}: {e}") from e
         n = self.loop.num_generations
         for group in groups:
@@ -344,12 +350,10 @@ class StreamingLoop:
         if "policy" in steps:
             with self.timer.phase("refit"):
                 refit_start = time.perf_counter()
-                weights = self.policy.call("get_hf_weights")[0]
+                pushed = self.generation.push(self.policy, self._policy_version(self.step + 1))
                 clock.mark(bool(self.generating), False)
-                self.generation.push(weights, self._policy_version(self.step + 1))
                 metrics["refit/seconds"] = time.perf_counter() - refit_start
-                metrics["refit/gbytes"] = sum(t.numel() * t.element_size()
-                                              for t in weights.values()) / 1e9
+                metrics["refit/gbytes"] = pushed.gbytes
         clock.mark(bool(self.generating), False)
 
         rollout = B.concat(chunks)

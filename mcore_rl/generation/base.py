@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from concurrent.futures import Future, as_completed
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional
 
 import torch
@@ -190,6 +191,118 @@ class GenerationBackend(abc.ABC):
 
     def shutdown(self) -> None:
         """Stop what the backend started (processes of its own); the backend is unusable."""
+
+
+class Push(NamedTuple):
+    """Weights of one policy version on their way into a :class:`StreamingBackend`'s workers
+    (:meth:`StreamingBackend.push`): ``gbytes``, GB of weights each worker loads, and
+    ``loaded``, a future of None once every live worker has loaded them (a
+    :class:`~mcore_rl.controller.worker_group.WorkerError` naming the workers that failed or
+    are gone; a worker that failed to load refuses to decode until a good refit)."""
+
+    gbytes: float
+    loaded: Future
+
+
+class StreamingBackend(GenerationBackend):
+    """A rollout engine in worker processes of its own (``alive``: the indices of the live
+    ones), which a streaming controller (:mod:`mcore_rl.controller.streaming`) drives one worker
+    at a time: :meth:`submit` gives a worker prompt groups and returns at once; :meth:`push`
+    queues new weights, with their policy version, behind the calls each worker already holds,
+    so each call's result carries the version of the weights that decoded it. A worker runs its
+    calls in the order it got them. Implemented by
+    :class:`~mcore_rl.generation.remote.RemoteGeneration` (``generation.backend=hf`` with
+    ``generation.num_workers`` >= 1) and :class:`~mcore_rl.generation.vllm.
+    VLLMGenerationBackend` (``generation.backend=vllm``: one worker per engine).
+
+    Sampling: a row's random stream is fixed by the call's ``seed`` and its row number in the
+    whole rollout (``first_row`` + its index in the call), so whichever worker decodes a prompt
+    group, and with whatever other rows, its responses are those of the same rollout decoded in
+    one call.
+    """
+
+    alive: List[int]
+    vocab_size: int  # prompt ids are checked against it, and
+    max_total_length: int  # prompt lengths against it, before anything is sent
+    _weights_loaded: bool = False
+
+    @abc.abstractmethod
+    def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,
+               first_row: int, greedy: bool = False) -> Future:
+        """Start decoding ``prompts`` (whole groups of ``group_size`` rows, numbered from
+        ``first_row`` in the rollout for their random streams) on worker ``worker``; returns at
+        once.
+
+        Returns:
+            a future of ``(version, groups)``: the policy version of the weights that decoded
+            them and every :class:`FinishedGroup` (``rows`` relative to ``prompts``); or of a
+            :class:`~mcore_rl.controller.worker_group.WorkerError` (its ``gone``: the worker
+            died).
+        """
+
+    @abc.abstractmethod
+    def push(self, policy: "DataParallelGroup", version: int) -> Push:
+        """Take the policy's current weights as policy version ``version`` and queue their load
+        on every live worker, behind the calls it already holds. Returns once the policy's
+        weights have left it (the policy may train on).
+
+        Raises:
+            ValueError: unknown names or shape mismatches found before any worker gets a tensor
+                (the vllm backend's host-memory path checks them all first): the workers keep
+                their weights. Found by a worker (hf), they fail ``loaded``.
+        """
+
+    def drop(self, worker: int) -> None:
+        """Stop sending to worker ``worker`` (it died)."""
+        if worker in self.alive:
+            self.alive.remove(worker)
+
+    def refit(self, policy: "DataParallelGroup", version: int = 0) -> Dict[str, float]:
+        """:meth:`push` the policy's weights as ``version`` and wait until every live worker has
+        loaded them. Returns ``refit/gbytes`` (per worker). Raises as :meth:`push`, and
+        :class:`~mcore_rl.controller.worker_group.WorkerError` when a worker failed to load
+        (then :meth:`generate_async` refuses until a good refit)."""
+        return self._loaded(self.push(policy, version))
+
+    def _loaded(self, pushed: Push) -> Dict[str, float]:
+        """Wait for ``pushed`` to be loaded everywhere; its stats."""
+        try:
+            pushed.loaded.result()
+        except BaseException:
+            self._weights_loaded = False
+            raise
+        self._weights_loaded = True
+        return {"refit/gbytes": pushed.gbytes}
+
+    def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
+                       group_size: int = 1) -> Iterator[FinishedGroup]:
+        """See :meth:`GenerationBackend.generate_async`: the groups are cut into one contiguous
+        part per live worker (:meth:`submit`), all started at once; a part's groups come when
+        its worker is done.
+
+        Raises (beyond the interface's): RuntimeError also after a failed refit, until a good
+        one; :class:`~mcore_rl.controller.worker_group.WorkerError` when iterated, when a worker
+        raises.
+        """
+        if not self._weights_loaded:
+            raise RuntimeError(f"{type(self).__name__}.generate: the engine holds no weights of the "
+                               f"policy (none loaded yet, a failed refit, or discarded while it "
+                               f"slept); refit from the policy first")
+        check_prompts(prompts, self.vocab_size, self.max_total_length)
+        GroupAssembler(len(prompts), group_size)  # checks the group size
+        self.prepare_for_generation()
+        groups, n = len(prompts) // group_size, len(self.alive)
+        bounds = [round(i * groups / n) * group_size for i in range(n + 1)]
+        parts = {self.submit(w, prompts[a:b], seed, group_size, a, greedy): a
+                 for w, a, b in zip(self.alive, bounds[:-1], bounds[1:]) if b > a}
+        return self._finished(parts)
+
+    @staticmethod
+    def _finished(parts: Dict[Future, int]) -> Iterator[FinishedGroup]:
+        for future in as_completed(parts):
+            offset = parts[future]
+            for g in future.result()[1]:
+                yield FinishedGroup(range(g.rows.start + offset, g.rows.stop + offset), g.responses)
 
 
 class GroupAssembler:

@@ -9,6 +9,21 @@ from typing import List
 from mcore_rl.config.schema import MegatronConfig, TrainConfig
 
 
+# The rollout backends the streaming loop (grpo/ppo.streaming) drives: those whose engine runs in
+# processes of its own (mcore_rl.generation.base.StreamingBackend).
+STREAMING_BACKENDS = "generation.backend=hf with generation.num_workers >= 1, or generation.backend=vllm"
+
+
+def hf_config_errors(cfg: TrainConfig) -> List[str]:
+    """The load-time check of ``generation.backend=hf``: it streams (``<algorithm>.streaming``)
+    only in processes of its own (``generation.num_workers`` >= 1)."""
+    if cfg.streaming and not cfg.generation.num_workers:
+        return [f"{cfg.algorithm}.streaming=true needs a rollout engine in processes of its "
+                f"own, which generation.backend=hf runs with generation.num_workers >= 1 (got 0); "
+                f"the backends that stream: {STREAMING_BACKENDS}"]
+    return []
+
+
 def megatron_layout_errors(megatron: MegatronConfig) -> List[str]:
     """Why ``generation.backend=megatron`` (decoding with the policy's own model,
     :mod:`mcore_rl.generation.megatron`) cannot run on the policy layout ``megatron``
@@ -43,8 +58,7 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
     if cfg.streaming:
         errors.append(f"generation.backend=megatron cannot stream ({cfg.algorithm}.streaming=true): "
                       f"it decodes with the policy workers' own weights, which the streaming loop "
-                      f"trains at the same time; use generation.backend=hf with "
-                      f"generation.num_workers >= 1")
+                      f"trains at the same time; the backends that stream: {STREAMING_BACKENDS}")
     return errors
 
 
@@ -55,8 +69,9 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def vllm_config_errors(cfg: TrainConfig) -> List[str]:
     """The load-time check of ``generation.backend=vllm`` (:mod:`mcore_rl.generation.vllm`), one
     message per reason naming its keys; empty when it runs. The ``generation.vllm`` ranges are
-    the schema's (checked before this). Refuses ``generation.num_workers`` (hf's) and
-    ``grpo.streaming`` (not wired to vLLM engines). Checks the sampling settings vLLM can report the
+    the schema's (checked before this). Refuses ``generation.num_workers`` (hf's; the engines
+    are ``generation.vllm.num_engines``) and streaming with colocated engines (they sleep while
+    the policy trains). Checks the sampling settings vLLM can report the
     trainer's logprobs for; the model shape against the engine (its TP divides the heads; on
     CPU a head size vLLM's CPU attention has; the engine's max_model_len within the model's
     positions); and, on GPUs, the placement: colocated engines
@@ -69,9 +84,10 @@ def vllm_config_errors(cfg: TrainConfig) -> List[str]:
     if gen.num_workers:
         errors.append(f"generation.backend=vllm places its engines by generation.vllm.num_engines: "
                       f"generation.num_workers must be 0 (got {gen.num_workers})")
-    if cfg.algorithm == "grpo" and cfg.grpo.streaming:
-        errors.append("grpo.streaming=true runs generation.backend=hf with generation.num_workers "
-                      ">= 1; the streaming loop does not drive vLLM engines yet")
+    if cfg.streaming and cluster.colocate_generation:
+        errors.append(f"generation.backend=vllm cannot stream ({cfg.algorithm}.streaming=true) with "
+                      f"cluster.colocate_generation=true: colocated engines sleep while the policy "
+                      f"trains; put them on GPUs of their own (cluster.colocate_generation=false)")
     if gen.temperature != 1 and gen.top_p < 1:
         errors.append(f"generation.backend=vllm needs generation.temperature=1 or generation.top_p=1 "
                       f"(got {gen.temperature} and {gen.top_p}): vLLM reports logprobs before "

@@ -33,7 +33,8 @@ class BackendEntry(NamedTuple):
 
 
 BACKENDS: Dict[str, BackendEntry] = {
-    "hf": BackendEntry("mcore_rl.generation.hf:HFGenerationBackend"),
+    "hf": BackendEntry("mcore_rl.generation.hf:HFGenerationBackend",
+                       "mcore_rl.generation.checks:hf_config_errors"),
     "megatron": BackendEntry("mcore_rl.generation.megatron:MegatronGenerationBackend",
                              "mcore_rl.generation.checks:megatron_config_errors"),
     "vllm": BackendEntry("mcore_rl.generation.vllm:VLLMGenerationBackend",

@@ -4,12 +4,9 @@ Each process (:class:`GenerationWorker`, a Ray actor or a plain process of a wor
 placed as the ``generation`` group of :mod:`mcore_rl.controller.placement`) holds a
 :class:`~mcore_rl.generation.hf.HFGenerationBackend` and the policy version of its weights.
 :class:`RemoteGeneration` is the controller's side: a
-:class:`~mcore_rl.generation.base.GenerationBackend` whose calls spread prompt groups over the
-processes, and the two calls a streaming controller (:mod:`mcore_rl.controller.streaming`)
-drives the processes with one by one: :meth:`RemoteGeneration.submit` (prompt groups to one
-process -> a future of its finished groups and the version that generated them) and
-:meth:`RemoteGeneration.push` (new weights with their version, queued behind the calls a process
-has already been given).
+:class:`~mcore_rl.generation.base.StreamingBackend` (prompt groups spread over the processes,
+or given to one process at a time by a streaming controller; weights pushed with their version,
+queued behind the calls a process has already been given).
 
 Sampling is the in-process backend's: the rows of a part carry their row numbers of the whole
 call (``first_row``), so whichever process decodes a prompt group, its random streams are those
@@ -19,13 +16,13 @@ of the same call in one process.
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, as_completed
-from typing import Dict, Iterator, List, Tuple
+from concurrent.futures import Future
+from typing import Dict, List, Tuple
 
 import torch
 
-from mcore_rl.generation.base import (BackendContext, FinishedGroup, GenerationBackend,
-                                      GroupAssembler, check_lengths, check_prompts)
+from mcore_rl.generation.base import (BackendContext, FinishedGroup, Push, StreamingBackend,
+                                      check_lengths)
 
 
 class GenerationWorker:
@@ -65,13 +62,12 @@ class GenerationWorker:
         """``{"rank": r}`` (a worker group's construction probe)."""
         return {"rank": self.rank}
 
-    def update_weights(self, weights: Dict[str, torch.Tensor], version: int) -> int:
+    def update_weights(self, weights: Dict[str, torch.Tensor], version: int) -> None:
         """Load the policy's Hugging Face-named weights (whole tensors) of policy version
-        ``version``. Returns the bytes loaded. Raises ``ValueError`` as
-        :meth:`HFGenerationBackend.update_weights` (the old weights stay unusable)."""
+        ``version``. Raises ``ValueError`` as :meth:`HFGenerationBackend.update_weights` (the
+        old weights stay unusable)."""
         self.backend.update_weights(weights.items())
         self.version = int(version)
-        return self.backend.last_refit_bytes
 
     def generate(self, prompts: List[List[int]], seed: int, greedy: bool, group_size: int,
                  first_row: int) -> Tuple[int, List[FinishedGroup]]:
@@ -86,8 +82,9 @@ class GenerationWorker:
         """Nothing to release (the process ends with its group)."""
 
 
-class RemoteGeneration(GenerationBackend):
-    """The hf engine in ``generation.num_workers`` processes (:class:`GenerationWorker`).
+class RemoteGeneration(StreamingBackend):
+    """The hf engine in ``generation.num_workers`` processes (:class:`GenerationWorker`), one
+    :class:`~mcore_rl.generation.base.StreamingBackend` worker each.
 
     Args:
         group: the worker group of :class:`GenerationWorker` (one process per rank).
@@ -101,7 +98,6 @@ class RemoteGeneration(GenerationBackend):
         self.max_total_length = max_total_length
         self.pad_token_id = pad_token_id
         self.alive = list(range(group.world_size))
-        self._weights_loaded = False
 
     @classmethod
     def from_context(cls, ctx: BackendContext) -> "RemoteGeneration":
@@ -114,64 +110,24 @@ class RemoteGeneration(GenerationBackend):
             device=ctx.device, threads=cfg.cluster.threads_per_worker))
         return cls(group, ctx.vocab_size, cfg.data.max_total_length, ctx.pad_token_id)
 
-    # ------------------------------------------------------------------ one process at a time
-    def push(self, weights: Dict[str, torch.Tensor], version: int) -> Future:
-        """Send ``weights`` (Hugging Face names, whole tensors) of policy ``version`` to every
-        live process; each loads them after the calls it was given before. Returns a future of
-        the bytes each loaded (:class:`~mcore_rl.controller.worker_group.WorkerError` naming the
-        processes that failed or are gone)."""
-        self._weights_loaded = True
-        return self.group.call_each_async("update_weights", [[weights, version]] * len(self.alive),
-                                          ranks=self.alive)
+    # ------------------------------------------------------------------ StreamingBackend
+    def push(self, policy, version: int) -> Push:
+        """Pull the policy's Hugging Face-named weights (``get_hf_weights``, whole tensors) and
+        send them, as policy ``version``, to every live process; each loads them after the calls
+        it was given before."""
+        weights = policy.call("get_hf_weights")[0]
+        loaded = self.group.call_each_async("update_weights", [[weights, version]] * len(self.alive),
+                                            ranks=self.alive)
+        return Push(sum(t.numel() * t.element_size() for t in weights.values()) / 1e9, loaded)
 
     def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,
                first_row: int, greedy: bool = False) -> Future:
-        """Start decoding ``prompts`` (whole groups) on process ``worker`` and return at once.
-
-        Returns:
-            a future of ``(version, groups)`` (:meth:`GenerationWorker.generate`), or of a
-            :class:`~mcore_rl.controller.worker_group.WorkerError` (its ``gone``: the process
-            died).
-        """
+        """See :meth:`StreamingBackend.submit` (:meth:`GenerationWorker.generate`)."""
         from mcore_rl.controller.worker_group import then
 
         return then(self.group.call_each_async(
             "generate", [[prompts, seed, greedy, group_size, first_row]], ranks=[worker]),
             lambda outs: outs[0])
-
-    def drop(self, worker: int) -> None:
-        """Stop sending to process ``worker`` (it died)."""
-        if worker in self.alive:
-            self.alive.remove(worker)
-
-    # ------------------------------------------------------------------ GenerationBackend
-    def refit(self, policy, version: int = 0) -> Dict[str, float]:
-        """Pull the policy's Hugging Face-named weights (``get_hf_weights``) and load them in
-        every live process as policy ``version``; waits. Returns ``refit/gbytes`` (per
-        process)."""
-        loaded = self.push(policy.call("get_hf_weights")[0], version).result()
-        return {"refit/gbytes": loaded[0] / 1e9}
-
-    def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
-                       group_size: int = 1) -> Iterator[FinishedGroup]:
-        """See :meth:`GenerationBackend.generate_async`: the groups are cut into one contiguous
-        part per live process, all started at once; a part's groups come when it is done."""
-        if not self._weights_loaded:
-            raise RuntimeError("RemoteGeneration.generate: no weights were loaded; refit first")
-        check_prompts(prompts, self.vocab_size, self.max_total_length)
-        GroupAssembler(len(prompts), group_size)  # checks the group size
-        groups = len(prompts) // group_size
-        bounds = [round(i * groups / len(self.alive)) * group_size for i in range(len(self.alive) + 1)]
-        parts = {self.submit(w, prompts[a:b], seed, group_size, a, greedy): a
-                 for w, a, b in zip(self.alive, bounds[:-1], bounds[1:]) if b > a}
-        return self._finished(parts)
-
-    @staticmethod
-    def _finished(parts: Dict[Future, int]) -> Iterator[FinishedGroup]:
-        for future in as_completed(parts):
-            offset = parts[future]
-            for g in future.result()[1]:
-                yield FinishedGroup(range(g.rows.start + offset, g.rows.stop + offset), g.responses)
 
     def shutdown(self) -> None:
         self.group.shutdown()

@@ -15,8 +15,11 @@ Pieces:
   (:func:`mcore_rl.megatron.cpu_backend.pin_arithmetic`, inherited from the controller and
   pinned again before vLLM starts) where torch's kernels compute; vLLM's own compiled CPU
   kernels are outside the pin.
-- :class:`VLLMGenerationBackend`: the controller's side: prompts as token ids, per-row seeds,
-  the project's rollout batch, finished prompt groups per engine share, refit, sleep/wake.
+- :class:`VLLMGenerationBackend`: the controller's side, a
+  :class:`~mcore_rl.generation.base.StreamingBackend` with one worker per engine: prompts as
+  token ids, per-row seeds, finished prompt groups per call, versioned refits queued behind
+  each engine's calls (so the streaming loop, ``grpo.streaming``, drives the engines),
+  sleep/wake.
 - :class:`RefitSender`: the policy's side of a refit on GPUs (CUDA IPC or NCCL); the receiving
   side is :class:`mcore_rl.generation.vllm_worker.RefitWorkerExtension`, vLLM's
   ``worker_extension_cls``.
@@ -31,15 +34,21 @@ TP size), and a resumed run samples what a straight run would. vLLM samples with
 vLLM's ``processed_logprobs`` (after temperature) with ``top_p = 1``, its ``raw_logprobs`` with
 ``temperature = 1``; temperature != 1 together with top-p is refused (vLLM reports neither).
 
-Refit: weights by Hugging Face name, streamed in buckets of ``generation.vllm.refit_bucket_mb``
-(checked against the HF model's names and shapes as they arrive). On CPU the controller writes
-each bucket into a host-memory file that the engine's workers map; on GPUs the policy's ranks send
-them themselves (:meth:`PolicyWorker.send_hf_weights`): through CUDA IPC handles from the
-policy rank on the same GPU when the engines sit on the policy's GPUs
+Refit: weights by Hugging Face name, in buckets of ``generation.vllm.refit_bucket_mb``, loaded
+by each engine as one call (:meth:`VLLMEngine.load_weights`) after the calls it holds, with the
+policy version they are: each engine decodes a call with the weights of one version and returns
+it with the call's responses. On CPU the controller checks every tensor against the HF model's
+names and shapes (a bad refit reaches no engine), then writes the buckets into host-memory files
+(the whole model at once, removed when every engine has loaded them) that the engine's workers
+map; on GPUs the policy's ranks send them themselves (:meth:`PolicyWorker.send_hf_weights`):
+through CUDA IPC handles from the policy rank on the same GPU when the engines sit on the
+policy's GPUs
 (``cluster.colocate_generation``), over an NCCL group of policy rank 0 and every engine worker
-otherwise. Colocated GPU engines sleep (``generation.vllm.sleep_level``)
-while the policy computes logprobs and trains, and wake for the refit. The GPU paths are
-written against vLLM's API and not run here (README).
+otherwise (one NCCL group for the run; the policy's ranks wait until every engine has decoded
+the calls it held before the refit). Colocated GPU engines sleep (``generation.vllm.sleep_level``)
+while the policy computes logprobs and trains, and wake for the refit (they cannot stream: the
+config loader refuses ``grpo.streaming`` with ``cluster.colocate_generation``). The GPU paths
+are written against vLLM's API and not run here (README).
 """
 
 from __future__ import annotations
@@ -52,17 +61,15 @@ import re
 import socket
 import sys
 import tempfile
-import threading
-import time
 import uuid
-from concurrent.futures import as_completed
+from concurrent.futures import Future
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
 from mcore_rl.config.schema import GenerationConfig, TrainConfig
-from mcore_rl.generation.base import (BackendContext, FinishedGroup, GenerationBackend, GroupAssembler,
-                                      Response, check_lengths, check_prompts, response_budgets)
+from mcore_rl.generation.base import (BackendContext, FinishedGroup, GroupAssembler, Push, Response,
+                                      StreamingBackend, check_lengths, response_budgets)
 from mcore_rl.generation.sampling import check_sampling, row_seed
 from mcore_rl.generation.vllm_worker import bucket_layout, nccl_group, pack_bucket
 from mcore_rl.megatron import cpu_backend
@@ -128,8 +135,7 @@ class VLLMEngine:
             cpu_backend.pin_arithmetic()
         self.sleep_level = vllm.sleep_level
         self.sampling = sampling
-        self._receiver: Optional[threading.Thread] = None
-        self._receive_error: Optional[BaseException] = None
+        self.version = -1  # the policy version of its weights; -1: none (or a failed refit)
         kv_gb = vllm.kv_cache_gb if vllm.kv_cache_gb is not None else (0.25 if device == "cpu" else None)
         try:
             from vllm import LLM
@@ -160,12 +166,22 @@ class VLLMEngine:
             out["arithmetic"] = cpu_backend.arithmetic()
         return out
 
-    def generate(self, prompts: List[List[int]], seeds: List[int], budgets: List[int],
-                 greedy: bool, eos_token_id: int) -> List[Tuple[List[int], List[float]]]:
-        """One request per prompt (its own seed and token budget); per prompt the response
-        tokens (eos included when it ended the response) and their logprobs."""
+    def generate(self, prompts: List[List[int]], seeds: List[int], budgets: List[int], greedy: bool,
+                 eos_token_id: int) -> Tuple[int, List[Tuple[List[int], List[float]]]]:
+        """One request per prompt (its own seed and token budget). Returns ``(version,
+        responses)``: the policy version of the weights that decoded them and, per prompt, the
+        response tokens (eos included when it ended the response) and their logprobs.
+
+        Raises:
+            RuntimeError: the engine holds no weights of the policy (no refit yet, or the last
+                one failed).
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        if self.version < 0:
+            raise RuntimeError(f"vLLM engine {self.rank} holds no weights of the policy (none loaded "
+                               f"yet, or its last refit failed); refit from the policy first")
 
         s = self.sampling
         params = [SamplingParams(
@@ -179,48 +195,35 @@ class VLLMEngine:
             c = out.outputs[0]
             tokens = list(c.token_ids)
             results.append((tokens, [c.logprobs[k][t].logprob for k, t in enumerate(tokens)]))
-        return results
+        return self.version, results
 
     # ------------------------------------------------------------------ refit
-    def begin_refit(self) -> None:
-        """Open a refit on every worker (:class:`~mcore_rl.generation.vllm_worker.
-        RefitWorkerExtension`)."""
-        self.llm.collective_rpc("mcore_rl_begin_refit")
+    def load_weights(self, transport: Dict[str, Any], version: int) -> None:
+        """Load a refit's weights on every worker as policy version ``version``, after the calls
+        this engine got before (:class:`~mcore_rl.generation.vllm_worker.RefitWorkerExtension`:
+        opened, received by ``transport``, closed), then reset the prefix cache (its KV entries
+        were computed with the old weights). ``transport``: host-memory files the controller
+        wrote (``{"kind": "host", "buckets": [(path, nbytes, entries), ...]}``), or
+        :meth:`RefitSender.receiver_spec` (received while the policy's ranks send).
 
-    def load_host_bucket(self, path: str, nbytes: int, entries) -> None:
-        """Every worker loads the bucket in the host-memory file ``path``."""
-        self.llm.collective_rpc("mcore_rl_load_host_bucket", args=(path, nbytes, entries))
+        Raises:
+            ValueError: model parameters no tensor reached. After any failure the engine
+                refuses to decode (:meth:`generate`) until a good refit.
+        """
+        self.version = -1
+        self.llm.collective_rpc("mcore_rl_begin_refit")
+        try:
+            self.llm.collective_rpc("mcore_rl_receive", args=(transport,))
+        finally:
+            unwritten = self.llm.collective_rpc("mcore_rl_finish_refit")[0]
+            self.llm.reset_prefix_cache()
+        if unwritten:
+            raise ValueError(f"update_weights: the vLLM engine's parameters {unwritten} got no tensor")
+        self.version = int(version)
 
     def device_uuids(self) -> List[str]:
         """The GPU of each of this engine's workers, in TP rank order."""
         return self.llm.collective_rpc("mcore_rl_device_uuid")
-
-    def start_receive(self, transport: Dict[str, Any]) -> None:
-        """Receive buckets from the policy's ranks (CUDA IPC or NCCL) in a thread, so the
-        controller can start the sender; :meth:`finish_receive` joins it."""
-        def run():
-            try:
-                self.llm.collective_rpc("mcore_rl_receive", args=(transport,))
-            except BaseException as e:  # re-raised by finish_receive
-                self._receive_error = e
-
-        self._receive_error = None
-        self._receiver = threading.Thread(target=run, daemon=True)
-        self._receiver.start()
-
-    def finish_receive(self) -> None:
-        """Wait for :meth:`start_receive`'s thread; re-raises its error."""
-        self._receiver.join()
-        self._receiver = None
-        if self._receive_error is not None:
-            raise self._receive_error
-
-    def finish_refit(self) -> List[str]:
-        """Close the refit on every worker, reset the prefix cache (its KV entries were
-        computed with the old weights); the model parameters left unwritten (rank 0's)."""
-        unwritten = self.llm.collective_rpc("mcore_rl_finish_refit")[0]
-        self.llm.reset_prefix_cache()
-        return unwritten
 
     # ------------------------------------------------------------------ sleep mode
     def sleep(self) -> None:
@@ -375,10 +378,12 @@ def buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]],
         yield bucket
 
 
-class VLLMGenerationBackend(GenerationBackend):
+class VLLMGenerationBackend(StreamingBackend):
     """Rollouts from ``generation.vllm.num_engines`` vLLM engines (:class:`VLLMEngine`), each in
-    a process of its own; engine ``e`` decodes the ``e``-th contiguous share of the prompt
-    groups.
+    a process of its own and a :class:`~mcore_rl.generation.base.StreamingBackend` worker: a
+    synchronous rollout gives engine ``e`` the ``e``-th contiguous share of the prompt groups;
+    the streaming loop gives each engine calls of its own and pushes weights queued behind
+    them (each engine knows the policy version of its weights).
 
     Args:
         hf_config: the policy's Hugging Face config (written to ``<run_dir>/vllm_model``).
@@ -440,10 +445,9 @@ class VLLMGenerationBackend(GenerationBackend):
                 f"generation.vllm.kv_cache_gb={v.kv_cache_gb}, generation.vllm.gpu_memory_utilization="
                 f"{v.gpu_memory_utilization}, data.max_total_length={max_total_length}, "
                 f"generation.batch_size={cfg.batch_size}") from None
-        self._weights_loaded = False
+        self.alive = list(range(self.engines.world_size))  # engine e is worker e
+        self._sender: Optional[RefitSender] = None  # GPU refits: made at the first
         self._sleeping: set = set()  # vLLM allocations asleep ("weights", "kv_cache")
-        self.last_refit_seconds = 0.0
-        self.last_refit_bytes = 0
 
     @classmethod
     def from_context(cls, ctx: BackendContext) -> "VLLMGenerationBackend":
@@ -476,46 +480,84 @@ class VLLMGenerationBackend(GenerationBackend):
                 [placement.plan.gpu_index(GROUP, e * tp + t) for t in range(tp)])} for e in range(n)]
         return ProcessWorkerGroup(VLLMEngine, n, kwargs, env_per_rank=env)
 
-    # ------------------------------------------------------------------ generation
-    def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
-                       group_size: int = 1) -> Iterator[FinishedGroup]:
-        """See :meth:`GenerationBackend.generate_async`; sampling and logprobs in the module
-        docstring. A sleeping engine is woken first. Each engine starts on its share of the
-        groups at once (one ``LLM.generate`` call: vLLM returns a call's requests together); a
-        share's groups come when its engine has decoded it.
+    # ------------------------------------------------------------------ StreamingBackend
+    def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,
+               first_row: int, greedy: bool = False) -> Future:
+        """See :meth:`StreamingBackend.submit`: one ``LLM.generate`` call on engine ``worker``
+        (vLLM returns a call's requests together), row ``i`` seeded with ``row_seed(seed,
+        first_row + i)`` (module docstring)."""
+        from mcore_rl.controller.worker_group import then
 
-        Raises (beyond the interface's): RuntimeError also after a failed refit and after a
-        sleep at ``generation.vllm.sleep_level=2`` (the weights were discarded) until a refit;
-        ``WorkerError`` of the worker group, when iterated, when an engine raises.
-        """
-        if not self._weights_loaded:
-            raise RuntimeError("VLLMGenerationBackend.generate: the engines hold no weights of the "
-                               "policy (none loaded yet, a failed refit, or discarded by "
-                               "generation.vllm.sleep_level=2); refit from the policy first")
-        check_prompts(prompts, self.vocab_size, self.max_total_length)
         groups = GroupAssembler(len(prompts), group_size)
-        self.prepare_for_generation()
         budgets = response_budgets(prompts, self.cfg.max_new_tokens, self.max_total_length)
-        seeds = [row_seed(seed, row) for row in range(len(prompts))]
-        n, num_groups = self.engines.world_size, len(prompts) // group_size
-        bounds = [round(e * num_groups / n) * group_size for e in range(n + 1)]
-        first_row = {}
-        for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            if a < b:
-                future = self.engines.call_each_async(
-                    "generate", [[prompts[a:b], seeds[a:b], budgets[a:b], greedy, self.eos_token_id]],
-                    ranks=[e])
-                first_row[future] = a
-        return self._collect(first_row, groups)
+        seeds = [row_seed(seed, first_row + i) for i in range(len(prompts))]
+        future = self.engines.call_each_async(
+            "generate", [[prompts, seeds, budgets, greedy, self.eos_token_id]], ranks=[worker])
 
-    def _collect(self, first_row: Dict, groups: GroupAssembler) -> Iterator[FinishedGroup]:
-        for future in as_completed(first_row):
-            yield from groups.add(first_row[future], [
-                Response(torch.tensor(tokens, dtype=torch.long),
-                         torch.tensor(logprobs, dtype=torch.float32), tokens[-1] != self.eos_token_id)
-                for tokens, logprobs in future.result()[0]])
+        def finished(outs) -> Tuple[int, List[FinishedGroup]]:
+            version, responses = outs[0]
+            return version, groups.add(0, [
+                Response(torch.tensor(tokens, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32),
+                         tokens[-1] != self.eos_token_id) for tokens, logprobs in responses])
 
-    # ------------------------------------------------------------------ refit
+        return then(future, finished)
+
+    def push(self, policy, version: int) -> Push:
+        """See :meth:`StreamingBackend.push`. CPU: the policy's full weights come to the
+        controller (``get_hf_weights``) and go through host memory (:meth:`update_weights`'s
+        files). GPU: the policy's ranks send them to the engines themselves
+        (:class:`RefitSender`: CUDA IPC colocated, NCCL otherwise); the engines receive them
+        after the calls queued before, and this returns once the policy's ranks have sent
+        everything (over NCCL: once every engine has decoded the calls it held)."""
+        if self.device == "cpu":  # gathered on policy rank 0, on the host
+            return self._push_host(policy.call("get_hf_weights")[0].items(), version)
+        if self._sender is None:  # one sender (and NCCL group) for the run
+            uuids = [u for engine in self.engines.call("device_uuids") for u in engine]
+            self._sender = RefitSender("cuda_ipc" if self.colocated else "nccl",
+                                       self.vllm.refit_bucket_mb << 20, uuids,
+                                       self.vllm.tensor_parallel_size)
+        loaded = self.engines.call_each_async(
+            "load_weights", [[self._sender.receiver_spec(e), version] for e in self.alive],
+            ranks=self.alive)
+        nbytes = sum(policy.call("send_hf_weights", self._sender))
+        return Push(nbytes / 1e9, loaded)
+
+    def _push_host(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> Push:
+        """Check ``named_tensors`` against the HF model (all of them, before any engine gets
+        one), write them in buckets of ``generation.vllm.refit_bucket_mb`` to files in
+        ``/dev/shm`` (the whole model at once: the engines load them after their queued calls),
+        queue their load on every live engine; the files go when every engine is done."""
+        from mcore_rl.controller.worker_group import then
+
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        prefix = os.path.join(shm, f"mcore_rl_refit_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+        files: List[Tuple[str, int, Any]] = []
+
+        def remove(_=None) -> None:
+            for path, _, _ in files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+        written: set = set()
+        try:
+            for bucket in buckets(self._checked(named_tensors, written), self.vllm.refit_bucket_mb << 20):
+                entries, size = bucket_layout(bucket)
+                path = f"{prefix}_{len(files)}"
+                files.append((path, size, entries))
+                buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+                pack_bucket(buffer, [(n, t.detach().cpu()) for n, t in bucket])
+            missing = [n for n in self.hf_required if n not in written]
+            if missing:
+                raise ValueError(f"update_weights: parameters left unwritten {missing}")
+        except BaseException:
+            remove()
+            raise
+        loads = self.engines.call_each_async(
+            "load_weights", [[{"kind": "host", "buckets": files}, version]] * len(self.alive),
+            ranks=self.alive)
+        loads.add_done_callback(remove)  # before the future handed out is done (callback order)
+        return Push(sum(size for _, size, _ in files) / 1e9, then(loads, lambda _: None))
+
     def _checked(self, named_tensors: Iterable[Tuple[str, torch.Tensor]],
                  written: set) -> Iterator[Tuple[str, torch.Tensor]]:
         """The pairs, each checked against the HF model's names and shapes (ValueError)."""
@@ -529,89 +571,36 @@ class VLLMGenerationBackend(GenerationBackend):
             written.add(name)
             yield name, t
 
-    def _close_refit(self, written: set, unwritten_engine: List[List[str]]) -> None:
-        missing = [n for n in self.hf_required if n not in written]
-        if missing:
-            raise ValueError(f"update_weights: parameters left unwritten {missing}")
-        left = sorted({n for names in unwritten_engine for n in names})
-        if left:
-            raise ValueError(f"update_weights: the vLLM engine's parameters {left} got no tensor")
-
-    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+    # ------------------------------------------------------------------ refit
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int = 0) -> None:
         """Refit from ``(name, tensor)`` pairs (Hugging Face names, full tensors, any device)
-        through host memory: each bucket is written to a file in ``/dev/shm`` that every
-        engine worker maps and loads. A tied ``lm_head.weight`` may be absent. Sets
-        ``last_refit_seconds`` and ``last_refit_bytes``. After a failed refit :meth:`generate`
-        refuses to run until a good one (the engines' weights are then partly new).
+        through host memory (:meth:`push`'s CPU path) as policy ``version``; waits. A tied
+        ``lm_head.weight`` may be absent.
 
         Raises:
             ValueError: a name the HF model does not have, a shape that differs from it, or
-                parameters left unwritten (checked as the tensors arrive, before their bucket
-                is sent).
+                parameters left unwritten (checked before any engine gets a tensor: the engines
+                keep their weights).
+            WorkerError: an engine failed to load them (then :meth:`generate` refuses until a
+                good refit).
         """
-        start = time.perf_counter()
-        written: set = set()
-        self._weights_loaded = False
-        self.prepare_for_refit()
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = os.path.join(shm, f"mcore_rl_refit_{os.getpid()}_{uuid.uuid4().hex[:8]}")
-        nbytes = 0
-        self.engines.call("begin_refit")
-        try:
-            for bucket in buckets(self._checked(named_tensors, written), self.vllm.refit_bucket_mb << 20):
-                entries, size = bucket_layout(bucket)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)  # a fresh file per bucket: the workers' maps stay valid
-                buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-                pack_bucket(buffer, [(n, t.detach().cpu()) for n, t in bucket])
-                self.engines.call("load_host_bucket", path, size, entries)
-                nbytes += size
-        finally:
-            unwritten = self.engines.call("finish_refit")
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._close_refit(written, unwritten)
-        self._after_refit(start, nbytes)
+        self._loaded(self._push_host(named_tensors, version))
 
-    def refit(self, policy) -> Dict[str, float]:
-        """Refit from the policy's worker group. CPU: the policy's full weights to the
-        controller, then :meth:`update_weights`. GPU: the policy's ranks stream them to the
-        engines themselves (:class:`RefitSender`: CUDA IPC colocated, NCCL otherwise); sleeping
-        engines take their weight memory back first (:meth:`prepare_for_refit`) and their KV
-        cache after (:meth:`prepare_for_generation`).
+    def refit(self, policy, version: int = 0) -> Dict[str, float]:
+        """:meth:`StreamingBackend.refit` (:meth:`push`, waited for); sleeping engines take
+        their weight memory back first (:meth:`prepare_for_refit`) and their KV cache after
+        (:meth:`prepare_for_generation`).
 
         Returns:
             stats: ``refit/gbytes`` (GB of weights sent).
 
         Raises:
-            ValueError: as :meth:`update_weights` (on GPU: parameters left unwritten).
+            As :meth:`update_weights`.
         """
-        if self.device == "cpu":  # gathered on policy rank 0, on the host
-            self.update_weights(policy.call("get_hf_weights")[0].items())
-            return {"refit/gbytes": self.last_refit_bytes / 1e9}
-        start = time.perf_counter()
-        self._weights_loaded = False
         self.prepare_for_refit()
-        uuids = [u for engine in self.engines.call("device_uuids") for u in engine]
-        sender = RefitSender("cuda_ipc" if self.colocated else "nccl", self.vllm.refit_bucket_mb << 20,
-                             uuids, self.vllm.tensor_parallel_size)
-        self.engines.call("begin_refit")
-        try:
-            self.engines.call_each("start_receive", [[sender.receiver_spec(e)]
-                                                     for e in range(self.engines.world_size)])
-            nbytes = sum(policy.call("send_hf_weights", sender))
-            self.engines.call("finish_receive")
-        finally:
-            unwritten = self.engines.call("finish_refit")
-        self._close_refit(set(self.hf_required), unwritten)
-        self._after_refit(start, nbytes)
-        return {"refit/gbytes": nbytes / 1e9}
-
-    def _after_refit(self, start: float, nbytes: int) -> None:
+        stats = super().refit(policy, version)
         self.prepare_for_generation()
-        self._weights_loaded = True
-        self.last_refit_seconds = time.perf_counter() - start
-        self.last_refit_bytes = nbytes
+        return stats
 
     # ------------------------------------------------------------------ colocation (sleep mode)
     def offload(self) -> None:

@@ -88,16 +88,16 @@ class RefitWorkerExtension:
                     param = model.lm_head.weight
                     param.weight_loader(param, t)
 
-    def mcore_rl_load_host_bucket(self, path: str, nbytes: int, entries: List[Entry]) -> None:
-        """Load a bucket from the host-memory file ``path`` (``nbytes`` long)."""
-        buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        self._mcore_rl_load(unpack_bucket(buffer, entries))
-
     def mcore_rl_receive(self, transport: Dict[str, Any]) -> None:
-        """Receive buckets until the sender's end mark, by the transport of
-        :func:`mcore_rl.generation.vllm.RefitSender.receiver_spec` (``"cuda_ipc"`` or
-        ``"nccl"``); returns when the sender has sent its last bucket."""
-        if transport["kind"] == "cuda_ipc":
+        """Load every bucket of a refit by ``transport``: ``"host"``, the host-memory files
+        ``transport["buckets"]`` (``(path, nbytes, entries)`` each); ``"cuda_ipc"`` or
+        ``"nccl"`` (:func:`mcore_rl.generation.vllm.RefitSender.receiver_spec`), until the
+        sender's end mark."""
+        if transport["kind"] == "host":
+            for path, nbytes, entries in transport["buckets"]:
+                buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+                self._mcore_rl_load(unpack_bucket(buffer, entries))
+        elif transport["kind"] == "cuda_ipc":
             self._mcore_rl_receive_ipc(transport)
         else:
             self._mcore_rl_receive_nccl(transport)
