@@ -121,7 +121,7 @@ def test_microbatch_fault_aborts_both_steps(dp2, tmp_path, group):
     (["ppo.whiten_advantages=true"], "ppo.streaming=true needs ppo.whiten_advantages=false"),
     (["ppo.ppo_epochs=2"], r"ppo.streaming=true needs ppo.ppo_epochs=1 \(got 2\)"),
     (["ppo.num_mini_batches=2"], r"ppo.streaming=true needs ppo.num_mini_batches=1 \(got 2\)"),
-    (["generation.num_workers=0"], "ppo.streaming=true needs generation.num_workers >= 1"),
+    (["generation.num_workers=0"], "ppo.streaming=true needs a rollout engine in processes of its own"),
     (["generation.backend=megatron"], r"generation.backend=megatron cannot stream \(ppo.streaming=true\)"),
 ])
 def test_config_errors(overrides, message):
