@@ -335,11 +335,15 @@ def test_token_budget_groups_respect_budget_and_cover_rows():
 def test_make_microbatches_shapes_and_row_order():
     batch = _batch(7)
     width = int(batch["input_lengths"].max())
-    fixed = make_microbatches(batch, 3, width_multiple=4, count_multiple=2)
+    fixed = make_microbatches(batch, 3, width_multiple=4, count_multiple=2, uniform_shapes=True)
     assert len(fixed) == 4 and not shapes_vary(fixed)
     assert fixed[0]["input_ids"].shape == (3, -(-width // 4) * 4)
     assert [mb[ROW_INDEX].tolist() for mb in fixed] == [[0, 1, 2], [3, 4, 5], [6, -1, -1], [-1] * 3]
     assert all(float(mb["token_mask"][mb[ROW_INDEX] < 0].sum()) == 0 for mb in fixed)
+    # without uniform shapes the last micro-batch holds only the rows left: no padding rows
+    short = make_microbatches(batch, 3, width_multiple=4)
+    assert [mb[ROW_INDEX].tolist() for mb in short] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert shapes_vary(short) and short[2]["input_ids"].shape == (1, -(-width // 4) * 4)
     budget = make_microbatches(batch, 3, max_tokens_per_microbatch=BUDGET, width_multiple=2)
     assert shapes_vary(budget)
     for mb in budget:
@@ -348,7 +352,7 @@ def test_make_microbatches_shapes_and_row_order():
                                 uniform_shapes=True, count_multiple=2)
     assert not shapes_vary(uniform) and len(uniform) % 2 == 0
     assert uniform[0]["input_ids"].shape == (BUDGET // (-(-width // 2) * 2), -(-width // 2) * 2)
-    for mbs in (fixed, budget, uniform):
+    for mbs in (fixed, short, budget, uniform):
         ids = gather_rows([mb["input_ids"] for mb in mbs], [mb[ROW_INDEX] for mb in mbs], 7,
                           batch["input_ids"].shape[1])
         assert torch.equal(ids, batch["input_ids"])

@@ -127,13 +127,16 @@ def make_microbatches(batch: Batch, micro_batch_size: int,
             parallelism: Megatron splits the sequence evenly over the TP ranks).
         count_multiple: the number of micro-batches is a multiple of it (PP for the
             interleaved schedule, which runs micro-batches in groups of PP).
-        uniform_shapes: with a budget, every micro-batch gets one shape anyway: fixed
-            micro-batches of ``max(1, budget // W)`` rows (W as in fixed mode).
+        uniform_shapes: every micro-batch gets one shape (the interleaved schedule needs it):
+            in fixed mode the last micro-batch is padded to ``micro_batch_size`` rows with
+            masked rows; with a budget, fixed micro-batches of ``max(1, budget // W)`` rows (W
+            as in fixed mode).
 
     Returns:
-        micro-batches with ``row_index`` added. Fixed: all ``[micro_batch_size, W]``, W = the
-        longest row rounded up to ``width_multiple``, rows in order, the last ones padded with
-        masked rows. Budget: each at its own width, longest rows first. Micro-batches of
+        micro-batches with ``row_index`` added. Fixed: ``[micro_batch_size, W]``, W = the
+        longest row rounded up to ``width_multiple``, rows in order; the last holds the rows
+        left (padded with masked rows only with ``uniform_shapes``: padding rows would cost as
+        much as real ones, e.g. 4x for 64 rows at a 256-row logprob micro-batch). Budget: each at its own width, longest rows first. Micro-batches of
         padding rows only are appended to reach ``count_multiple`` (one row each with a
         budget, ``micro_batch_size`` rows in fixed mode).
 
@@ -163,7 +166,7 @@ def make_microbatches(batch: Batch, micro_batch_size: int,
         w = width if max_tokens_per_microbatch is None else \
             _round_up(int(mb["input_lengths"].max()), width_multiple)
         mb = _with_width(mb, w)
-        if len(g) < rows:
+        if len(g) < rows and uniform_shapes:
             pad = _padding_rows(mb, rows - len(g), w)
             mb = {k: torch.cat([v, pad[k]]) for k, v in mb.items()}
         out.append(mb)

@@ -388,8 +388,8 @@ class MegatronTrainWorker:
         carries ``row_index`` (input row, -1 for padding rows). Layout needs met here: widths
         are a multiple of TP under sequence parallelism (Megatron splits the sequence evenly);
         the micro-batch count is a multiple of PP with virtual stages (the interleaved
-        schedule runs them in groups of PP); micro-batches of different shapes (token budget)
-        turn on Megatron's ``variable_seq_lengths`` so pipeline stages exchange each shape,
+        schedule runs them in groups of PP); micro-batches of different shapes (token budget,
+        or a last micro-batch of fewer rows) turn on Megatron's ``variable_seq_lengths`` so pipeline stages exchange each shape,
         except with virtual stages, where the budget makes equal shapes (``uniform_shapes``:
         the interleaved schedule's shape exchange swaps shapes with PP=2).
         """
