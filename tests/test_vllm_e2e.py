@@ -18,12 +18,13 @@ VLLM = ["generation.backend=vllm", "logging.progress=false"]
 def test_default_config_learns(tmp_path):
     out = tmp_path / "run"
     # The default config (configs/grpo_synthetic.yaml), fewer steps and held-out prompts.
+    # Measured (val every 5 steps): 0.485, 0.655, 0.705 at step 10, then 0.685-0.690 to step 30.
     assert main(["train", *VLLM, "cluster.use_ray=false", f"run.output_dir={out}",
-                 "grpo.max_steps=30", "grpo.val_every=15", "grpo.val_num_prompts=200"]) == 0
+                 "grpo.max_steps=10", "grpo.val_every=10", "grpo.val_num_prompts=200"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["val_accuracy_gain"] >= 0.15, summary["val_curve"]
     records = [r for r in read_metrics(out) if "train/loss" in r]
-    assert len(records) == 30
+    assert len(records) == 10
     for r in records:
         # the engine's sampled-token logprobs are the trainer's, every step, after every refit
         assert r["train/logprob_mismatch_max"] < 1e-4
