@@ -26,11 +26,15 @@ setup: $(VENV)/.installed
 train: setup
 	$(VENV)/bin/mcore-rl train $(ARGS)
 
+# Two pytest workers, a test module at a time each (its gloo world and fixtures built once):
+# 18 min instead of 22 on the 2-core CPU machine, whose tests wait on process starts.
+XDIST = -n 2 --dist loadfile
+
 test: setup
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q tests $(ARGS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q $(XDIST) tests $(ARGS)
 
 test-fast: setup
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q -m "not slow" tests $(ARGS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q $(XDIST) -m "not slow" tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs outputs
