@@ -181,9 +181,6 @@ class StreamingLoop:
             self.close()
             raise ValueError(f"{self.algorithm}.streaming=true needs a rollout engine in processes "
                              f"of its own ({STREAMING_BACKENDS}); {name} is not one")
-        # cluster.colocate_generation: the generation processes share the policy's GPUs with
-        # everything resident (no offload lifecycle): generation and training run at once
-        self.colocation.enabled = False
         self.todo: Deque[PromptGroup] = collections.deque()  # to generate
         # generation call -> (process, its prompt groups)
         self.generating: Dict[Future, Tuple[int, List[PromptGroup]]] = {}

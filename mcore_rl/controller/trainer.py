@@ -137,7 +137,10 @@ class RLTrainer:
             self.policy.shutdown()
             self.placement.shutdown()
             raise
-        self.colocation = Colocation(self.policy, self.generation, cfg.cluster.colocate_generation)
+        # Streaming generates while it trains: colocated engines then share the policy's GPUs
+        # with everything resident, so the offload lifecycle is off.
+        self.colocation = Colocation(self.policy, self.generation,
+                                     cfg.cluster.colocate_generation and not cfg.streaming)
         self.timer = PhaseTimer()
         self.step = 0
         self.sft_done = cfg.sft.steps == 0
