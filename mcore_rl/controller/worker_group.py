@@ -38,6 +38,7 @@ import torch
 import torch.multiprocessing as mp
 
 from mcore_rl.data import batch as B
+from mcore_rl.utils.profiling import profiled_call
 
 
 def free_port() -> int:
@@ -148,9 +149,12 @@ class _Host:
 
     def __init__(self, worker_cls, kwargs: Dict[str, Any]):
         self.worker = worker_cls(**kwargs)
+        self.rank = kwargs.get("rank", 0)
 
     def call(self, method: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+        # MCORE_RL_PROFILE_DIR set: one steady-state call of each method profiled (a table).
+        return profiled_call(method, lambda: getattr(self.worker, method)(*args, **kwargs),
+                             self.rank)
 
 
 def _process_main(conn, worker_cls, kwargs, env):
