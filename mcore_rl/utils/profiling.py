@@ -52,8 +52,10 @@ def profiled_call(name: str, fn: Callable[[], Any], rank: int = 0) -> Any:
             torch.cuda.synchronize()
     wall = time.perf_counter() - start
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
-    launches = sum(e.count for e in prof.events() if e.device_type.name == "CUDA") if cuda else 0
+    # Kernel events only (an operator's row repeats its kernels' time).
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    device_us = sum(e.time_range.elapsed_us() for e in kernels)
+    launches = len(kernels)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"rank{rank}_{name}_{n}.txt")
     with open(path, "w") as f:
