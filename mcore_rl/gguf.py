@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -134,7 +135,7 @@ def convert_gguf(gguf: str | Path, output: str | Path, dtype: str = "fp32",
     try:
         loaded = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(**source)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, IndexError, RuntimeError, struct.error) as e:
         reason = " ".join(str(e).split())
         raise ValueError(f"--gguf {gguf}: transformers cannot read it: {reason}") from e
     fields = {k: v for k, v in loaded.config.to_dict().items()
