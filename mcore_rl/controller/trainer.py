@@ -71,6 +71,7 @@ class RLTrainer:
         from mcore_rl.generation.base import BackendContext
         from mcore_rl.generation.registry import backend_class, build_backend
         from mcore_rl.megatron.conversion import arch_to_hf_config, hf_config_to_arch
+        from mcore_rl.megatron.families import parallel_shape_errors
         from mcore_rl.megatron.parallel import resolve_device
         from mcore_rl.rewards import get_reward_fn
         from mcore_rl.workers.policy import PolicyWorker
@@ -86,7 +87,7 @@ class RLTrainer:
             )
         # Every input is read and checked before the run directory is written to: a run that
         # fails on bad input leaves it as it was.
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model, cfg.data.use_chat_template)
         self.train_data, self.test_data = load_task(cfg.data, self.tokenizer, cfg.run.seed)
         self.sampler = PromptSampler(len(self.train_data), self.loop.num_prompts_per_step, cfg.run.seed)
         self.reward_fn = get_reward_fn(cfg.reward.name)
@@ -102,6 +103,14 @@ class RLTrainer:
             except (OSError, ValueError) as e:
                 reason = " ".join(str(e).split())
                 raise ConfigError(f"model.hf_path: {cfg.model.hf_path}: {reason}") from e
+            # The checkpoint's shape against each Megatron layout (config validation checks
+            # model.arch, which hf_path replaces).
+            sections = ("policy", "value") if self.algorithm == "ppo" else ("policy",)
+            problems = [p for section in sections for p in parallel_shape_errors(
+                self.arch, getattr(cfg, section).megatron, f"{section}.megatron",
+                f"model.hf_path={cfg.model.hf_path}")]
+            if problems:
+                raise ConfigError("; ".join(problems))
         else:
             arch = cfg.model.arch
             if arch.vocab_size is None:

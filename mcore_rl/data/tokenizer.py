@@ -34,17 +34,25 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
                                    eos_token="<eos>", unk_token="<unk>")
 
 
-def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
+def load_tokenizer(model_cfg: ModelConfig,
+                   use_chat_template: bool = False) -> PreTrainedTokenizerBase:
     """The run's tokenizer, with ``pad_token_id`` and ``eos_token_id`` set.
 
     Source, in order: the character tokenizer when ``model.tokenizer == "char"``, or when both
     ``model.tokenizer`` and ``model.hf_path`` are null; else the directory (or hub id)
     ``model.tokenizer``; else ``model.hf_path``. A loaded tokenizer without a pad token gets
-    its eos token as pad (padding is masked out, so sharing the id is safe).
+    its eos token as pad (padding is masked out, so sharing the id is safe; the convention of
+    transformers' and TRL's examples, ``tokenizer.pad_token = tokenizer.eos_token``).
+
+    Args:
+        model_cfg: the ``model`` section.
+        use_chat_template: ``data.use_chat_template``; a loaded tokenizer must then have a chat
+            template (the character tokenizer has none and renders plain text, with a warning
+            from :class:`~mcore_rl.data.prompts.PromptDataset`).
 
     Raises:
-        ConfigError: the tokenizer cannot be loaded, or has no eos token (the message names
-            the config key and path).
+        ConfigError: the tokenizer cannot be loaded, has no eos token, or has no chat template
+            while ``use_chat_template`` (the message names the config keys and path).
     """
     if model_cfg.tokenizer == CHAR_TOKENIZER or (model_cfg.tokenizer is None
                                                  and model_cfg.hf_path is None):
@@ -58,6 +66,10 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
         raise ConfigError(f"{key}: {path}: cannot load a tokenizer: {reason}") from e
     if tokenizer.eos_token is None:
         raise ConfigError(f"{key}: {path}: the tokenizer has no eos token; generation cannot stop")
+    if use_chat_template and tokenizer.chat_template is None:
+        raise ConfigError(f"data.use_chat_template=true but the tokenizer of {key}={path} has no "
+                          f"chat template (tokenizer_config.json or chat_template.jinja); set "
+                          f"data.use_chat_template=false or model.tokenizer to a directory with one")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

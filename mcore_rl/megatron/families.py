@@ -101,3 +101,33 @@ def layout_errors(arch: ModelArchConfig, megatron: MegatronConfig, key: str,
                       f"{key}.expert_tensor_parallel_size x expert_model_parallel_size x "
                       f"pipeline_model_parallel_size ({etp or tp} x {ep} x {pp})")
     return errors
+
+
+def parallel_shape_errors(arch: ModelArchConfig, megatron: MegatronConfig, key: str,
+                          source: str = "model.arch") -> list[str]:
+    """Why the model shape ``arch`` cannot be split over the TP/PP/VPP layout of ``megatron``
+    (config section ``key``, e.g. ``policy.megatron``), one message per reason; empty when it
+    can. ``source`` names where the shape comes from in the messages: ``model.arch`` (the
+    config) or, for a checkpoint's shape read at load time, e.g. ``model.hf_path=/m``.
+
+    Checked (Megatron-Core splits attention heads and KV groups over TP ranks and layers over
+    PP x VPP stages): ``num_attention_heads`` and ``num_query_groups`` divisible by
+    ``tensor_model_parallel_size``; ``num_layers`` divisible by
+    ``pipeline_model_parallel_size x virtual_pipeline_model_parallel_size``. Sizes below 1 are
+    left to the field checks.
+    """
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    vpp = megatron.virtual_pipeline_model_parallel_size or 1
+    errors = []
+    where = "" if source == "model.arch" else f" of {source}"
+    field = (lambda name: f"model.arch.{name}") if source == "model.arch" else (lambda name: name)
+    if tp >= 1 and arch.num_attention_heads >= 1 and arch.num_query_groups >= 1:
+        for name in ("num_attention_heads", "num_query_groups"):
+            if getattr(arch, name) % tp:
+                errors.append(f"{field(name)} ({getattr(arch, name)}){where} must be divisible "
+                              f"by {key}.tensor_model_parallel_size ({tp})")
+    if pp >= 1 and vpp >= 1 and arch.num_layers % (pp * vpp):
+        errors.append(f"{field('num_layers')} ({arch.num_layers}){where} must be divisible by "
+                      f"{key}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size"
+                      f" ({pp} x {megatron.virtual_pipeline_model_parallel_size or 1})")
+    return errors
