@@ -42,6 +42,23 @@ def test_packed_groups_first_fit_decreasing():
         packed_groups(lengths, 8)
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    (["policy.megatron.layer_spec=local"], "policy.sequence_packing needs policy.megatron.layer_spec"),
+    (["cluster.num_workers=2", "policy.megatron.pipeline_model_parallel_size=2"],
+     "policy.sequence_packing needs policy.megatron.pipeline_model_parallel_size=1"),
+])
+def test_config_refuses_packing_where_it_cannot_run(overrides, needle):
+    from mcore_rl.config.checks import ConfigError
+    from mcore_rl.config.loader import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo_synthetic", ["policy.sequence_packing=true", *overrides])
+    assert needle in str(e.value)
+    cfg = load_config("grpo_synthetic", ["policy.sequence_packing=true",
+                                         "policy.megatron.layer_spec=torch"])
+    assert cfg.policy.sequence_packing
+
+
 def test_pack_unpack_roundtrip_and_targets():
     batch = _batch(LENGTHS)
     mb = pack(batch, [0, 2, 4], width_multiple=4)
@@ -145,3 +162,96 @@ def test_packed_model_matches_padded(results, tp):
         assert m["logit_diff"] < 1e-4, m
         assert m["loss_diff"] < 1e-5, m
         assert m["grad_scale"] > 1e-3 and m["grad_diff"] < 1e-4 * m["grad_scale"], m
+
+
+# ---------------------------------------------------------------- workers: packed vs padded
+WORKER_VOCAB = 48
+
+
+def _worker_pair(kind: str, tp: int) -> tuple:
+    """(padded, packed) workers of the same seed: padded micro-batches of 2 rows, packed ones
+    under a 24-token budget (several sequences each)."""
+    from dist_utils import _WORLD
+
+    from mcore_rl.config.schema import ModelArchConfig, OptimizerConfig
+    from mcore_rl.config.schema import MegatronConfig
+    from mcore_rl.megatron.conversion import arch_to_hf_config
+    from mcore_rl.workers.policy import PolicyWorker
+    from mcore_rl.workers.value import ValueWorker
+
+    arch = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=32, num_attention_heads=4,
+                           num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=64,
+                           qkv_bias=True, tie_word_embeddings=False, vocab_size=WORKER_VOCAB)
+    common = dict(hf_path=None, hf_config=arch_to_hf_config(arch, WORKER_VOCAB).to_dict(),
+                  vocab_size=WORKER_VOCAB, arch=arch,
+                  megatron=MegatronConfig(tensor_model_parallel_size=tp, layer_spec="torch"),
+                  optimizer=OptimizerConfig(name="sgd", lr=0.1, clip_grad=0.0),
+                  rank=_WORLD["rank"], world_size=_WORLD["world_size"], master_addr="127.0.0.1",
+                  master_port=_WORLD["port"], device="cpu", seed=7, total_optimizer_steps=10,
+                  global_batch_size=8)
+    cls, extra = (PolicyWorker, {"temperature": 0.8}) if kind == "policy" else (ValueWorker, {})
+    padded = cls(**common, **extra)
+    packed = cls(**common, **extra, sequence_packing=True, max_tokens_per_microbatch=24)
+    return padded, packed
+
+
+def _worker_checks(tp: int) -> dict:
+    from rollouts import random_rows
+
+    from mcore_rl.algorithms.losses import ClippedPGLoss, ClippedValueLoss
+    from mcore_rl.config.schema import LossConfig, ValueLossConfig
+    from mcore_rl.data import batch as B
+
+    dp_rank = torch.distributed.get_rank() if tp == 1 else 0
+    g = torch.Generator().manual_seed(0)
+    batch = random_rows(8, WORKER_VOCAB, (2, 6), (1, 8), g)
+    batch["advantages"] = torch.randn(8, generator=g)[:, None] * batch["token_mask"]
+    batch["returns"] = torch.randn(batch["token_mask"].shape, generator=g) * batch["token_mask"]
+    if tp == 1:  # DP=2: each rank its own shard (different lengths, counts balanced)
+        batch = B.shard(batch, 2)[dp_rank]
+    out = {}
+    pol_pad, pol_pack = _worker_pair("policy", tp)
+    lp = pol_pad.get_logprobs(batch, 2)
+    out["logprobs_diff"] = (pol_pack.get_logprobs(batch, 2) - lp).abs().max().item()
+    out["logprobs_nonzero"] = bool((lp != 0).any())
+    batch["prev_logprobs"] = lp + 0.05 * batch["token_mask"]
+    loss = ClippedPGLoss(LossConfig(kl_coef=0.0))
+    m_pad, m_pack = pol_pad.train(batch, loss, 8, 2), pol_pack.train(batch, loss, 8, 2)
+    out["policy_metrics"] = {k: (m_pad[k], m_pack[k]) for k in ("loss", "grad_norm", "num_valid_tokens")}
+    out["padding_fraction"] = (m_pad["padding_fraction"], m_pack["padding_fraction"])
+    w_pad, w_pack = dict(pol_pad.model[0].named_parameters()), dict(pol_pack.model[0].named_parameters())
+    out["policy_weight_diff"] = max((w_pad[n] - w_pack[n]).abs().max().item() for n in w_pad)
+    val_pad, val_pack = _worker_pair("value", tp)
+    v = val_pad.get_values(batch, 2)
+    out["values_diff"] = (val_pack.get_values(batch, 2) - v).abs().max().item()
+    out["values_first_zero"] = bool((val_pack.get_values(batch, 2)[:, 0] == 0).all())
+    batch["prev_values"] = v
+    vloss = ClippedValueLoss(ValueLossConfig(cliprange=0.05, coef=1.0))
+    m_pad, m_pack = val_pad.train(batch, vloss, 8, 2), val_pack.train(batch, vloss, 8, 2)
+    out["value_metrics"] = {k: (m_pad[k], m_pack[k]) for k in ("loss", "grad_norm")}
+    return out
+
+
+def _all_worker_checks() -> dict:
+    out = {"dp2": _worker_checks(1)}
+    use_layout(tensor_model_parallel_size=2)
+    out["tp2"] = _worker_checks(2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker_results():
+    return run_distributed(_all_worker_checks, 2)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_packed_workers_match_padded(worker_results, layout):
+    for rank_out in worker_results:
+        m = rank_out[layout]
+        assert m["logprobs_nonzero"] and m["logprobs_diff"] < 1e-5, m
+        for k, (pad, packed) in {**m["policy_metrics"], **m["value_metrics"]}.items():
+            assert packed == pytest.approx(pad, rel=1e-5, abs=1e-7), (k, m)
+        assert m["policy_weight_diff"] < 1e-6, m
+        assert m["values_diff"] < 1e-5 and m["values_first_zero"], m
+        pad_frac, packed_frac = m["padding_fraction"]
+        assert packed_frac == 0.0 and 0.1 < pad_frac < 0.9, m  # no TP rounding without SP

@@ -24,7 +24,8 @@ from typing import List, Sequence
 
 import torch
 
-from mcore_rl.data.batch import Batch
+from mcore_rl.data.batch import Batch, select
+from mcore_rl.data.microbatching import ROW_INDEX, _padding_rows, _with_width
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -171,3 +172,61 @@ def padding_fraction(computed_tokens: int, valid_tokens: int) -> float:
     """``(computed - valid) / computed``: the share of a pass's token positions that were
     padding (0.0 for an empty pass)."""
     return (computed_tokens - valid_tokens) / computed_tokens if computed_tokens else 0.0
+
+
+PACKED_IDS = "packed_input_ids"
+PACKED_POSITIONS = "packed_position_ids"
+CU_SEQLENS = "cu_seqlens"
+MAX_SEQLEN = "max_seqlen"  # a 0-d CPU tensor: stays on the host
+
+
+def make_packed_microbatches(batch: Batch, max_tokens: int, width_multiple: int = 1,
+                             min_count: int = 1) -> List[Batch]:
+    """Cut ``batch`` into packed micro-batches (:func:`packed_groups`), each carrying both
+    layouts: the model runs on the packed row, the loss reads the usual right-padded rows.
+
+    Args:
+        batch: right-padded rows (``input_ids [B, S]``, ``input_lengths [B]``, any other
+            ``[B, ...]`` tensors).
+        max_tokens: token budget of one packed micro-batch (before rounding to
+            ``width_multiple``).
+        width_multiple: packed lengths are rounded up to it (TP under sequence parallelism).
+        min_count: at least this many micro-batches (the largest count over DP ranks); when
+            the rows cannot be split further, micro-batches of one masked padding row are added.
+
+    Returns:
+        micro-batches with the padded rows of the group (each cut to its own longest row,
+        ``row_index`` added: -1 for padding rows) plus ``packed_input_ids [1, T]``,
+        ``packed_position_ids [1, T]``, ``cu_seqlens`` (:func:`pack`; T a multiple of
+        ``width_multiple``) and ``max_seqlen`` (0-d, its longest sequence, kept on the host).
+
+    Raises:
+        ValueError: as :func:`packed_groups`.
+    """
+    lengths = batch["input_lengths"]
+    n = lengths.numel()
+    batch = dict(batch, **{ROW_INDEX: torch.arange(n)})
+    out = []
+    for g in packed_groups(lengths, max_tokens, min_groups=min_count):
+        mb = select(batch, g)
+        mb = _with_width(mb, int(mb["input_lengths"].max()))
+        packed = pack({"input_ids": mb["input_ids"], "input_lengths": mb["input_lengths"]},
+                      range(len(g)), width_multiple)
+        mb[PACKED_IDS], mb[PACKED_POSITIONS] = packed["input_ids"], packed["position_ids"]
+        mb[CU_SEQLENS] = packed["cu_seqlens"]
+        mb[MAX_SEQLEN] = (packed["cu_seqlens"][1:] - packed["cu_seqlens"][:-1]).max()
+        out.append(mb)
+    while len(out) < min_count:
+        mb = _padding_rows({k: v for k, v in batch.items() if k != ROW_INDEX}, 1, 1)
+        mb[PACKED_IDS] = torch.zeros(1, width_multiple, dtype=torch.long)
+        mb[PACKED_POSITIONS] = torch.arange(width_multiple)[None]
+        mb[CU_SEQLENS] = torch.tensor([0, width_multiple], dtype=torch.int32)
+        mb[MAX_SEQLEN] = torch.tensor(width_multiple)
+        out.append(mb)
+    return out
+
+
+def computed_tokens(mb: Batch) -> int:
+    """Token positions the model computes for micro-batch ``mb``: the packed length, else
+    rows x width."""
+    return int(mb[PACKED_IDS].numel()) if PACKED_IDS in mb else int(mb["input_ids"].numel())

@@ -210,8 +210,30 @@ def _flex_attention():
     if _flex_compiled is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+        # dynamic=None: torch recompiles once with a symbolic length after the first change
+        # (packed lengths differ between micro-batches).
+        _flex_compiled = torch.compile(flex_attention)
     return _flex_compiled
+
+
+def _torch_varlen():
+    """``(varlen_attn, causal kwargs, has enable_gqa)`` of ``torch.nn.attention.varlen`` (FlashAttention
+    varlen kernels in torch itself), or None when this torch lacks it. torch 2.10 takes
+    ``is_causal=True``; later versions ``window_size=(-1, 0)``."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
 
 
 def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -220,7 +242,9 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
     Token ``i`` attends to token ``j`` when both are in the same sequence and ``j <= i``
     (a block-diagonal causal "document" mask); the tail past ``cu_seqlens_q[-1]`` (padding to a
-    TP multiple) only attends within itself. On CUDA: FlexAttention (``torch.nn.attention.
+    TP multiple) only attends within itself. On CUDA in bf16/fp16: torch's own varlen
+    FlashAttention (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10) when present; else
+    FlexAttention (``torch.nn.attention.
     flex_attention``, compiled; Dong et al. 2024, arXiv:2412.05496) with a block mask built once
     per micro-batch and cached on ``packed_seq_params`` (every layer reuses it), GQA without
     repeating KV heads. Elsewhere: SDPA with the dense ``[t, t]`` boolean mask (KV heads
@@ -239,6 +263,22 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     cu = packed_seq_params.cu_seqlens_q_padded
     if cu is None:
         cu = packed_seq_params.cu_seqlens_q
+    varlen = _torch_varlen() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) \
+        else None
+    if varlen is not None:
+        varlen_attn, causal, has_gqa = varlen
+        k, v, extra = key, value, {}
+        if np_ != key.shape[1]:
+            if has_gqa:
+                extra["enable_gqa"] = True
+            else:
+                k = k.repeat_interleave(np_ // k.shape[1], dim=1)
+                v = v.repeat_interleave(np_ // v.shape[1], dim=1)
+        cu = cu.to(device=query.device, dtype=torch.int32)
+        longest = packed_seq_params.max_seqlen_q or int((cu[1:] - cu[:-1]).max())
+        out = varlen_attn(query.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest,
+                          longest, scale=scale, **causal, **extra)
+        return out.reshape(t, np_ * hn)
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, t, d]
     if query.is_cuda:
         from torch.nn.attention.flex_attention import create_block_mask
