@@ -132,7 +132,7 @@ def packed_targets(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.T
     """
     targets = torch.zeros_like(input_ids)
     targets[:, :-1] = input_ids[:, 1:]
-    ends = cu_seqlens[1:].to(torch.long) - 1
+    ends = cu_seqlens[1:].to(device=input_ids.device, dtype=torch.long) - 1
     targets[:, ends] = 0
     return targets
 

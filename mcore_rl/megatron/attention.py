@@ -252,7 +252,8 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
     Args:
         query: ``[t, np, hn]``; key, value: ``[t, ng, hn]`` (``np % ng == 0``).
-        packed_seq_params: Megatron ``PackedSeqParams`` (``cu_seqlens_q`` ``[n + 1]`` int32;
+        packed_seq_params: Megatron ``PackedSeqParams`` (``cu_seqlens_q`` ``[n + 1]`` int32, on
+            the host or the device: a host copy is moved once and cached on the object;
             ``cu_seqlens_q_padded`` is used instead when set, as Megatron's RoPE does).
         scale: softmax scale.
 
@@ -274,7 +275,12 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
             else:
                 k = k.repeat_interleave(np_ // k.shape[1], dim=1)
                 v = v.repeat_interleave(np_ // v.shape[1], dim=1)
-        cu = cu.to(device=query.device, dtype=torch.int32)
+        if cu.device != query.device:  # a host cu_seqlens: copied once per micro-batch
+            on_device = getattr(packed_seq_params, "_mcore_rl_cu_device", None)
+            if on_device is None:
+                on_device = cu.to(device=query.device, dtype=torch.int32, non_blocking=True)
+                packed_seq_params._mcore_rl_cu_device = on_device
+            cu = on_device
         longest = packed_seq_params.max_seqlen_q or int((cu[1:] - cu[:-1]).max())
         out = varlen_attn(query.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest,
                           longest, scale=scale, **causal, **extra)
@@ -285,7 +291,7 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
         block_mask = getattr(packed_seq_params, "_mcore_rl_block_mask", None)
         if block_mask is None or block_mask.shape[-2] != t:
-            doc = document_ids(cu, t)
+            doc = document_ids(cu.to(query.device), t)
 
             def causal_document(b, h, q_idx, kv_idx):
                 return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)

@@ -443,8 +443,10 @@ class MegatronTrainWorker:
             self._largest_microbatch = max(self._largest_microbatch, max(sizes))
             self._computed_tokens += sum(sizes)
             self._valid_tokens += int(batch["input_lengths"].sum())
-        mbs = [{k: v if k == MAX_SEQLEN else self._to_device(v) for k, v in mb.items()}
-               for mb in mbs]
+        # cu_seqlens stays on the host: Megatron's THD RoPE reads it with .tolist() in every
+        # layer (a device copy would sync the stream there); attention copies it once.
+        mbs = [{k: v if k in (MAX_SEQLEN, CU_SEQLENS) else self._to_device(v)
+                for k, v in mb.items()} for mb in mbs]
         num_mb = len(mbs)
         if not forward_only and self.arch.num_experts is not None:
             from mcore_rl.megatron.moe import router_padding_mask
