@@ -226,6 +226,8 @@ def _assert_same_steps(actual, expected):
 def _assert_same_metrics(actual, expected):
     assert actual.keys() == expected.keys()
     for k in expected:
+        if k == "padding_fraction":  # pieces are padded to their own widths
+            continue
         assert actual[k] == pytest.approx(expected[k], rel=1e-5, abs=1e-7), k
 
 

@@ -111,7 +111,7 @@ def test_split_step_through_the_dp_group_equals_train(dp):
     _close(dp.call("local_params")[0], sync_params, "param")
     assert sync["grad_norm"] > 0 and split.keys() == sync.keys()
     for k in sync:
-        if k != "microbatch_tokens_max":  # the micro-batches are cut from other rows
+        if k not in ("microbatch_tokens_max", "padding_fraction"):  # micro-batches cut from other rows
             assert split[k] == pytest.approx(sync[k], rel=1e-5, abs=1e-7), k
 
     # a part that fails aborts its rank's step; abort closes the others; train is as before

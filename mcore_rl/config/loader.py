@@ -280,6 +280,18 @@ def validate(cfg: TrainConfig) -> None:
         # config.json (model.arch is unused then).
         if cfg.model.hf_path is None and (vpp is None or vpp >= 1):
             errors += parallel_shape_errors(arch, mg, key)
+        if getattr(cfg, section).sequence_packing:
+            # Packed micro-batches differ in length, and the pipeline schedules need one shape
+            # per micro-batch: packing is refused with PP > 1 rather than padded to the budget.
+            check(pp == 1 and vpp is None,
+                  f"{section}.sequence_packing needs {key}.pipeline_model_parallel_size=1 and no "
+                  f"virtual stages (got PP={pp}, VPP={vpp}): packed micro-batches vary in length")
+            check(mg.layer_spec != "local",
+                  f"{section}.sequence_packing needs {key}.layer_spec torch or transformer_engine "
+                  f"(the local spec's attention has no packed-sequence (THD) path)")
+            check(arch.num_experts is None,
+                  f"{section}.sequence_packing does not support mixture-of-experts models yet "
+                  f"(model.arch.num_experts is {arch.num_experts})")
         check(not mg.sequence_parallel or tp > 1, f"{key}.sequence_parallel needs "
               f"{key}.tensor_model_parallel_size > 1 (got {tp})")
         check(not mg.compile_layers or device != "cpu",

@@ -231,9 +231,15 @@ class PolicyConfig:
     micro_batch_size: int = bounded(16, ge=1)
     # Sequences per forward-only pass on each DP rank for old and reference logprobs.
     logprob_micro_batch_size: int = bounded(32, ge=1)
-    # Token budget per micro-batch (rows x padded width, rows sorted by length), used instead of
-    # micro_batch_size and logprob_micro_batch_size; >= data.max_total_length; null: fixed sizes.
+    # Token budget per micro-batch (rows x padded width, rows sorted by length; with
+    # sequence_packing the tokens of one packed micro-batch), used instead of micro_batch_size and
+    # logprob_micro_batch_size; >= data.max_total_length; null: fixed sizes (with packing:
+    # micro_batch_size / logprob_micro_batch_size x the call's longest row).
     max_tokens_per_microbatch: Optional[int] = bounded(None, ge=1)
+    # Pack sequences (THD: tokens concatenated, attention within each sequence, no padding) in
+    # training and logprob passes. Needs PP=1, a dense model, layer_spec torch or
+    # transformer_engine; micro-batch counts are equalized over DP ranks.
+    sequence_packing: bool = False
 
 
 @dataclass
@@ -512,6 +518,9 @@ class ValueConfig:
     micro_batch_size: int = bounded(16, ge=1)
     # Sequences per forward-only pass on each DP rank for the rollout's values.
     values_micro_batch_size: int = bounded(32, ge=1)
+    # As policy.sequence_packing, for the critic (token budget: micro_batch_size /
+    # values_micro_batch_size x the call's longest row).
+    sequence_packing: bool = False
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
 
 

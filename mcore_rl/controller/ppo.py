@@ -52,7 +52,8 @@ class PPOTrainer(RLTrainer):
         v = cfg.value
         self.value = self._megatron_group(
             "value", ValueWorker, v.megatron, v.optimizer, *self._policy_schedule(),
-            hf_path=v.hf_path or cfg.model.hf_path, head_fp32=v.head_fp32)
+            hf_path=v.hf_path or cfg.model.hf_path, head_fp32=v.head_fp32,
+            sequence_packing=v.sequence_packing)
         self.loss_fn = build_policy_loss(cfg)
         self.value_loss_fn = ClippedValueLoss(v.loss)
 

@@ -136,7 +136,8 @@ class RLTrainer:
             "policy", PolicyWorker, cfg.policy.megatron, cfg.policy.optimizer,
             *self._policy_schedule(), hf_path=cfg.model.hf_path,
             temperature=cfg.generation.temperature, use_reference=self.use_reference,
-            max_tokens_per_microbatch=cfg.policy.max_tokens_per_microbatch)
+            max_tokens_per_microbatch=cfg.policy.max_tokens_per_microbatch,
+            sequence_packing=cfg.policy.sequence_packing)
         try:
             self.generation = build_backend(BackendContext(
                 cfg=cfg, hf_config=self.hf_config, eos_token_id=self.tokenizer.eos_token_id,

@@ -116,19 +116,31 @@ class TorchSDPAttention(DotProductAttention):
             attn_mask_type: overrides the module's type (Megatron passes ``no_mask`` on decode
                 steps); ``causal``/``causal_bottom_right`` apply causal masking when no mask is
                 given.
-            attention_bias, packed_seq_params: unsupported (as in ``DotProductAttention``).
+            attention_bias: unsupported (as in ``DotProductAttention``).
+            packed_seq_params: Megatron's ``PackedSeqParams`` with ``qkv_format='thd'``: then
+                ``query`` is ``[t, np, hn]``, ``key``/``value`` ``[t, ng, hn]`` (sequences
+                concatenated) and the result is ``[t, np * hn]``
+                (:func:`varlen_causal_attention`).
 
         Returns:
             ``[sq, b, np * hn]`` in the dtype of ``query``.
 
         Raises:
-            ValueError: ``attention_bias`` or ``packed_seq_params`` given, or an
-                ``attention_mask`` that is not bool.
+            ValueError: ``attention_bias`` given, ``packed_seq_params`` not in THD format (or
+                with attention dropout in training), or an ``attention_mask`` that is not bool.
         """
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("TorchSDPAttention does not support attention_bias or packed "
-                             "sequences (packed_seq_params); use megatron.layer_spec="
-                             "transformer_engine")
+        if attention_bias is not None:
+            raise ValueError("TorchSDPAttention does not support attention_bias; use "
+                             "megatron.layer_spec=transformer_engine")
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError("TorchSDPAttention: packed_seq_params needs qkv_format='thd', "
+                                 f"got {packed_seq_params.qkv_format!r}")
+            if self.attention_dropout.p > 0.0 and self.training:
+                raise ValueError("TorchSDPAttention: packed sequences do not support "
+                                 "attention dropout")
+            return varlen_causal_attention(query, key, value, packed_seq_params,
+                                           self.softmax_scale)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         sq, b, np_, hn = query.shape
         sk = key.shape[0]
@@ -170,6 +182,133 @@ class TorchSDPAttention(DotProductAttention):
                                                  scale=self.softmax_scale, **extra)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Sequence index of each token of a packed micro-batch.
+
+    Args:
+        cu_seqlens: ``[n + 1]`` int, cumulative sequence starts (``0, l_0, l_0 + l_1, ...``).
+        total: tokens in the packed tensor (``>= cu_seqlens[-1]``); tokens past
+            ``cu_seqlens[-1]`` (padding to a TP multiple) form one more sequence, index ``n``.
+
+    Returns:
+        ``[total]`` int64 on the device of ``cu_seqlens``.
+    """
+    cu = cu_seqlens.to(torch.long)
+    pos = torch.arange(total, device=cu.device)
+    return torch.searchsorted(cu[1:], pos, right=True)
+
+
+_flex_compiled = None
+
+
+def _flex_attention():
+    """``torch.compile``-d ``flex_attention`` (compiled once per process; eager flex
+    materializes the scores)."""
+    global _flex_compiled
+    if _flex_compiled is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # dynamic=None: torch recompiles once with a symbolic length after the first change
+        # (packed lengths differ between micro-batches).
+        _flex_compiled = torch.compile(flex_attention)
+    return _flex_compiled
+
+
+def _torch_varlen():
+    """``(varlen_attn, causal kwargs, has enable_gqa)`` of ``torch.nn.attention.varlen`` (FlashAttention
+    varlen kernels in torch itself), or None when this torch lacks it. torch 2.10 takes
+    ``is_causal=True``; later versions ``window_size=(-1, 0)``."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            packed_seq_params, scale: float) -> torch.Tensor:
+    """Causal attention within each sequence of a packed (THD) micro-batch.
+
+    Token ``i`` attends to token ``j`` when both are in the same sequence and ``j <= i``
+    (a block-diagonal causal "document" mask); the tail past ``cu_seqlens_q[-1]`` (padding to a
+    TP multiple) only attends within itself. On CUDA in bf16/fp16: torch's own varlen
+    FlashAttention (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10) when present; else
+    FlexAttention (``torch.nn.attention.
+    flex_attention``, compiled; Dong et al. 2024, arXiv:2412.05496) with a block mask built once
+    per micro-batch and cached on ``packed_seq_params`` (every layer reuses it), GQA without
+    repeating KV heads. Elsewhere: SDPA with the dense ``[t, t]`` boolean mask (KV heads
+    repeated), fine for CPU tests.
+
+    Args:
+        query: ``[t, np, hn]``; key, value: ``[t, ng, hn]`` (``np % ng == 0``).
+        packed_seq_params: Megatron ``PackedSeqParams`` (``cu_seqlens_q`` ``[n + 1]`` int32, on
+            the host or the device: a host copy is moved once and cached on the object;
+            ``cu_seqlens_q_padded`` is used instead when set, as Megatron's RoPE does).
+        scale: softmax scale.
+
+    Returns:
+        ``[t, np * hn]`` in the dtype of ``query``.
+    """
+    t, np_, hn = query.shape
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    varlen = _torch_varlen() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) \
+        else None
+    if varlen is not None:
+        varlen_attn, causal, has_gqa = varlen
+        k, v, extra = key, value, {}
+        if np_ != key.shape[1]:
+            if has_gqa:
+                extra["enable_gqa"] = True
+            else:
+                k = k.repeat_interleave(np_ // k.shape[1], dim=1)
+                v = v.repeat_interleave(np_ // v.shape[1], dim=1)
+        if cu.device != query.device:  # a host cu_seqlens: copied once per micro-batch
+            on_device = getattr(packed_seq_params, "_mcore_rl_cu_device", None)
+            if on_device is None:
+                on_device = cu.to(device=query.device, dtype=torch.int32, non_blocking=True)
+                packed_seq_params._mcore_rl_cu_device = on_device
+            cu = on_device
+        longest = packed_seq_params.max_seqlen_q or int((cu[1:] - cu[:-1]).max())
+        out = varlen_attn(query.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest,
+                          longest, scale=scale, **causal, **extra)
+        return out.reshape(t, np_ * hn)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, t, d]
+    if query.is_cuda:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        block_mask = getattr(packed_seq_params, "_mcore_rl_block_mask", None)
+        if block_mask is None or block_mask.shape[-2] != t:
+            doc = document_ids(cu.to(query.device), t)
+
+            def causal_document(b, h, q_idx, kv_idx):
+                return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+            block_mask = create_block_mask(causal_document, None, None, t, t, device=query.device)
+            packed_seq_params._mcore_rl_block_mask = block_mask
+        out = _flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
+                                enable_gqa=np_ != key.shape[1])
+    else:
+        doc = document_ids(cu, t)
+        pos = torch.arange(t, device=query.device)
+        keep = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+        if np_ != key.shape[1]:
+            k = k.repeat_interleave(np_ // k.shape[1], dim=1)
+            v = v.repeat_interleave(np_ // v.shape[1], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
+    return out[0].transpose(0, 1).reshape(t, np_ * hn)
 
 
 class KVCache:

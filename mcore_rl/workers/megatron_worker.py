@@ -30,6 +30,8 @@ import torch.distributed as dist
 from mcore_rl.config.schema import ModelArchConfig, MegatronConfig, OptimizerConfig
 from mcore_rl.data.batch import Batch
 from mcore_rl.data.microbatching import ROW_INDEX, gather_rows, make_microbatches, shapes_vary
+from mcore_rl.data.packing import (CU_SEQLENS, MAX_SEQLEN, PACKED_IDS, PACKED_POSITIONS,
+                                   computed_tokens, make_packed_microbatches, padding_fraction)
 from mcore_rl.megatron import parallel
 from mcore_rl.megatron.offload import StorageOffloader
 
@@ -133,6 +135,12 @@ class MegatronTrainWorker:
         max_tokens_per_microbatch: None: micro-batches of the ``micro_batch_size`` rows each
             call names; else a token budget (config ``policy.max_tokens_per_microbatch``) that
             replaces it in every call (:mod:`mcore_rl.data.microbatching`).
+        sequence_packing: run every training and forward-only micro-batch packed (THD: the
+            rows' tokens concatenated, no padding; :mod:`mcore_rl.data.packing`) under a token
+            budget: ``max_tokens_per_microbatch``, or when None ``micro_batch_size`` x the
+            call's longest row (the padded path's bound). Needs PP = 1, no experts, and a layer
+            spec with THD attention (``torch`` or ``transformer_engine``); checked at config
+            load (``policy.sequence_packing``).
         manual_gc_interval: 0: Python's automatic garbage collection. N > 0: automatic
             collection is turned off in this process and a full collection runs after every
             N-th optimizer step (``trainer_version`` a multiple of N), the same point on every
@@ -166,6 +174,7 @@ class MegatronTrainWorker:
         threads: int = 0,
         max_tokens_per_microbatch: Optional[int] = None,
         manual_gc_interval: int = 0,
+        sequence_packing: bool = False,
     ):
         if manual_gc_interval < 0:
             raise ValueError(f"manual_gc_interval must be >= 0 (got {manual_gc_interval})")
@@ -175,6 +184,13 @@ class MegatronTrainWorker:
         self.megatron_cfg = megatron
         self.optimizer_cfg = optimizer
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.sequence_packing = sequence_packing
+        if sequence_packing and (megatron.pipeline_model_parallel_size > 1
+                                 or megatron.virtual_pipeline_model_parallel_size is not None
+                                 or arch.num_experts is not None
+                                 or megatron.layer_spec == "local"):
+            raise ValueError("sequence_packing needs pipeline_model_parallel_size=1, no virtual "
+                             "stages, a dense model and layer_spec torch or transformer_engine")
         self.rank = rank
         self.device = parallel.initialize(
             rank,
@@ -338,6 +354,8 @@ class MegatronTrainWorker:
         """Run one model chunk on a micro-batch; returns its output tensor."""
         from mcore_rl.megatron.model import attention_mask, position_ids
 
+        if PACKED_IDS in mb:
+            return self._packed_forward(model, mb)
         ids = mb["input_ids"]
         b, s = ids.shape
         # bf16: the last stage returns bf16 (Float16Module would upcast the whole output, a
@@ -353,6 +371,20 @@ class MegatronTrainWorker:
                 attention_mask(self.megatron_cfg.layer_spec, b, s, ids.device),
                 **kwargs,
             )
+
+    def _packed_forward(self, model, mb: Batch) -> torch.Tensor:
+        """One model chunk on a packed micro-batch (``packed_input_ids [1, T]``): Megatron's
+        ``PackedSeqParams(qkv_format='thd')`` carries ``cu_seqlens`` to attention and RoPE
+        (positions restart in every sequence). Returns the output ``[1, T, ...]``."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = mb[CU_SEQLENS]
+        longest = int(mb[MAX_SEQLEN])  # a CPU tensor: no device sync
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+        kwargs = {"fp32_output": False} if self.megatron_cfg.precision == "bf16" else {}
+        return model(mb[PACKED_IDS], mb[PACKED_POSITIONS], None, packed_seq_params=params,
+                     **kwargs)
 
     def _router_losses(self, model, mb: Batch):
         """``(padding_mask, context)`` of an MoE model's forward on ``mb``: the router losses
@@ -397,15 +429,24 @@ class MegatronTrainWorker:
 
         mg = self.megatron_cfg
         interleaved = mg.virtual_pipeline_model_parallel_size is not None
-        mbs = make_microbatches(
-            batch, micro_batch_size, self.max_tokens_per_microbatch,
-            width_multiple=mg.tensor_model_parallel_size if mg.sequence_parallel else 1,
-            count_multiple=mg.pipeline_model_parallel_size if interleaved else 1,
-            uniform_shapes=interleaved)
+        width_multiple = mg.tensor_model_parallel_size if mg.sequence_parallel else 1
+        if self.sequence_packing:
+            mbs = self._packed_microbatches(batch, micro_batch_size, width_multiple)
+        else:
+            mbs = make_microbatches(
+                batch, micro_batch_size, self.max_tokens_per_microbatch,
+                width_multiple=width_multiple,
+                count_multiple=mg.pipeline_model_parallel_size if interleaved else 1,
+                uniform_shapes=interleaved)
         if not forward_only:
-            self._largest_microbatch = max(self._largest_microbatch,
-                                           max(mb["input_ids"].numel() for mb in mbs))
-        mbs = [{k: self._to_device(v) for k, v in mb.items()} for mb in mbs]
+            sizes = [computed_tokens(mb) for mb in mbs]
+            self._largest_microbatch = max(self._largest_microbatch, max(sizes))
+            self._computed_tokens += sum(sizes)
+            self._valid_tokens += int(batch["input_lengths"].sum())
+        # cu_seqlens stays on the host: Megatron's THD RoPE reads it with .tolist() in every
+        # layer (a device copy would sync the stream there); attention copies it once.
+        mbs = [{k: v if k in (MAX_SEQLEN, CU_SEQLENS) else self._to_device(v)
+                for k, v in mb.items()} for mb in mbs]
         num_mb = len(mbs)
         if not forward_only and self.arch.num_experts is not None:
             from mcore_rl.megatron.moe import router_padding_mask
@@ -433,6 +474,21 @@ class MegatronTrainWorker:
             micro_batch_size=rows,
             forward_only=forward_only,
         )
+
+    def _packed_microbatches(self, batch: Batch, micro_batch_size: int,
+                             width_multiple: int) -> List[Batch]:
+        """Packed micro-batches of ``batch`` (:func:`~mcore_rl.data.packing.
+        make_packed_microbatches`) under :attr:`max_tokens_per_microbatch` (or
+        ``micro_batch_size`` x the longest row), as many on this rank as on the DP rank with
+        the most (one all-reduce over DP: Megatron's schedule and the gradient all-reduce need
+        the same count on every rank)."""
+        budget = self.max_tokens_per_microbatch
+        if budget is None:
+            budget = micro_batch_size * max(1, int(batch["input_lengths"].max()))
+        count = torch.tensor(len(make_packed_microbatches(batch, budget, width_multiple)),
+                             device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
+        return make_packed_microbatches(batch, budget, width_multiple, min_count=int(count))
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on this rank's device. On a GPU through pinned host memory and an
@@ -508,6 +564,10 @@ class MegatronTrainWorker:
     # Rows x padded width of the largest training micro-batch since the last _zero_grads (the
     # start of a step): the step's ``microbatch_tokens_max`` metric.
     _largest_microbatch: int = 0
+    # Token positions computed (padded or packed) and valid tokens of the step's training
+    # micro-batches, this rank: the step's ``padding_fraction`` metric.
+    _computed_tokens: int = 0
+    _valid_tokens: int = 0
 
     def _zero_grads(self) -> None:
         """Zero the DDP grad buffers and the optimizer's grads (and the step's largest
@@ -516,6 +576,7 @@ class MegatronTrainWorker:
         parameter's ``grad_added_to_main_grad``, so no grad-ready state of one step leaks into
         the next."""
         self._largest_microbatch = 0
+        self._computed_tokens = self._valid_tokens = 0
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -532,9 +593,11 @@ class MegatronTrainWorker:
         :meth:`finish_train_step` so both return the same names and meanings. The lr is read
         after ``optimizer.step()`` and before ``scheduler.step(increment=global_batch_size)``:
         the lr this step used. Metrics: :meth:`_reduce_metrics` plus ``grad_norm``, ``lr``,
-        ``update_successful`` (1.0 or 0.0) and ``microbatch_tokens_max`` (rows x padded width
-        of the step's largest training micro-batch, padding rows included, max over DP ranks:
-        at most ``max_tokens_per_microbatch`` when a budget is set)."""
+        ``update_successful`` (1.0 or 0.0), ``microbatch_tokens_max`` (rows x padded width
+        of the step's largest training micro-batch, padding rows included, or its packed length;
+        max over DP ranks: at most ``max_tokens_per_microbatch`` when a budget is set, up to the
+        TP rounding) and ``padding_fraction`` (padding positions / computed positions of the
+        step's training micro-batches, summed over DP ranks)."""
         success, grad_norm, _ = self.optimizer.step()
         if self.megatron_cfg.ddp.overlap_param_gather:
             # The distributed optimizer leaves the all-gather of the updated params to the next
@@ -560,6 +623,10 @@ class MegatronTrainWorker:
         largest = torch.tensor(float(self._largest_microbatch), device=self.device)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
         metrics["microbatch_tokens_max"] = float(largest)
+        tokens = torch.tensor([float(self._computed_tokens), float(self._valid_tokens)],
+                              dtype=torch.float64, device=self.device)
+        dist.all_reduce(tokens, group=self.ps.get_data_parallel_group())
+        metrics["padding_fraction"] = padding_fraction(int(tokens[0]), int(tokens[1]))
         return metrics
 
     def _reduce_metrics(self, outputs: List[Dict[str, torch.Tensor]], loss_fn) -> Dict[str, float]:

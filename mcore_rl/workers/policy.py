@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.data.batch import Batch
+from mcore_rl.data.packing import CU_SEQLENS, PACKED_IDS, packed_targets, unpack
 from mcore_rl.workers.megatron_worker import LossOutput, MegatronTrainWorker, requires_device_state
 
 
@@ -84,7 +85,10 @@ class PolicyWorker(MegatronTrainWorker):
         Args:
             output: logits ``[b, s, V_pad / TP]`` of this TP rank's vocabulary shard (bf16
                 with precision bf16: the model keeps them in bf16, ``fp32_output=False``).
-            mb: micro-batch with ``input_ids`` ``[b, s]``.
+            mb: micro-batch with ``input_ids`` ``[b, s]``; a packed one
+                (:mod:`mcore_rl.data.packing`) has logits ``[1, T, V_pad / TP]`` of its packed
+                row: targets are the next tokens within each sequence, and the result is put
+                back in the ``[b, s]`` layout (``[:, 0] = 0`` per sequence).
         Returns:
             float32 ``[b, s]``, of ``logits / temperature``, from
             :func:`~mcore_rl.megatron.logprobs.vocab_parallel_logprobs` (max and sum-exp
@@ -94,6 +98,12 @@ class PolicyWorker(MegatronTrainWorker):
         """
         from mcore_rl.megatron.logprobs import vocab_parallel_logprobs
 
+        if CU_SEQLENS in mb:
+            cu = mb[CU_SEQLENS]
+            target = packed_targets(mb[PACKED_IDS], cu)
+            next_lp = vocab_parallel_logprobs(output, target, self.vocab_size, self.temperature)
+            return unpack(next_lp, cu, mb["input_ids"].shape[1], shift=1,
+                          num_rows=mb["input_ids"].shape[0])
         target = torch.roll(mb["input_ids"], shifts=-1, dims=1)
         next_lp = vocab_parallel_logprobs(output, target, self.vocab_size, self.temperature)
         return torch.cat([torch.zeros_like(next_lp[:, :1]), next_lp[:, :-1]], dim=1)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.data.batch import Batch
+from mcore_rl.data.packing import CU_SEQLENS, unpack
 from mcore_rl.workers.megatron_worker import LossOutput, MegatronTrainWorker, requires_device_state
 from mcore_rl.workers.policy import initial_hf_state_dict
 
@@ -66,6 +67,16 @@ class ValueHead(torch.nn.Module):
                 runtime_gather_output: Optional[bool] = None):
         values = torch.nn.functional.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)
         return values, None
+
+
+def _values(output: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """Right-shifted values ``[b, s]`` float32 of a micro-batch from the head output
+    ``[b, s, 1]``; a packed micro-batch (:mod:`mcore_rl.data.packing`, output ``[1, T, 1]``) is
+    shifted within each sequence and put back in the ``[b, s]`` layout."""
+    if CU_SEQLENS in mb:
+        return unpack(output[..., 0].float(), mb[CU_SEQLENS], mb["input_ids"].shape[1], shift=1,
+                      num_rows=mb["input_ids"].shape[0])
+    return shift_right(output[..., 0])
 
 
 def shift_right(head_values: torch.Tensor) -> torch.Tensor:
@@ -146,7 +157,7 @@ class ValueWorker(MegatronTrainWorker):
 
     # ------------------------------------------------------------------ values
     def _loss_output(self, output: torch.Tensor, mb: Batch, loss_fn) -> LossOutput:
-        loss_sum, count, metrics = loss_fn(shift_right(output[..., 0]), mb)
+        loss_sum, count, metrics = loss_fn(_values(output, mb), mb)
         return loss_sum, count.detach().to(torch.int64), metrics
 
     @requires_device_state(training=False)
@@ -157,7 +168,7 @@ class ValueWorker(MegatronTrainWorker):
         row's length), identical on every rank. Collective over the worker world.
         """
         return self._per_token_forward(batch, micro_batch_size,
-                                       lambda out, mb: shift_right(out[..., 0]))
+                                       _values)
 
     # ------------------------------------------------------------------ export
     @requires_device_state(training=False)

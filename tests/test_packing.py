@@ -1,0 +1,257 @@
+"""Sequence packing (THD) against the padded layout.
+
+Pure helpers: first-fit-decreasing micro-batches under a token budget (every row once, within
+the budget, a minimum count honoured), pack / unpack round trips, per-sequence next-token
+targets, the padding fraction. Attention: ``varlen_causal_attention`` (CPU path) against SDPA
+run on each sequence alone, with GQA. Model level (fp32, CPU, gloo): a tiny Llama on the
+``torch`` spec, packed (Megatron ``PackedSeqParams``, its THD RoPE) vs padded logits of
+sequences of different lengths in one micro-batch, and their gradients, at TP=1 and TP=2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_distributed, use_layout
+
+from mcore_rl.data.packing import pack, packed_groups, packed_targets, padding_fraction, unpack
+
+LENGTHS = [10, 7, 4, 9, 1]
+
+
+def _batch(lengths, width=12, vocab=96, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (len(lengths), width), generator=g)
+    lengths = torch.tensor(lengths)
+    ids = ids * (torch.arange(width)[None] < lengths[:, None])
+    return {"input_ids": ids, "input_lengths": lengths,
+            "token_mask": (torch.arange(width)[None] < lengths[:, None]).float()}
+
+
+def test_packed_groups_first_fit_decreasing():
+    lengths = [5, 9, 3, 7, 2, 8]
+    groups = packed_groups(lengths, 12)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert all(sum(lengths[i] for i in g) <= 12 for g in groups)
+    assert groups == [[1, 2], [5, 4], [3, 0]]  # 9+3, 8+2, 7+5 (FFD, longest first)
+    many = packed_groups(lengths, 100, min_groups=4)
+    assert len(many) == 4 and sorted(i for g in many for i in g) == list(range(6))
+    assert len(packed_groups([3, 3], 100, min_groups=5)) == 2  # cannot split single rows
+    with pytest.raises(ValueError, match="row 1 has 9 tokens.*max_tokens_per_microbatch"):
+        packed_groups(lengths, 8)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["policy.megatron.layer_spec=local"], "policy.sequence_packing needs policy.megatron.layer_spec"),
+    (["cluster.num_workers=2", "policy.megatron.pipeline_model_parallel_size=2"],
+     "policy.sequence_packing needs policy.megatron.pipeline_model_parallel_size=1"),
+])
+def test_config_refuses_packing_where_it_cannot_run(overrides, needle):
+    from mcore_rl.config.checks import ConfigError
+    from mcore_rl.config.loader import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo_synthetic", ["policy.sequence_packing=true", *overrides])
+    assert needle in str(e.value)
+    cfg = load_config("grpo_synthetic", ["policy.sequence_packing=true",
+                                         "policy.megatron.layer_spec=torch"])
+    assert cfg.policy.sequence_packing
+
+
+def test_pack_unpack_roundtrip_and_targets():
+    batch = _batch(LENGTHS)
+    mb = pack(batch, [0, 2, 4], width_multiple=4)
+    assert mb["input_ids"].shape == (1, 16)  # 15 tokens -> multiple of 4
+    assert mb["cu_seqlens"].tolist() == [0, 10, 14, 15, 16]  # the padding tail: a sequence
+    assert mb["position_ids"][0, :15].tolist() == list(range(10)) + list(range(4)) + [0]
+    back = unpack(mb["input_ids"], mb["cu_seqlens"], 12, num_rows=3)
+    assert torch.equal(back, batch["input_ids"][[0, 2, 4]])
+    t = packed_targets(mb["input_ids"], mb["cu_seqlens"])
+    ids = mb["input_ids"][0]
+    assert t[0, 3] == ids[4] and t[0, 9] == 0 and t[0, 10] == ids[11] and t[0, 13] == 0
+    shifted = unpack(torch.arange(16.0)[None], mb["cu_seqlens"], 12, shift=1)
+    assert shifted[1, :5].tolist() == [0.0, 10.0, 11.0, 12.0, 0.0]
+    assert padding_fraction(16, 15) == pytest.approx(1 / 16) and padding_fraction(0, 0) == 0.0
+
+
+def test_varlen_attention_matches_per_sequence_sdpa():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mcore_rl.megatron.attention import varlen_causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    lens = [6, 3, 5]
+    t = sum(lens) + 2  # a padding tail
+    q, k, v = torch.randn(t, 8, 16, generator=g), torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, 16, generator=g)
+    cu = torch.tensor([0, 6, 9, 14], dtype=torch.int32)
+    p = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+    out = varlen_causal_attention(q, k, v, p, 0.25)
+    assert out.shape == (t, 128) and torch.isfinite(out).all()
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))
+        ref = F.scaled_dot_product_attention(qs, ks.repeat_interleave(4, 0), vs.repeat_interleave(4, 0),
+                                             is_causal=True, scale=0.25)
+        assert (out[s:e] - ref.transpose(0, 1).reshape(e - s, 128)).abs().max() < 1e-5
+
+
+def _model_checks(tp: int) -> dict:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from test_attention import VOCAB, _hf_llama
+
+    from mcore_rl.config.schema import MegatronConfig
+    from mcore_rl.megatron.conversion import hf_config_to_arch, load_hf_weights
+    from mcore_rl.megatron.model import build_model, position_ids
+
+    hf = _hf_llama()
+    arch = hf_config_to_arch(hf.config)
+    torch.manual_seed(0)
+    (chunk,) = build_model(arch, MegatronConfig(tensor_model_parallel_size=tp, layer_spec="torch"),
+                           VOCAB, "cpu")
+    load_hf_weights([chunk], hf.state_dict(), arch)
+    lengths = [10, 7, 4]
+    batch = _batch(lengths, width=10, vocab=VOCAB)
+    ids = batch["input_ids"]
+    weights = torch.linspace(0.5, 1.5, VOCAB)  # a loss that reads every valid logit
+
+    def loss_of(logits, mask):
+        full = gather_from_tensor_model_parallel_region(logits)[..., :VOCAB]
+        return ((full.float() * weights).sum(-1) * mask).sum(), full
+
+    chunk.zero_grad()
+    out = chunk(ids, position_ids(3, 10), None)
+    loss, padded = loss_of(out, batch["token_mask"])
+    loss.backward()
+    grads_padded = {n: p.grad.clone() for n, p in chunk.named_parameters()}
+    chunk.zero_grad()
+    mb = pack(batch, [0, 1, 2], width_multiple=4)
+    cu = mb["cu_seqlens"]
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=10, max_seqlen_kv=10)
+    out = chunk(mb["input_ids"], mb["position_ids"], None, packed_seq_params=params)
+    loss_p, packed = loss_of(out, mb["token_mask"])
+    loss_p.backward()
+    unpacked = unpack(packed, cu, 10, num_rows=3)
+    valid = batch["token_mask"].bool()
+    return {
+        "logit_diff": (unpacked - padded).abs().amax(-1)[valid].max().item(),
+        "loss_diff": abs(loss_p.item() - loss.item()) / abs(loss.item()),
+        "grad_diff": max((p.grad - grads_padded[n]).abs().max().item()
+                         for n, p in chunk.named_parameters()),
+        "grad_scale": max(g.abs().max().item() for g in grads_padded.values()),
+    }
+
+
+def _all_checks() -> dict:
+    out = {"tp1": _model_checks(1)}
+    use_layout(tensor_model_parallel_size=2)
+    out["tp2"] = _model_checks(2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_all_checks, 2)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_model_matches_padded(results, tp):
+    for rank_out in results:
+        m = rank_out[f"tp{tp}"]
+        assert m["logit_diff"] < 1e-4, m
+        assert m["loss_diff"] < 1e-5, m
+        assert m["grad_scale"] > 1e-3 and m["grad_diff"] < 1e-4 * m["grad_scale"], m
+
+
+# ---------------------------------------------------------------- workers: packed vs padded
+WORKER_VOCAB = 48
+
+
+def _worker_pair(kind: str, tp: int) -> tuple:
+    """(padded, packed) workers of the same seed: padded micro-batches of 2 rows, packed ones
+    under a 24-token budget (several sequences each)."""
+    from dist_utils import _WORLD
+
+    from mcore_rl.config.schema import ModelArchConfig, OptimizerConfig
+    from mcore_rl.config.schema import MegatronConfig
+    from mcore_rl.megatron.conversion import arch_to_hf_config
+    from mcore_rl.workers.policy import PolicyWorker
+    from mcore_rl.workers.value import ValueWorker
+
+    arch = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=32, num_attention_heads=4,
+                           num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=64,
+                           qkv_bias=True, tie_word_embeddings=False, vocab_size=WORKER_VOCAB)
+    common = dict(hf_path=None, hf_config=arch_to_hf_config(arch, WORKER_VOCAB).to_dict(),
+                  vocab_size=WORKER_VOCAB, arch=arch,
+                  megatron=MegatronConfig(tensor_model_parallel_size=tp, layer_spec="torch"),
+                  optimizer=OptimizerConfig(name="sgd", lr=0.1, clip_grad=0.0),
+                  rank=_WORLD["rank"], world_size=_WORLD["world_size"], master_addr="127.0.0.1",
+                  master_port=_WORLD["port"], device="cpu", seed=7, total_optimizer_steps=10,
+                  global_batch_size=8)
+    cls, extra = (PolicyWorker, {"temperature": 0.8}) if kind == "policy" else (ValueWorker, {})
+    padded = cls(**common, **extra)
+    packed = cls(**common, **extra, sequence_packing=True, max_tokens_per_microbatch=24)
+    return padded, packed
+
+
+def _worker_checks(tp: int) -> dict:
+    from rollouts import random_rows
+
+    from mcore_rl.algorithms.losses import ClippedPGLoss, ClippedValueLoss
+    from mcore_rl.config.schema import LossConfig, ValueLossConfig
+    from mcore_rl.data import batch as B
+
+    dp_rank = torch.distributed.get_rank() if tp == 1 else 0
+    g = torch.Generator().manual_seed(0)
+    batch = random_rows(8, WORKER_VOCAB, (2, 6), (1, 8), g)
+    batch["advantages"] = torch.randn(8, generator=g)[:, None] * batch["token_mask"]
+    batch["returns"] = torch.randn(batch["token_mask"].shape, generator=g) * batch["token_mask"]
+    if tp == 1:  # DP=2: each rank its own shard (different lengths, counts balanced)
+        batch = B.shard(batch, 2)[dp_rank]
+    out = {}
+    pol_pad, pol_pack = _worker_pair("policy", tp)
+    lp = pol_pad.get_logprobs(batch, 2)
+    out["logprobs_diff"] = (pol_pack.get_logprobs(batch, 2) - lp).abs().max().item()
+    out["logprobs_nonzero"] = bool((lp != 0).any())
+    batch["prev_logprobs"] = lp + 0.05 * batch["token_mask"]
+    loss = ClippedPGLoss(LossConfig(kl_coef=0.0))
+    m_pad, m_pack = pol_pad.train(batch, loss, 8, 2), pol_pack.train(batch, loss, 8, 2)
+    out["policy_metrics"] = {k: (m_pad[k], m_pack[k]) for k in ("loss", "grad_norm", "num_valid_tokens")}
+    out["padding_fraction"] = (m_pad["padding_fraction"], m_pack["padding_fraction"])
+    w_pad, w_pack = dict(pol_pad.model[0].named_parameters()), dict(pol_pack.model[0].named_parameters())
+    out["policy_weight_diff"] = max((w_pad[n] - w_pack[n]).abs().max().item() for n in w_pad)
+    val_pad, val_pack = _worker_pair("value", tp)
+    v = val_pad.get_values(batch, 2)
+    out["values_diff"] = (val_pack.get_values(batch, 2) - v).abs().max().item()
+    out["values_first_zero"] = bool((val_pack.get_values(batch, 2)[:, 0] == 0).all())
+    batch["prev_values"] = v
+    vloss = ClippedValueLoss(ValueLossConfig(cliprange=0.05, coef=1.0))
+    m_pad, m_pack = val_pad.train(batch, vloss, 8, 2), val_pack.train(batch, vloss, 8, 2)
+    out["value_metrics"] = {k: (m_pad[k], m_pack[k]) for k in ("loss", "grad_norm")}
+    return out
+
+
+def _all_worker_checks() -> dict:
+    out = {"dp2": _worker_checks(1)}
+    use_layout(tensor_model_parallel_size=2)
+    out["tp2"] = _worker_checks(2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker_results():
+    return run_distributed(_all_worker_checks, 2)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_packed_workers_match_padded(worker_results, layout):
+    for rank_out in worker_results:
+        m = rank_out[layout]
+        assert m["logprobs_nonzero"] and m["logprobs_diff"] < 1e-5, m
+        for k, (pad, packed) in {**m["policy_metrics"], **m["value_metrics"]}.items():
+            assert packed == pytest.approx(pad, rel=1e-5, abs=1e-7), (k, m)
+        assert m["policy_weight_diff"] < 1e-6, m
+        assert m["values_diff"] < 1e-5 and m["values_first_zero"], m
+        pad_frac, packed_frac = m["padding_fraction"]
+        assert packed_frac == 0.0 and 0.1 < pad_frac < 0.9, m  # no TP rounding without SP
