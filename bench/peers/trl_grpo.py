@@ -128,7 +128,7 @@ def grpo_config(args):
         bf16=True, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
         mask_truncated_completions=False, disable_dropout=True,
         logging_steps=1, report_to="none", save_strategy="no", log_completions=False,
-        gradient_checkpointing=False, dataloader_num_workers=0,
+        gradient_checkpointing=False, dataloader_num_workers=0, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16"},
         use_cpu=not torch.cuda.is_available(),  # a CPU check of the script
     )
