@@ -83,6 +83,19 @@ def test_dead_worker_does_not_stop_the_scoring():
     assert errors == 1 and scorer.pools_made >= 2
 
 
+def test_worker_dead_between_calls_is_replaced():
+    scorer = RewardScorer(hangs_or_dies, num_workers=1, timeout_seconds=60)
+    try:
+        assert scorer.score(["1"], [_ex("1")])[0].tolist() == [1.0]
+        for proc in list(scorer._pool._processes.values()):  # killed while idle
+            proc.kill()
+            proc.join()
+        rewards, errors, _ = scorer.score(["1", "2"], [_ex("1"), _ex("2")])
+    finally:
+        scorer.close()
+    assert rewards.tolist() == [1.0, 1.0] and errors == 0 and scorer.pools_made == 2
+
+
 def test_in_process_scoring_and_bad_arguments():
     scorer = RewardScorer(get_reward_fn("exact"), num_workers=0)
     rewards, errors, busy = scorer.score(["1", "x"], [_ex("1"), _ex("2")])

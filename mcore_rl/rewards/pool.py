@@ -207,8 +207,13 @@ class RewardScorer:
         while todo or in_flight:
             while todo and len(in_flight) < self.num_workers:
                 i = todo.pop()
+                try:
+                    fut = pool.submit(_score_one, self.fn, responses[i], examples[i])
+                except BrokenProcessPool:  # a worker died while idle (between calls, say)
+                    todo.append(i)
+                    pool = self._new_pool()
+                    continue
                 tries[i] += 1
-                fut = pool.submit(_score_one, self.fn, responses[i], examples[i])
                 in_flight[fut] = (i, time.monotonic() + self.timeout_seconds)
             wait_for = max(0.0, min(d for _, d in in_flight.values()) - time.monotonic())
             done, _ = cf.wait(in_flight, timeout=wait_for, return_when=cf.FIRST_COMPLETED)
