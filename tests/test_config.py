@@ -193,6 +193,7 @@ PAR = "policy.megatron."
     (["data.synthetic.num_train=9600"], "data.synthetic.num_train + data.synthetic.num_test = "
      "9600 + 500 = 10100 exceeds the 10000 distinct prompts"),
     (["reward.name=f1"], "reward.name must be one of exact, math (got 'f1')"),
+    (["reward.num_workers=-1"], "reward.num_workers must be null or in [0, 256] (got -1)"),
     (["grpo.optimizer_steps_per_rollout=3"], "grpo.num_prompts_per_step x grpo.num_generations "
      "(32 x 8 = 256) must be divisible by grpo.optimizer_steps_per_rollout (3)"),
     (["policy.micro_batch_size=0"], "policy.micro_batch_size must be >= 1"),
@@ -272,7 +273,8 @@ def test_cli_unknown_subcommand_is_a_usage_error(capsys):
 # ---------------------------------------------------------------------------- declared bounds
 
 # The sections whose every numeric key declares a range (their nested sections included).
-CHECKED_SECTIONS = ("loss", "generation", "ppo", "grpo", "model.arch", "policy.megatron")
+CHECKED_SECTIONS = ("loss", "generation", "ppo", "grpo", "model.arch", "policy.megatron",
+                    "reward")
 
 
 def _section(cfg, dotted):

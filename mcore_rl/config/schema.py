@@ -346,6 +346,13 @@ class RewardConfig:
 
     # "exact" (synthetic: first line is the integer answer) or "math" (GSM8K, math-verify).
     name: str = one_of("exact", ("exact", "math"))
+    # Processes that score in parallel, overlapped with the logprob forward
+    # (mcore_rl/rewards/pool.py); 0 scores in the controller; null: 0 for "exact" (a regex),
+    # min(8, CPU count) for "math".
+    num_workers: Optional[int] = bounded(None, ge=0, le=256)
+    # Hard limit in seconds on one sample's scoring in the pool: past it the sample scores 0,
+    # counts in train/reward_errors, and the pool's processes are replaced.
+    timeout_seconds: float = bounded(10.0, gt=0)
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """The single controller of a GRPO run.
 
 Per RL step: sample prompts -> generate ``num_generations`` responses each (rollout backend)
--> score with the verifier (plus DAPO's overlong penalty; with DAPO's dynamic sampling, more
-rounds until the batch holds ``num_prompts_per_step`` groups of unequal rewards) -> old (and
-reference) logprobs from the policy -> advantages (``grpo.advantage_estimator``) -> DAPO's
+-> score with the verifier in the reward pool (:mod:`mcore_rl.rewards.pool`) while the policy
+computes the old (and reference) logprobs, then collect the rewards (plus DAPO's overlong
+penalty; with DAPO's dynamic sampling, scored before the logprobs, round by round until the
+batch holds ``num_prompts_per_step`` groups of unequal rewards) -> advantages (``grpo.advantage_estimator``) -> DAPO's
 overlong filtering -> ``optimizer_steps_per_rollout`` updates with the policy loss
 (``loss.name``) -> refit the rollout backend with the new weights -> log. Validation (greedy
 accuracy on held-out prompts) every ``grpo.val_every`` steps; checkpoints every
@@ -74,16 +75,20 @@ class GRPOTrainer(RLTrainer):
         t = self.timer
         with t.phase("step"):
             self._reward_errors, sampling = 0, {}
-            if g.dynamic_sampling:
+            pending = None
+            if g.dynamic_sampling:  # keeps or drops groups by their rewards: scored at once
                 rollout, sampling = dapo.dynamic_sampling(
                     self._scored_groups, g.num_prompts_per_step, g.num_generations,
                     g.dynamic_sampling_max_tries)
-            else:
-                rollout = self._scored_groups()
+            else:  # scored in the reward pool while the policy computes the logprobs
+                rollout, pending = self.generate_and_submit(g.num_generations)
             with t.phase("logprobs"):
                 rollout["prev_logprobs"] = self._logprobs(rollout)
                 if self.use_reference:
                     rollout["reference_logprobs"] = self._logprobs(rollout, "get_reference_logprobs")
+            if pending is not None:
+                self._reward_errors = self.collect_rewards(rollout, pending)
+                self._shape_rewards(rollout)
             self._set_advantages(rollout)
             with t.phase("train"):
                 train_metrics = [self._train(part, self.loss_fn)
@@ -97,6 +102,7 @@ class GRPOTrainer(RLTrainer):
             metrics[f"train/{k}"] = sum(m[k] for m in train_metrics) / len(train_metrics)
         metrics.update(refit)
         metrics.update(self.timer.pop())
+        metrics.update(self.reward_timing())
         return metrics
 
 

@@ -138,7 +138,8 @@ class PPOTrainer(RLTrainer):
         t = self.timer
         train_policy = self.step >= p.critic_warmup_steps
         with t.phase("step"):
-            rollout, reward_errors = self.generate_and_score(p.num_generations)
+            # Scored in the reward pool while the policy and the critic run their forwards.
+            rollout, pending = self.generate_and_submit(p.num_generations)
             with t.phase("logprobs"):
                 rollout["prev_logprobs"] = self._logprobs(rollout)
                 if self.use_reference:
@@ -146,6 +147,7 @@ class PPOTrainer(RLTrainer):
             with t.phase("values"):
                 rollout["prev_values"] = self.value.gather_rows(
                     "get_values", rollout, cfg.value.values_micro_batch_size)
+            reward_errors = self.collect_rewards(rollout, pending)
             self.compute_advantages(rollout)
             value_metrics, policy_metrics = [], []
             for epoch in range(p.ppo_epochs):
@@ -166,6 +168,7 @@ class PPOTrainer(RLTrainer):
         if train_policy:
             metrics.update(refit)
         metrics.update(self.timer.pop())
+        metrics.update(self.reward_timing())
         return metrics
 
 

@@ -368,6 +368,7 @@ class StreamingLoop:
         metrics["stream/step_retries"] = float(retries)
         metrics["stream/generation_workers"] = float(len(self.generation.alive))
         metrics.update(self.timer.pop())
+        metrics.update(self.reward_timing())
         metrics.update({f"timing/{k}_s": v for k, v in clock.seconds.items()})
         metrics["timing/step_s"] = time.perf_counter() - start
         return metrics

@@ -74,6 +74,7 @@ class RLTrainer:
         from mcore_rl.megatron.families import parallel_shape_errors
         from mcore_rl.megatron.parallel import resolve_device
         from mcore_rl.rewards import get_reward_fn
+        from mcore_rl.rewards.pool import RewardScorer, default_num_workers
         from mcore_rl.workers.policy import PolicyWorker
 
         self.cfg = cfg
@@ -91,6 +92,11 @@ class RLTrainer:
         self.train_data, self.test_data = load_task(cfg.data, self.tokenizer, cfg.run.seed)
         self.sampler = PromptSampler(len(self.train_data), self.loop.num_prompts_per_step, cfg.run.seed)
         self.reward_fn = get_reward_fn(cfg.reward.name)
+        r = cfg.reward
+        self.rewards = RewardScorer(
+            self.reward_fn, default_num_workers(r.name) if r.num_workers is None else r.num_workers,
+            r.timeout_seconds)
+        self.rewards.warm_up(background=True)  # spawning overlaps building the model
 
         if cfg.model.hf_path:
             from transformers import AutoConfig
@@ -223,33 +229,64 @@ class RLTrainer:
     def _prompts(self, dataset, indices) -> List[List[int]]:
         return [list(dataset.input_ids[i]) for i in indices]
 
-    def _score(self, rollout: B.Batch, examples) -> tuple:
-        from mcore_rl.rewards import score_responses
-
+    def _texts(self, rollout: B.Batch) -> List[str]:
+        """The rollout's responses decoded without special tokens."""
         texts = []
         for row in range(B.batch_size(rollout)):
             p, n = int(rollout["prompt_lengths"][row]), int(rollout["input_lengths"][row])
             texts.append(self.tokenizer.decode(rollout["input_ids"][row, p:n].tolist(),
                                                skip_special_tokens=True))
-        rewards, errors = score_responses(self.reward_fn, texts, examples)
+        return texts
+
+    def _score(self, rollout: B.Batch, examples) -> tuple:
+        texts = self._texts(rollout)
+        rewards, errors, busy = self.rewards.score(texts, examples)
+        self.reward_busy_seconds += busy
         return rewards, errors, texts
+
+    reward_busy_seconds = 0.0  # the verifiers' own seconds since the last rl_step's metrics
+
+    def generate_and_submit(self, num_generations: int):
+        """Sample the step's prompts, generate ``num_generations`` responses each (rows of a
+        prompt adjacent) and start scoring them (:meth:`RewardScorer.submit`: in the reward
+        pool, overlapping whatever the caller does next). Returns the rollout with an all-ones
+        ``sample_mask`` added, and the :class:`~mcore_rl.rewards.pool.PendingRewards` for
+        :meth:`collect_rewards`. Timed as ``generation``."""
+        idx = self.sampler.next_batch()
+        prompt_idx = [i for i in idx for _ in range(num_generations)]
+        with self.timer.phase("generation"):
+            rollout = self.generation.generate(self._prompts(self.train_data, prompt_idx),
+                                               seed=step_seed(self.cfg.run.seed, self.step))
+        rollout["sample_mask"] = torch.ones(B.batch_size(rollout))
+        pending = self.rewards.submit(self._texts(rollout),
+                                      [self.train_data.examples[i] for i in prompt_idx])
+        return rollout, pending
+
+    def collect_rewards(self, rollout: B.Batch, pending) -> int:
+        """Wait for the rewards of :meth:`generate_and_submit` and put them in
+        ``rollout["rewards"]`` [B] float32; returns the count of reward errors. The wait (the
+        scoring not hidden behind other work) is timed as ``reward``; the verifiers' own
+        seconds add to ``reward_busy_seconds`` (logged as ``timing/reward_busy_s``)."""
+        with self.timer.phase("reward"):
+            rewards, errors, busy = pending.result()
+        self.reward_busy_seconds += busy
+        rollout["rewards"] = rewards
+        return errors
 
     def generate_and_score(self, num_generations: int) -> Tuple[B.Batch, int]:
         """Sample the step's prompts, generate ``num_generations`` responses each (rows of a
         prompt adjacent) and score them. Returns the rollout with ``rewards`` and an all-ones
         ``sample_mask`` added, and the count of reward errors. Timed as ``generation`` and
         ``reward``."""
-        idx = self.sampler.next_batch()
-        prompt_idx = [i for i in idx for _ in range(num_generations)]
-        with self.timer.phase("generation"):
-            rollout = self.generation.generate(self._prompts(self.train_data, prompt_idx),
-                                               seed=step_seed(self.cfg.run.seed, self.step))
-        with self.timer.phase("reward"):
-            rewards, reward_errors, _ = self._score(
-                rollout, [self.train_data.examples[i] for i in prompt_idx])
-        rollout["rewards"] = rewards
-        rollout["sample_mask"] = torch.ones(B.batch_size(rollout))
-        return rollout, reward_errors
+        rollout, pending = self.generate_and_submit(num_generations)
+        return rollout, self.collect_rewards(rollout, pending)
+
+    def reward_timing(self) -> Dict[str, float]:
+        """``{"timing/reward_busy_s": seconds}``: the verifiers' own seconds since the last
+        call (summed over samples, overlapped with other phases or not); clears them."""
+        out = {"timing/reward_busy_s": self.reward_busy_seconds}
+        self.reward_busy_seconds = 0.0
+        return out
 
     @staticmethod
     def rollout_metrics(rollout: B.Batch, reward_errors: int,
@@ -481,6 +518,7 @@ class RLTrainer:
             group.shutdown()
         self.generation.shutdown()
         self.placement.shutdown()
+        self.rewards.close()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,261 @@
+"""Reward scoring in a process pool, off the controller's critical path.
+
+:class:`RewardScorer` scores a rollout's decoded responses either in the controller process
+(``num_workers=0``) or in a pool of ``num_workers`` spawned processes
+(:class:`concurrent.futures.ProcessPoolExecutor`). :meth:`RewardScorer.submit` returns at once
+with a :class:`PendingRewards`; a background thread in the controller feeds the pool, so the
+controller can run the policy's logprob forward meanwhile and collect the rewards with
+:meth:`PendingRewards.result` just before the advantages.
+
+Each sample runs in a worker's main thread, so math-verify's own ``signal.alarm`` timeouts
+work there. On top of that every sample has a hard deadline (``timeout_seconds`` after it was
+handed to an idle worker; at most ``num_workers`` samples are in flight at once, so handing over
+is starting): a sample past it scores 0 and counts an error, the pool's processes are killed
+and a new pool takes the other samples. A worker that dies (``os._exit``, a segfault, the OOM
+killer) breaks the pool; a new pool is made and the samples that were in flight are tried once
+more; a sample in flight at two breaks scores 0 and counts an error. Nothing of this stops the
+run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from mcore_rl.data.example import Example
+from mcore_rl.rewards import RewardFn, score_responses
+
+logger = logging.getLogger("mcore_rl.rewards")
+
+# Tries a sample gets when the pool breaks while it is in flight (a worker died).
+MAX_TRIES = 2
+
+
+def default_num_workers(name: str) -> int:
+    """Pool size for ``reward.num_workers: null``: 0 (score in the controller) for ``"exact"``,
+    whose regex costs less than a round trip to a worker; ``min(8, os.cpu_count())`` for the
+    others (math-verify: milliseconds of sympy per sample)."""
+    if name == "exact":
+        return 0
+    return min(8, os.cpu_count() or 1)
+
+
+def _ready() -> int:
+    """Pool task that does nothing: the worker has spawned and imported the verifiers."""
+    return os.getpid()
+
+
+def _score_one(fn: RewardFn, response: str, example: Example) -> Tuple[float, Optional[str], float]:
+    """Pool task (top-level, so spawn can pickle it): ``(reward, error, busy_seconds)`` of one
+    sample under verifier ``fn``; ``error`` is the repr of what the verifier raised (reward
+    0) or None."""
+    start = time.perf_counter()
+    try:
+        reward, error = float(fn(response, example)), None
+    except Exception as e:  # a verifier bug or odd input must not stop training
+        reward, error = 0.0, repr(e)
+    return reward, error, time.perf_counter() - start
+
+
+class PendingRewards:
+    """Rewards being computed; :meth:`result` waits for them."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Optional[Tuple[torch.Tensor, int, float]] = None
+        self._exception: Optional[BaseException] = None
+
+    def _set(self, value=None, exception=None) -> None:
+        self._value, self._exception = value, exception
+        self._done.set()
+
+    def done(self) -> bool:
+        """Whether :meth:`result` would return without waiting."""
+        return self._done.is_set()
+
+    def result(self) -> Tuple[torch.Tensor, int, float]:
+        """``(rewards, num_errors, busy_seconds)``: rewards ``[B]`` float32 on CPU in the order
+        submitted, how many samples raised, hung past the deadline or were lost with a dead
+        worker (each scored 0), and the seconds the verifier itself ran summed over samples
+        (the scoring's own work, however much of it overlapped other phases)."""
+        self._done.wait()
+        if self._exception is not None:
+            raise self._exception
+        return self._value
+
+
+class RewardScorer:
+    """Scores responses with verifier ``fn`` in the controller or in a process pool.
+
+    Args:
+        fn: the verifier (:data:`mcore_rl.rewards.RewardFn`), a module-level function (the
+            pool's spawned processes import it by name).
+        num_workers: pool processes (``reward.num_workers``); 0 scores in the calling process
+            (no deadline beyond the verifier's own).
+        timeout_seconds: hard per-sample deadline in the pool (``reward.timeout_seconds``).
+
+    Raises:
+        ValueError: ``num_workers < 0`` or ``timeout_seconds <= 0``.
+    """
+
+    def __init__(self, fn: RewardFn, num_workers: int = 0, timeout_seconds: float = 10.0):
+        self.fn = fn
+        self.num_workers = num_workers
+        if self.num_workers < 0:
+            raise ValueError(f"reward.num_workers={num_workers}: expected >= 0")
+        if timeout_seconds <= 0:
+            raise ValueError(f"reward.timeout_seconds={timeout_seconds}: expected > 0")
+        self.timeout_seconds = float(timeout_seconds)
+        self._pool: Optional[cf.ProcessPoolExecutor] = None
+        self._lock = threading.Lock()  # one scoring job drives the pool at a time
+        self.pools_made = 0  # pools created so far (1 + restarts after a hang or a dead worker)
+
+    # ------------------------------------------------------------------ pool
+    def _new_pool(self) -> cf.ProcessPoolExecutor:
+        self._kill_pool()
+        self._pool = cf.ProcessPoolExecutor(self.num_workers,
+                                            mp_context=multiprocessing.get_context("spawn"))
+        self.pools_made += 1
+        # Spawning and importing (torch, sympy) takes seconds: done before any deadline runs.
+        cf.wait([self._pool.submit(_ready) for _ in range(self.num_workers)])
+        return self._pool
+
+    def _kill_pool(self) -> None:
+        """Kill the pool's processes (a hung verifier ignores everything else) and drop it."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        # ProcessPoolExecutor has no public kill before Python 3.14 (kill_workers).
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            if proc.is_alive():
+                proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    def warm_up(self, background: bool = False) -> None:
+        """Start the pool's processes now (spawn and imports take seconds), so the first
+        step does not wait for them; in a thread of its own with ``background`` (a scoring
+        call waits for it). Nothing with ``num_workers=0``."""
+        def start():
+            with self._lock:
+                if self._pool is None:
+                    self._new_pool()
+
+        if self.num_workers:
+            if background:
+                threading.Thread(target=start, name="reward-pool-start", daemon=True).start()
+            else:
+                start()
+
+    def close(self) -> None:
+        """Stop the pool (idempotent)."""
+        with self._lock:
+            self._kill_pool()
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, responses: Sequence[str], examples: Sequence[Example]
+              ) -> Tuple[torch.Tensor, int, float]:
+        """:meth:`submit` and wait: ``(rewards [B] float32, num_errors, busy_seconds)``."""
+        return self.submit(responses, examples).result()
+
+    def submit(self, responses: Sequence[str], examples: Sequence[Example]) -> PendingRewards:
+        """Start scoring ``B`` responses against their examples; returns at once (with
+        ``num_workers=0`` the work is done before it returns).
+
+        Raises:
+            ValueError: ``responses`` and ``examples`` differ in length.
+        """
+        if len(responses) != len(examples):
+            raise ValueError(f"score_responses: {len(responses)} responses for "
+                             f"{len(examples)} examples")
+        pending = PendingRewards()
+        if not self.num_workers:
+            start = time.perf_counter()
+            rewards, errors = score_responses(self.fn, responses, examples)
+            pending._set((rewards, errors, time.perf_counter() - start))
+            return pending
+        responses, examples = list(responses), list(examples)
+
+        def job():
+            try:
+                with self._lock:
+                    pending._set(self._run(responses, examples))
+            except BaseException as e:  # surfaced by result()
+                pending._set(exception=e)
+
+        threading.Thread(target=job, name="reward-scoring", daemon=True).start()
+        return pending
+
+    def _run(self, responses: List[str], examples: List[Example]
+             ) -> Tuple[torch.Tensor, int, float]:
+        """Feed the pool (at most ``num_workers`` samples in flight), enforce the deadlines,
+        recover from hung and dead workers."""
+        n = len(responses)
+        rewards, busy = [0.0] * n, 0.0
+        errors: Dict[int, str] = {}
+        tries = [0] * n
+        todo = list(range(n - 1, -1, -1))  # a stack, popped from the end: index order
+        in_flight: Dict[cf.Future, Tuple[int, float]] = {}  # future -> (sample, deadline)
+        pool = self._pool or self._new_pool()
+        while todo or in_flight:
+            while todo and len(in_flight) < self.num_workers:
+                i = todo.pop()
+                try:
+                    fut = pool.submit(_score_one, self.fn, responses[i], examples[i])
+                except BrokenProcessPool:  # a worker died while idle (between calls, say)
+                    todo.append(i)
+                    pool = self._new_pool()
+                    continue
+                tries[i] += 1
+                in_flight[fut] = (i, time.monotonic() + self.timeout_seconds)
+            wait_for = max(0.0, min(d for _, d in in_flight.values()) - time.monotonic())
+            done, _ = cf.wait(in_flight, timeout=wait_for, return_when=cf.FIRST_COMPLETED)
+            broken = False
+            for fut in done:
+                i, _ = in_flight.pop(fut)
+                try:
+                    rewards[i], error, seconds = fut.result()
+                    busy += seconds
+                    if error is not None:
+                        errors[i] = error
+                except BrokenProcessPool:
+                    broken = True
+                    self._retry_or_fail(i, tries, todo, errors, "its worker process died")
+            now = time.monotonic()
+            hung = [f for f, (_, d) in in_flight.items() if d <= now and not f.done()]
+            for fut in hung:
+                i, _ = in_flight.pop(fut)
+                errors[i] = f"no result within reward.timeout_seconds={self.timeout_seconds:g}"
+                busy += self.timeout_seconds
+            if hung or broken:
+                # The other samples in flight go back to the queue of a new pool; after a
+                # break they are suspects and spend a try, after a hang they do not.
+                for fut, (i, _) in in_flight.items():
+                    if broken:
+                        self._retry_or_fail(i, tries, todo, errors, "its worker process died")
+                    else:
+                        tries[i] -= 1
+                        todo.append(i)
+                in_flight.clear()
+                pool = self._new_pool()
+        if errors:
+            first = min(errors)
+            logger.warning("reward: %d of %d samples scored 0 (raised, hung or lost with a "
+                           "worker); first error (%s): %s", len(errors), n,
+                           examples[first].source, errors[first])
+        return torch.tensor(rewards, dtype=torch.float32), len(errors), busy
+
+    @staticmethod
+    def _retry_or_fail(i: int, tries: List[int], todo: List[int], errors: Dict[int, str],
+                       why: str) -> None:
+        if tries[i] >= MAX_TRIES:
+            errors[i] = f"{why} ({tries[i]} tries)"
+        else:
+            todo.append(i)
