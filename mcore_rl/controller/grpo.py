@@ -84,6 +84,7 @@ class GRPOTrainer(RLTrainer):
                 rollout["prev_logprobs"] = self._logprobs(rollout)
                 if self.use_reference:
                     rollout["reference_logprobs"] = self._logprobs(rollout, "get_reference_logprobs")
+            self.check_logprob_budget(rollout)  # before the optimizer step: may stop the run
             self._set_advantages(rollout)
             with t.phase("train"):
                 train_metrics = [self._train(part, self.loss_fn)
