@@ -96,10 +96,10 @@ class RLTrainer:
         self.sampler = PromptSampler(len(self.train_data), self.loop.num_prompts_per_step, cfg.run.seed)
         self.reward_fn = get_reward_fn(cfg.reward.name)
 
+        from mcore_rl.config.checks import ConfigError
+
         if cfg.model.hf_path:
             from transformers import AutoConfig
-
-            from mcore_rl.config.checks import ConfigError
 
             try:  # an unreadable config.json, or a model this trainer does not build
                 self.hf_config = AutoConfig.from_pretrained(cfg.model.hf_path)
@@ -116,6 +116,12 @@ class RLTrainer:
         self.hf_config.eos_token_id = self.tokenizer.eos_token_id
         self.hf_config.pad_token_id = self.tokenizer.pad_token_id
         self.vocab_size = self.arch.vocab_size
+        if self.device == "cuda" and not cfg.cluster.skip_memory_check:
+            from mcore_rl.megatron.memory import memory_error
+
+            problem = memory_error(cfg, self.arch, self.vocab_size)
+            if problem:
+                raise ConfigError(problem)
         os.makedirs(self.run_dir, exist_ok=True)
         self.tokenizer.save_pretrained(os.path.join(self.run_dir, "tokenizer"))
         # The policy's shape for `mcore-rl export` (mcore_rl.export reads both).
