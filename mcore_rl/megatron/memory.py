@@ -26,13 +26,13 @@ The model of one GPU of the policy's workers (and the critic's, colocated) in by
   kernels of :mod:`mcore_rl.megatron.logprobs` keep no fp32 copy);
 - **kv_cache** of the ``megatron`` rollout backend: per layer keys and values of
   ``rows x slots`` tokens (rows: the largest decode chunk per DP rank rounded up to a power of
-  two; slots: ``data.max_total_length``, the upper bound of its 128-token rounding), kept
+  two; slots: the longest row rounded up to 128 tokens, at most ``data.max_total_length``), kept
   through training unless ``cluster.colocate_generation`` releases it; the ``vllm`` backend's
   share ``gpu_memory_utilization x GPU`` when colocated; the ``hf`` backend's fp32 model copy
   and cache in the controller's process when it runs on GPU 0.
 
-Phases (the figure reported is the largest): ``generation`` (resident state + KV cache +
-one layer's prefill transients), ``logprobs`` (resident + forward-only logits of a
+Phases (the figure reported is the largest): ``generation`` (resident state + KV cache + the
+decode step's fp32 logits), ``logprobs`` (resident + forward-only logits of a
 ``logprob_micro_batch_size`` micro-batch), ``train`` (resident + activations + logits + their
 gradient + the optimizer step's transient). "Resident" is what stays on the GPU in that phase:
 with ``cluster.colocate_generation`` the policy's gradients and optimizer state leave the GPU
@@ -265,8 +265,9 @@ def engine_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: int,
         calls.append(g.logprob_canary_prompts)
     rows = _pow2(max(min(g.batch_size, _ceil_div(c, dp)) for c in calls))
     kv_per_token = 2 * arch.num_query_groups * head_dim(arch) // min(tp, arch.num_query_groups)
-    if g.backend == "megatron":
-        kv = _ceil_div(arch.num_layers, pp) * kv_per_token * rows * seq * e
+    if g.backend == "megatron":  # slots: the longest row rounded up to 128, capped
+        slots = min(_ceil_div(seq, 128) * 128, cfg.data.max_total_length)
+        kv = _ceil_div(arch.num_layers, pp) * kv_per_token * rows * slots * e
         return {"kv_cache": kv, "decode_logits": rows * padded_vocab(vocab_size, tp) * 4}
     if g.backend == "vllm":
         if not cfg.cluster.colocate_generation:
@@ -312,7 +313,8 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
     generation = (weights if offloaded else static) + engine
     resident_train = static + (0 if offloaded else engine)
     policy = roles[0]
-    logprobs = resident_train + policy.logprob_logits
+    # Colocated, the training state stays off the GPU for logprobs (only the weights return).
+    logprobs = (weights if offloaded else resident_train) + policy.logprob_logits
     train = resident_train + max(r.train_transient for r in roles)
     tp, pp = pm.tensor_model_parallel_size, pm.pipeline_model_parallel_size
     return MemoryPlan(roles=roles, engine=eng, engine_offloaded=offloaded,
