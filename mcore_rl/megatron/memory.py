@@ -31,8 +31,8 @@ The model of one GPU of the policy's workers (and the critic's, colocated) in by
   share ``gpu_memory_utilization x GPU`` when colocated; the ``hf`` backend's fp32 model copy
   and cache in the controller's process when it runs on GPU 0.
 
-Phases (the figure reported is the largest): ``generation`` (resident state + KV cache + the
-decode step's fp32 logits), ``logprobs`` (resident + forward-only logits of a
+Phases (the figure reported is the largest): ``generation`` (resident state + KV cache + one
+layer's prefill intermediates and a decode step's fp32 logits), ``logprobs`` (resident + forward-only logits of a
 ``logprob_micro_batch_size`` micro-batch), ``train`` (resident + activations + logits + their
 gradient + the optimizer step's transient). "Resident" is what stays on the GPU in that phase:
 with ``cluster.colocate_generation`` the policy's gradients and optimizer state leave the GPU
@@ -172,6 +172,7 @@ class MemoryPlan:
         roles: the Megatron groups on the policy's GPUs (policy; the critic for PPO when
             ``cluster.placement=colocated``).
         engine: the rollout engine's bytes on a policy GPU (KV cache, engine weights).
+        engine_transient: what a generate call adds while it runs (prefill, decode logits).
         engine_offloaded: ``cluster.colocate_generation``: the engine leaves the GPU for
             training and the policy's training state leaves it for generation.
         phases: peak bytes by phase (``generation``, ``logprobs``, ``train``).
@@ -181,6 +182,7 @@ class MemoryPlan:
 
     roles: List[RoleMemory]
     engine: Dict[str, int]
+    engine_transient: Dict[str, int]
     engine_offloaded: bool
     phases: Dict[str, int]
     gpu_bytes: int
@@ -250,8 +252,13 @@ def _pow2(n: int) -> int:
 
 
 def engine_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: int,
-                  seq: Optional[int] = None) -> Dict[str, int]:
-    """The rollout engine's bytes on one policy GPU, by item (module docstring)."""
+                  seq: Optional[int] = None) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """The rollout engine's bytes on one policy GPU, by item (module docstring): what it keeps
+    between calls, and what a call adds while it runs (the ``megatron`` backend: the largest
+    intermediates of one layer's prefill forward for a chunk of prompts, no autograd: ``rows x
+    prompt x (2 h + max(3 f, 2 a d + 2 g d) / t)`` elements (the residual stream and its norm,
+    then SwiGLU's input and output or q, k, v and the attention output), and the fp32 logits
+    of a decode step)."""
     g, m = cfg.generation, cfg.policy.megatron
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     e = 2 if m.precision == "bf16" else 4
@@ -268,16 +275,21 @@ def engine_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: int,
     if g.backend == "megatron":  # slots: the longest row rounded up to 128, capped
         slots = min(_ceil_div(seq, 128) * 128, cfg.data.max_total_length)
         kv = _ceil_div(arch.num_layers, pp) * kv_per_token * rows * slots * e
-        return {"kv_cache": kv, "decode_logits": rows * padded_vocab(vocab_size, tp) * 4}
+        prompt = min(cfg.data.max_prompt_length, seq)
+        a, d, f = arch.num_attention_heads, head_dim(arch), arch.ffn_hidden_size
+        per_token = 2 * arch.hidden_size + max(3 * f, 2 * a * d + 2 * arch.num_query_groups * d) / tp
+        prefill = int(rows * prompt * per_token * e)
+        return {"kv_cache": kv}, {"prefill": prefill,
+                                  "decode_logits": rows * padded_vocab(vocab_size, tp) * 4}
     if g.backend == "vllm":
         if not cfg.cluster.colocate_generation:
-            return {}
-        return {"vllm_share": int(g.vllm.gpu_memory_utilization * cfg.cluster.gpu_memory_gb * GIB)}
+            return {}, {}
+        return {"vllm_share": int(g.vllm.gpu_memory_utilization * cfg.cluster.gpu_memory_gb * GIB)}, {}
     if g.backend == "hf" and g.num_workers == 0:  # the controller's fp32 copy, on GPU 0
         weights = model_parameters(arch, vocab_size) * 4
         kv = arch.num_layers * 2 * arch.num_query_groups * head_dim(arch) * rows * seq * 4
-        return {"hf_weights": weights, "kv_cache": kv}
-    return {}
+        return {"hf_weights": weights, "kv_cache": kv}, {}
+    return {}, {}
 
 
 def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[int] = None,
@@ -302,7 +314,7 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
         if v.megatron.ddp.use_distributed_optimizer:
             critic.optimizer = critic.optimizer_distributed
         roles.append(critic)
-    eng = engine_memory(cfg, arch, vocab_size, seq)
+    eng, eng_transient = engine_memory(cfg, arch, vocab_size, seq)
     engine = sum(eng.values())
     # Streaming generates while it trains: nothing is offloaded there.
     offloaded = cfg.cluster.colocate_generation and not getattr(
@@ -310,14 +322,15 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
     weights = sum(r.weights + r.reference for r in roles)
     static = sum(r.static for r in roles)
     # The megatron backend decodes with the policy's weights: they stay for generation.
-    generation = (weights if offloaded else static) + engine
+    generation = (weights if offloaded else static) + engine + sum(eng_transient.values())
     resident_train = static + (0 if offloaded else engine)
     policy = roles[0]
     # Colocated, the training state stays off the GPU for logprobs (only the weights return).
     logprobs = (weights if offloaded else resident_train) + policy.logprob_logits
     train = resident_train + max(r.train_transient for r in roles)
     tp, pp = pm.tensor_model_parallel_size, pm.pipeline_model_parallel_size
-    return MemoryPlan(roles=roles, engine=eng, engine_offloaded=offloaded,
+    return MemoryPlan(roles=roles, engine=eng, engine_transient=eng_transient,
+                      engine_offloaded=offloaded,
                       phases={"generation": generation, "logprobs": logprobs, "train": train},
                       gpu_bytes=int(cfg.cluster.gpu_memory_gb * GIB),
                       layout=(tp, pp, _dp(cfg, pm)))
@@ -403,6 +416,8 @@ def format_plan(plan: MemoryPlan) -> str:
     state = "offloaded for training" if plan.engine_offloaded else "resident"
     for what, value in plan.engine.items():
         lines.append(f"{'rollout':10s} {what + ' (' + state + ')':46s} {_gib(value):>8s}")
+    for what, value in plan.engine_transient.items():
+        lines.append(f"{'rollout':10s} {what + ' (while generating)':46s} {_gib(value):>8s}")
     for phase, value in plan.phases.items():
         lines.append(f"{'peak':10s} {phase:46s} {_gib(value):>8s}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
