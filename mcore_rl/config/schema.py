@@ -77,8 +77,8 @@ class ClusterConfig:
     # --manual-gc): automatic collections (~0.2 s each, measured on an H200 host) land on each
     # rank at its own time and stall the others at the next collective.
     manual_gc_interval: int = bounded(0, ge=0)
-    # Memory of one GPU for the pre-launch planner (mcore-rl plan; mcore_rl/megatron/memory.py):
-    # `train` on cuda refuses a layout predicted to need more (80: A100/H100 80GB).
+    # Memory of one GPU in GiB (2^30 bytes) for the pre-launch planner (mcore-rl plan;
+    # mcore_rl/megatron/memory.py): `train` on cuda refuses a layout predicted to need more.
     gpu_memory_gb: float = bounded(80.0, gt=0)
     # Train even when the planner predicts that the layout does not fit cluster.gpu_memory_gb.
     skip_memory_check: bool = False
