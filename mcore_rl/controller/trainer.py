@@ -435,7 +435,11 @@ class RLTrainer:
                 self.warm_start(logger)
             self.refit()
             if self.step < loop.max_steps:
-                self.logprob_canary()
+                canary = self.logprob_canary()
+                if canary:
+                    logger.write(f"logprob canary within generation.logprob_budget="
+                                 f"{cfg.generation.logprob_budget:g}: " + ", ".join(
+                                     f"{k[len('train/'):]} {v:.4f}" for k, v in canary.items()))
             if self.step == 0 and loop.val_at_start:
                 val = self.validate()
                 if val:
