@@ -119,3 +119,35 @@ def test_budget_counts_consecutive_steps_and_null_disables():
     for step in range(1, 5):
         unchecked.observe(step, over)
     unchecked.check_canary(over, 8)
+
+
+def test_ppo_step_over_budget_trains_neither_policy_nor_critic(tmp_path):
+    """PPO, k = 1, drift from RL step 1 (the canary, the first generate call, is clean): step
+    1 stops right after the policy's logprobs, before the critic's values and any update."""
+    from mcore_rl.controller.ppo import PPOTrainer
+
+    cfg = load_config("ppo_synthetic", [
+        *[o for o in SMALL if not o.startswith("grpo.")], "ppo.num_prompts_per_step=4",
+        "ppo.ppo_epochs=1", "ppo.num_mini_batches=1", "ppo.val_every=0", "ppo.val_at_start=false",
+        "ppo.max_steps=2", "value.micro_batch_size=4", "value.optimizer.weight_decay=0.1",
+        "generation.logprob_budget_steps=1", f"run.output_dir={tmp_path / 'run'}"])
+    trainer = PPOTrainer(cfg)
+    calls = []
+    generate = trainer.generation.generate
+    trainer.generation.generate = _drifting(lambda *a, **k: calls.append(1) or generate(*a, **k),
+                                            lambda: len(calls) > 1)
+
+    def weights():
+        return {f"{name}/{k}": v for name, group in trainer._groups().items()
+                for k, v in group.call("get_hf_weights")[0].items()}
+
+    try:
+        before = weights()
+        with pytest.raises(LogprobBudgetExceeded, match="RL step 1 has") as stop:
+            trainer.fit()
+        assert stop.value.step == 1 and trainer.step == 0 and len(calls) == 2
+        after = weights()
+        assert any(k.startswith("value/") for k in after)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    finally:
+        trainer.close()
