@@ -104,7 +104,9 @@ def test_bytes_follow_precision_grad_dtype_and_the_distributed_optimizer():
     a1 = memory.activation_bytes_per_layer(arch, cfg.policy.megatron, 1, 64)
     assert memory.activation_bytes_per_layer(arch, cfg.policy.megatron, 4, 64) == 4 * a1
     local = dataclasses.replace(cfg.policy.megatron, layer_spec="local")
-    assert memory.activation_bytes_per_layer(arch, local, 1, 64) - a1 == 5 * 14 * 64 * 64
+    repeated_kv = 2 * (14 - 2) * 64 * 2 * 64  # 2 (a - g) d elements a token, bf16, 64 tokens
+    assert memory.activation_bytes_per_layer(arch, local, 1, 64) - a1 == (
+        5 * 14 * 64 * 64 + repeated_kv)
 
 
 def test_plan_cli_prints_the_roles_and_the_layouts_that_fit(capsys):

@@ -17,11 +17,15 @@ The model of one GPU of the policy's workers (and the critic's, colocated) in by
   sec. 4.1, whose GPT layer with dropout gives ``34 s b h + 5 a s^2 b`` bytes, applied to this
   decoder: RMSNorm, grouped-query attention, SwiGLU, no dropout): in elements per token,
   ``4 h`` (the two norms' inputs and outputs, replicated over TP unless sequence parallel)
-  ``+ (2 a d + 2 g d) / t`` (q, k, v after RoPE and the attention output) ``+ 3 f / t``
+  ``+ (3 a d + 2 g d) / t`` (q, k, v after RoPE; the attention output twice: SDPA keeps its
+  ``[b, a, s, d]`` output and the output projection its ``[s, b, a d]`` copy) ``+ 3 f / t``
   (SwiGLU's input ``2 f`` and the down projection's input ``f``), times the activation bytes;
-  the ``local`` spec (no fused attention) adds the score and probability matrices,
-  Korthikanti's ``5 a s^2 b / t`` bytes; torch SDPA / TE keep no ``s^2`` term. A pipeline's
-  first stage keeps ``min(PP, micro-batches)`` micro-batches in flight (1F1B);
+  the ``local`` spec (no fused attention) adds the KV heads it repeats for GQA and the score
+  and probability matrices, Korthikanti's ``5 a s^2 b / t`` bytes; torch SDPA / TE keep no
+  ``s^2`` term. Checked against bench/RESULTS.md (0.85B, seq 2048, H100): peak 23.6 GiB at
+  micro-batch 4 and 32.7 at 8 measured, 23.2 and 32.0 predicted; ``local`` 49.2 measured, 43.9
+  predicted (Korthikanti's 5 bytes per ``a s^2 b`` count is short there by ~1 byte). A
+  pipeline's first stage keeps ``min(PP, micro-batches)`` micro-batches in flight (1F1B);
 - **logits** ``[b, s, V/t]`` in the activation dtype and their gradient (the fused logprob
   kernels of :mod:`mcore_rl.megatron.logprobs` keep no fp32 copy);
 - **kv_cache** of the ``megatron`` rollout backend: per layer keys and values of
@@ -120,8 +124,9 @@ def rank_parameters(arch: ModelArchConfig, vocab_size: int, megatron: MegatronCo
 def activation_bytes_per_layer(arch: ModelArchConfig, megatron: MegatronConfig, rows: int,
                                seq: int) -> int:
     """Saved activations of one decoder layer for a micro-batch of ``rows x seq`` tokens on
-    one rank (module docstring: ``(4 h [/t with SP] + (2 a d + 2 g d) / t + 3 f / t)`` elements
-    a token, plus ``5 a s^2 b / t`` bytes for the ``local`` spec)."""
+    one rank (module docstring: ``(4 h [/t with SP] + (3 a d + 2 g d) / t + 3 f / t)`` elements
+    a token; the ``local`` spec adds its repeated KV heads, ``2 (a - g) d / t`` elements a
+    token, and ``5 a s^2 b / t`` bytes)."""
     tp = megatron.tensor_model_parallel_size
     h, a, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, head_dim(arch)
     f = arch.ffn_hidden_size if arch.num_experts is None else (
@@ -129,7 +134,9 @@ def activation_bytes_per_layer(arch: ModelArchConfig, megatron: MegatronConfig, 
         + (arch.moe_shared_expert_ffn_hidden_size or 0))
     e = 2 if megatron.precision == "bf16" else 4
     replicated = 4 * h / (tp if megatron.sequence_parallel else 1)
-    per_token = replicated + (2 * a * d + 2 * g * d) / tp + 3 * f / tp
+    per_token = replicated + (3 * a * d + 2 * g * d) / tp + 3 * f / tp
+    if megatron.layer_spec == "local":  # DotProductAttention repeats the KV heads (GQA)
+        per_token += 2 * (a - g) * d / tp
     out = per_token * e * rows * seq
     if megatron.layer_spec == "local":
         out += 5 * a * seq * seq * rows / tp

@@ -81,8 +81,7 @@ class Recorder:
     def _wrap(self, phase: str, fn, result_rows: bool = False):
         def wrapped(*args, **kwargs):
             self._stats(True)
-            out = fn(*args, **kwargs)
-            torch.cuda.synchronize()
+            out = fn(*args, **kwargs)  # the workers answer after their work is done
             stats = self._stats(False)
             peak = self.peaks.setdefault(phase, {"max_allocated": 0, "max_reserved": 0})
             for key in peak:
@@ -168,7 +167,6 @@ def main() -> int:
         except Exception:  # the other configurations still run
             traceback.print_exc()
             status = 1
-        torch.cuda.empty_cache()
     with open(os.path.join(OUT, "memory_check.json"), "w") as f:
         json.dump(table, f, indent=2)
     print(f"\nGPU: {torch.cuda.get_device_name()}; GiB per GPU (policy worker, "
