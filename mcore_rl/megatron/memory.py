@@ -328,8 +328,10 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
         getattr(cfg, cfg.algorithm), "streaming", False)
     weights = sum(r.weights + r.reference for r in roles)
     static = sum(r.static for r in roles)
-    # The megatron backend decodes with the policy's weights: they stay for generation.
-    generation = (weights if offloaded else static) + engine + sum(eng_transient.values())
+    # Offloaded for generation: all of the policy leaves the GPU, except the weights the
+    # megatron backend decodes with.
+    kept = weights if cfg.generation.backend == "megatron" else 0
+    generation = (kept if offloaded else static) + engine + sum(eng_transient.values())
     resident_train = static + (0 if offloaded else engine)
     policy = roles[0]
     # Colocated, the training state stays off the GPU for logprobs (only the weights return).
