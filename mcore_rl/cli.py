@@ -49,6 +49,9 @@ COMMANDS: dict[str, tuple[str, str, Callable[[TrainConfig], None]]] = {
     "eval": ("held-out accuracy of a checkpoint (checkpoint.resume) or of the initial model, "
              "no training; writes <run.output_dir>/eval.json", "grpo_synthetic",
              functools.partial(_controller, function="evaluate")),
+    "plan": ("predicted memory per GPU of each role and phase, and the layouts that fit; "
+             "starts no worker", "grpo_synthetic",
+             lambda cfg: importlib.import_module("mcore_rl.planning").run(cfg)),
 }
 
 EXPORT_HELP = "a run's checkpoint (any TP/PP) to a Hugging Face model directory"

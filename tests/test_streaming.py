@@ -37,6 +37,7 @@ import torch
 from mcore_rl.algorithms.losses import ClippedPGLoss
 from mcore_rl.algorithms.registry import build_policy_loss
 from mcore_rl.config.loader import ConfigError, load_config
+from mcore_rl.controller.logprob_budget import LogprobBudgetExceeded
 from mcore_rl.controller.streaming import StepFailed, StreamingLoop
 from mcore_rl.generation import remote
 
@@ -277,6 +278,33 @@ def test_microbatch_fault_retries_or_stops(dp2, tmp_path):
         assert_fault_retried_or_stopped(dp2, flag)
     finally:
         t.loss_fn = build_policy_loss(t.cfg)
+
+
+def test_logprob_budget_aborts_the_streamed_step(dp2):
+    """Rollout logprobs shifted by 0.2 nats in the controller (each chunk, before it trains;
+    the loss does not read them) with generation.logprob_budget_steps=1: the streamed step is
+    aborted on every rank before its optimizer step (the parameters are those before it) and
+    the run stops with LogprobBudgetExceeded; the split step is closed, so the run can go on."""
+    t = dp2.trainer
+    dp2.reset()
+    before = dp2.weights()
+    prepare = t._prepare_chunk
+
+    def drift(chunk):
+        prepare(chunk)
+        chunk["generation_logprobs"] = chunk["generation_logprobs"] + 0.2 * chunk["token_mask"]
+
+    t._prepare_chunk = drift
+    t.logprob_budget.steps = 1
+    try:
+        with pytest.raises(LogprobBudgetExceeded, match="RL step 1 has"):
+            dp2.steps(1)
+    finally:
+        del t._prepare_chunk
+        t.logprob_budget.steps, t.logprob_budget.over = t.cfg.generation.logprob_budget_steps, 0
+    after = dp2.weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-trained
+    assert dp2.steps(1)[0]["train/token_mult_prob_error"] < 1.0001  # closed: the run goes on
 
 
 def test_generation_process_dies_mid_step(dp2):

@@ -77,6 +77,11 @@ class ClusterConfig:
     # --manual-gc): automatic collections (~0.2 s each, measured on an H200 host) land on each
     # rank at its own time and stall the others at the next collective.
     manual_gc_interval: int = bounded(0, ge=0)
+    # Memory of one GPU in GiB (2^30 bytes) for the pre-launch planner (mcore-rl plan;
+    # mcore_rl/megatron/memory.py): `train` on cuda refuses a layout predicted to need more.
+    gpu_memory_gb: float = bounded(80.0, gt=0)
+    # Train even when the planner predicts that the layout does not fit cluster.gpu_memory_gb.
+    skip_memory_check: bool = False
 
 
 @dataclass
@@ -300,6 +305,19 @@ class GenerationConfig:
     # as CUDA graphs (captured per bucket of rows and attended length at first use, kept between
     # generate calls); false, or a model with experts, decodes the same steps eagerly.
     cuda_graphs: bool = True
+    # Logprob contract (docs/logprob-contract.md): the largest train/token_mult_prob_error (mean
+    # over response tokens of exp(|trainer logprob - rollout logprob|), NeMo RL's definition)
+    # the run accepts, checked on a start-up canary batch and every RL step; null: unchecked.
+    # 1.05 is NeMo RL's test threshold; measured: bf16 megatron decode of SmolLM2-135M on an
+    # H100 1.041-1.042 (2026-11-25, 8 steps), fp32 CPU runs 1.0000.
+    logprob_budget: Optional[float] = bounded(1.05, ge=1)
+    # Consecutive RL steps over logprob_budget that stop the run (exit code 3): the last of
+    # them is aborted before its optimizer step and not saved.
+    logprob_budget_steps: int = bounded(3, ge=1)
+    # Prompts of the start-up canary (the first training prompts, one response each, sampled
+    # as the run samples) whose trainer/rollout mismatch must be within logprob_budget before
+    # the first RL step; 0: no canary.
+    logprob_canary_prompts: int = bounded(8, ge=0)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 

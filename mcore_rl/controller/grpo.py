@@ -89,6 +89,7 @@ class GRPOTrainer(RLTrainer):
             if pending is not None:
                 self._reward_errors = self.collect_rewards(rollout, pending)
                 self._shape_rewards(rollout)
+            self.check_logprob_budget(rollout)  # before the optimizer step: may stop the run
             self._set_advantages(rollout)
             with t.phase("train"):
                 train_metrics = [self._train(part, self.loss_fn)

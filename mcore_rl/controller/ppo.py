@@ -144,6 +144,7 @@ class PPOTrainer(RLTrainer):
                 rollout["prev_logprobs"] = self._logprobs(rollout)
                 if self.use_reference:
                     rollout["reference_logprobs"] = self._logprobs(rollout, "get_reference_logprobs")
+            self.check_logprob_budget(rollout)  # before the optimizer steps: may stop the run
             with t.phase("values"):
                 rollout["prev_values"] = self.value.gather_rows(
                     "get_values", rollout, cfg.value.values_micro_batch_size)

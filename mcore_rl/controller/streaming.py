@@ -67,6 +67,7 @@ import torch
 
 from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.grpo import GRPOTrainer
+from mcore_rl.controller.logprob_budget import LogprobBudgetExceeded
 from mcore_rl.controller.ppo import PPOTrainer
 from mcore_rl.controller.trainer import step_seed
 from mcore_rl.controller.worker_group import DataParallelGroup, WorkerError
@@ -340,6 +341,12 @@ class StreamingLoop:
                         f"RL step {self.step + 1} failed {retries} time(s) and was aborted "
                         f"({self.algorithm}.max_step_retries={loop.max_step_retries}); the last "
                         f"failure: {fault}") from fault.__cause__
+        try:  # the logprob budget, before the optimizer step: may stop the run
+            self.check_logprob_budget(B.concat(chunks))
+        except LogprobBudgetExceeded:
+            for step in steps.values():
+                step.group.abort_train_step()
+            raise
         with self.timer.phase("finish"):
             clock.mark(bool(self.generating), True)
             step_metrics = self._finish(steps)

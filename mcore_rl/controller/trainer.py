@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import time
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -28,6 +29,7 @@ import torch
 from mcore_rl.algorithms.losses import NLLLoss
 from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.checkpoints import CheckpointManager
+from mcore_rl.controller.logprob_budget import LogprobBudget, LogprobBudgetExceeded, mismatch_figures
 from mcore_rl.controller.preemption import EXIT_CODE, Preempted, PreemptionSignals
 from mcore_rl.controller.worker_group import DataParallelGroup
 from mcore_rl.data import batch as B
@@ -35,6 +37,9 @@ from mcore_rl.utils.logging import RunLogger
 from mcore_rl.utils.timers import PhaseTimer, phase_table
 
 _log = logging.getLogger(__name__)
+
+
+_CANARY_SALT = 104729  # step_seed salt of the start-up logprob canary's rollouts
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -98,10 +103,10 @@ class RLTrainer:
             r.timeout_seconds)
         self.rewards.warm_up(background=True)  # spawning overlaps building the model
 
+        from mcore_rl.config.checks import ConfigError
+
         if cfg.model.hf_path:
             from transformers import AutoConfig
-
-            from mcore_rl.config.checks import ConfigError
 
             try:  # an unreadable config.json, or a model this trainer does not build
                 self.hf_config = AutoConfig.from_pretrained(cfg.model.hf_path)
@@ -126,6 +131,12 @@ class RLTrainer:
         self.hf_config.eos_token_id = self.tokenizer.eos_token_id
         self.hf_config.pad_token_id = self.tokenizer.pad_token_id
         self.vocab_size = self.arch.vocab_size
+        if self.device == "cuda" and not cfg.cluster.skip_memory_check:
+            from mcore_rl.megatron.memory import memory_error
+
+            problem = memory_error(cfg, self.arch, self.vocab_size)
+            if problem:
+                raise ConfigError(problem)
         os.makedirs(self.run_dir, exist_ok=True)
         self.tokenizer.save_pretrained(os.path.join(self.run_dir, "tokenizer"))
         # The policy's shape for `mcore-rl export` (mcore_rl.export reads both).
@@ -165,6 +176,7 @@ class RLTrainer:
         # how many steps: the summary's per-phase breakdown.
         self.phase_totals: Dict[str, float] = {}
         self.steps_timed = 0
+        self.logprob_budget = LogprobBudget(cfg)
 
     # ------------------------------------------------------------------ subclass hooks
     def _policy_schedule(self) -> Tuple[int, int]:
@@ -302,24 +314,52 @@ class RLTrainer:
         per ``generation_seconds`` (the wall seconds spent generating them; absent when 0, as
         in a streamed step whose groups were all decoded before it)."""
         rewards = rollout["rewards"]
-        mask = rollout["token_mask"][:, 1:]
-        mismatch = (rollout["prev_logprobs"] - rollout["generation_logprobs"]).abs()[:, 1:] * mask
-        tokens = float(mask.sum())
         out = {
-            "train/logprob_mismatch_mean": float(mismatch.sum()) / tokens if tokens else 0.0,
-            "train/token_mult_prob_error": float((mismatch.exp() * mask).sum()) / tokens if tokens else 1.0,
+            **mismatch_figures(rollout),
             "train/reward_mean": float(rewards.mean()),
             "train/reward_std": float(rewards.std()),
             "train/reward_errors": float(reward_errors),
             "train/response_length": float(rollout["response_lengths"].float().mean()),
             "train/truncated_fraction": float(rollout["truncated"].mean()),
-            "train/logprob_mismatch_max": float(mismatch.max()) if mask.sum() > 0 else 0.0,
             "train/num_tokens": float(rollout["input_lengths"].sum()),
         }
         if generation_seconds > 0:
             out["generation/tokens_per_s"] = (float(rollout["response_lengths"].sum())
                                               / generation_seconds)
         return out
+
+    # ------------------------------------------------------------------ logprob budget
+    def check_logprob_budget(self, rollout: B.Batch) -> None:
+        """The open RL step's trainer/rollout mismatch (``rollout`` with ``prev_logprobs``)
+        against ``generation.logprob_budget``, before its optimizer step
+        (:meth:`LogprobBudget.observe`).
+
+        Raises:
+            LogprobBudgetExceeded: the ``generation.logprob_budget_steps``-th consecutive step
+                over budget; the caller has not trained on it.
+        """
+        self.logprob_budget.observe(self.step + 1, mismatch_figures(rollout))
+
+    def logprob_canary(self) -> Dict[str, float]:
+        """Before the first RL step of this process: the first
+        ``generation.logprob_canary_prompts`` training prompts, one response each sampled by
+        the configured backend (a seed of their own: the run's rollouts and sampler are
+        untouched), scored by the policy; their :func:`mismatch_figures`, checked against
+        ``generation.logprob_budget``. Nothing without a budget or with 0 canary prompts.
+
+        Raises:
+            LogprobBudgetExceeded: over budget (:meth:`LogprobBudget.check_canary`).
+        """
+        n = min(self.cfg.generation.logprob_canary_prompts, len(self.train_data))
+        if self.logprob_budget.budget is None or n == 0:
+            return {}
+        rollout = self.generation.generate(self._prompts(self.train_data, range(n)),
+                                           seed=step_seed(self.cfg.run.seed, 0, salt=_CANARY_SALT))
+        rollout["prev_logprobs"] = self._logprobs(rollout)
+        self.colocation.prepare_for_generation()
+        figures = mismatch_figures(rollout)
+        self.logprob_budget.check_canary(figures, n)
+        return figures
 
     # ------------------------------------------------------------------ phases
     def validate(self) -> Dict[str, float]:
@@ -421,6 +461,10 @@ class RLTrainer:
             Preempted: SIGTERM or SIGUSR1 came (:mod:`mcore_rl.controller.preemption`): the
                 open RL step finished and a checkpoint of it is complete; the process exits
                 with ``preemption.EXIT_CODE`` unless the caller catches it.
+            LogprobBudgetExceeded: the start-up canary, or ``generation.logprob_budget_steps``
+                consecutive RL steps, over ``generation.logprob_budget``
+                (:mod:`mcore_rl.controller.logprob_budget`): the process exits with its
+                ``EXIT_CODE`` (3); nothing of the aborted step was trained or saved.
         """
         cfg, loop = self.cfg, self.loop
         if cfg.checkpoint.resume:
@@ -437,6 +481,12 @@ class RLTrainer:
             if not self.sft_done:
                 self.warm_start(logger)
             self.refit()
+            if self.step < loop.max_steps:
+                canary = self.logprob_canary()
+                if canary:
+                    logger.write(f"logprob canary within generation.logprob_budget="
+                                 f"{cfg.generation.logprob_budget:g}: " + ", ".join(
+                                     f"{k[len('train/'):]} {v:.4f}" for k, v in canary.items()))
             if self.step == 0 and loop.val_at_start:
                 val = self.validate()
                 if val:
@@ -465,6 +515,10 @@ class RLTrainer:
             if cfg.checkpoint.save_final and self.checkpoints.last_step != self.step:
                 self.save()
             self.checkpoints.wait()
+        except LogprobBudgetExceeded as e:
+            self.checkpoints.wait()  # earlier complete steps' saves; none of the aborted step
+            print(f"mcore-rl: error: {e} (exit code {e.code})", file=sys.stderr, flush=True)
+            raise
         finally:
             preemption.restore()
             logger.close()

@@ -1080,6 +1080,21 @@ class MegatronTrainWorker:
     def _load_extra_state(self, loaded: Dict[str, Any]) -> None:
         pass
 
+    def memory_stats(self, reset: bool = False) -> Dict[str, int]:
+        """This rank's CUDA memory in bytes (``torch.cuda`` caching allocator):
+        ``allocated`` and ``reserved`` now, ``max_allocated`` and ``max_reserved`` since the
+        last reset (or the start); with ``reset`` the peaks restart from now after they are
+        read. All 0 off CUDA. For comparing the planner's prediction
+        (:mod:`mcore_rl.megatron.memory`) with a run (``scripts/gpu/memory_check.py``)."""
+        if self.device.type != "cuda":
+            return {"allocated": 0, "reserved": 0, "max_allocated": 0, "max_reserved": 0}
+        out = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+               "max_allocated": torch.cuda.max_memory_allocated(),
+               "max_reserved": torch.cuda.max_memory_reserved()}
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return out
+
     def shutdown(self) -> None:
         parallel.destroy()
         if self.manual_gc_interval:

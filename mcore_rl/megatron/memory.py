@@ -1,0 +1,464 @@
+"""Per-GPU memory of a run, predicted from its config before any worker starts (no torch).
+
+The model of one GPU of the policy's workers (and the critic's, colocated) in bytes, by role:
+
+- **weights**: the parameters a rank holds (:func:`rank_parameters`: its pipeline stage's layers,
+  each linear weight split over TP, experts over EP, the vocabulary-parallel embedding and
+  output layer on the first and last stage), 2 bytes each with ``precision=bf16``, 4 with fp32;
+- **grads**: Megatron DDP's gradient buffer, 4 bytes a parameter with fp32 or
+  ``ddp.grad_reduce_in_fp32``, else 2 (plus a transient fp32 copy at the optimizer step:
+  Megatron's mixed-precision optimizer copies ``main_grad.float()``);
+- **optimizer**: Adam's two fp32 moments (8 bytes; SGD: one momentum, 4) plus, with bf16, the
+  fp32 main parameters (4 bytes); divided by DP with ``ddp.use_distributed_optimizer``
+  (Rajbhandari et al. 2020, "ZeRO", stage 1, sec. 5.1);
+- **reference**: a frozen copy of the weights when a KL term needs the reference policy;
+- **activations** of one micro-batch of ``b`` rows of ``s`` tokens, per layer (the counting of
+  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+  sec. 4.1, whose GPT layer with dropout gives ``34 s b h + 5 a s^2 b`` bytes, applied to this
+  decoder: RMSNorm, grouped-query attention, SwiGLU, no dropout): in elements per token,
+  ``4 h`` (the two norms' inputs and outputs, replicated over TP unless sequence parallel)
+  ``+ (3 a d + 2 g d) / t`` (q, k, v after RoPE; the attention output twice: SDPA keeps its
+  ``[b, a, s, d]`` output and the output projection its ``[s, b, a d]`` copy) ``+ 3 f / t``
+  (SwiGLU's input ``2 f`` and the down projection's input ``f``), times the activation bytes;
+  the ``local`` spec (no fused attention) adds the KV heads it repeats for GQA and the score
+  and probability matrices, Korthikanti's ``5 a s^2 b / t`` bytes; torch SDPA / TE keep no
+  ``s^2`` term. Checked against bench/RESULTS.md (0.85B, seq 2048, H100): peak 23.6 GiB at
+  micro-batch 4 and 32.7 at 8 measured, 23.2 and 32.0 predicted; ``local`` 49.2 measured, 43.9
+  predicted (Korthikanti's 5 bytes per ``a s^2 b`` count is short there by ~1 byte). A
+  pipeline's first stage keeps ``min(PP, micro-batches)`` micro-batches in flight (1F1B);
+- **logits** ``[b, s, V/t]`` in the activation dtype and their gradient (the fused logprob
+  kernels of :mod:`mcore_rl.megatron.logprobs` keep no fp32 copy);
+- **kv_cache** of the ``megatron`` rollout backend: per layer keys and values of
+  ``rows x slots`` tokens (rows: the largest decode chunk per DP rank rounded up to a power of
+  two; slots: the longest row rounded up to 128 tokens, at most ``data.max_total_length``), kept
+  through training unless ``cluster.colocate_generation`` releases it; the ``vllm`` backend's
+  share ``gpu_memory_utilization x GPU`` when colocated; the ``hf`` backend's fp32 model copy
+  and cache in the controller's process when it runs on GPU 0.
+
+Phases (the figure reported is the largest): ``generation`` (resident state + KV cache + one
+layer's prefill intermediates and a decode step's fp32 logits), ``logprobs`` (resident + forward-only logits of a
+``logprob_micro_batch_size`` micro-batch), ``train`` (resident + activations + logits + their
+gradient + the optimizer step's transient). "Resident" is what stays on the GPU in that phase:
+with ``cluster.colocate_generation`` the policy's gradients and optimizer state leave the GPU
+for generation and the rollout engine's memory leaves it for training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
+
+from mcore_rl.config.schema import MegatronConfig, ModelArchConfig, TrainConfig
+from mcore_rl.megatron.families import FAMILIES, head_dim
+
+GIB = float(2**30)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The model's vocabulary rows: the smallest multiple of ``tp`` >= ``vocab_size`` (as
+    :func:`mcore_rl.megatron.model.padded_vocab_size`)."""
+    return _ceil_div(vocab_size, tp) * tp
+
+
+def layer_parameters(arch: ModelArchConfig, tp: int = 1, ep: int = 1,
+                     etp: Optional[int] = None) -> int:
+    """Parameters of one decoder layer held by one rank (TP ``tp``, expert parallel ``ep``,
+    expert TP ``etp``, default ``tp``); ``tp = ep = 1``: the whole layer.
+
+    Counted: q/k/v/o projections (``h x a d``, ``2 x h x g d``, ``a d x h``; q/k/v biases for
+    families with ``qkv_bias``), q/k RMSNorm weights (``2 d``, qwen3), the two RMSNorm weights
+    (``2 h``, replicated over TP), the SwiGLU MLP (``3 h f``) or, with experts, the router
+    (``h E``, replicated), ``E / ep`` experts of ``3 h f_moe`` (split over ``etp``) and a shared
+    expert (``3 h f_s`` plus its gate ``h``, qwen2_moe).
+    """
+    h, a, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, head_dim(arch)
+    family = FAMILIES[arch.family]
+    attn = (h * a * d + 2 * h * g * d + a * d * h) // tp
+    if family.qkv_bias:
+        attn += (a * d + 2 * g * d) // tp
+    norms = 2 * h + (2 * d if family.qk_layernorm else 0)
+    if arch.num_experts is None:
+        mlp = 3 * h * arch.ffn_hidden_size // tp
+    else:
+        f_moe = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
+        mlp = h * arch.num_experts + (arch.num_experts // ep) * 3 * h * f_moe // (etp or tp)
+        if arch.moe_shared_expert_ffn_hidden_size:
+            mlp += 3 * h * arch.moe_shared_expert_ffn_hidden_size // tp + h
+    return attn + norms + mlp
+
+
+def model_parameters(arch: ModelArchConfig, vocab_size: int) -> int:
+    """All parameters of the decoder (one copy, no padding): embedding ``V h``, layers, final
+    norm ``h``, and an output layer ``V h`` unless tied."""
+    v, h = vocab_size, arch.hidden_size
+    out = 0 if arch.tie_word_embeddings else v * h
+    return v * h + arch.num_layers * layer_parameters(arch) + h + out
+
+
+def rank_parameters(arch: ModelArchConfig, vocab_size: int, megatron: MegatronConfig,
+                    value_head: bool = False) -> int:
+    """Parameters held by the fullest rank of a layout: the largest of the first pipeline stage
+    (embedding ``V_pad h / t``) and the last (final norm, and the output layer ``V_pad h / t``
+    when untied or when PP > 1 with tied embeddings: Megatron keeps a copy there; a critic's
+    ``value_head`` instead: ``h + 1``), each with ``ceil(L / PP)`` layers.
+    """
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    layers = _ceil_div(arch.num_layers, pp) * layer_parameters(
+        arch, tp, megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size)
+    h = arch.hidden_size
+    table = padded_vocab(vocab_size, tp) * h // tp
+    if value_head:
+        output = h + 1
+    else:
+        output = table if (not arch.tie_word_embeddings or pp > 1) else 0
+    first = layers + table + (0 if pp > 1 else h + output)
+    last = layers + h + output
+    return max(first, last)
+
+
+def activation_bytes_per_layer(arch: ModelArchConfig, megatron: MegatronConfig, rows: int,
+                               seq: int) -> int:
+    """Saved activations of one decoder layer for a micro-batch of ``rows x seq`` tokens on
+    one rank (module docstring: ``(4 h [/t with SP] + (3 a d + 2 g d) / t + 3 f / t)`` elements
+    a token; the ``local`` spec adds its repeated KV heads, ``2 (a - g) d / t`` elements a
+    token, and ``5 a s^2 b / t`` bytes)."""
+    tp = megatron.tensor_model_parallel_size
+    h, a, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, head_dim(arch)
+    f = arch.ffn_hidden_size if arch.num_experts is None else (
+        (arch.moe_ffn_hidden_size or arch.ffn_hidden_size) * arch.moe_router_topk
+        + (arch.moe_shared_expert_ffn_hidden_size or 0))
+    e = 2 if megatron.precision == "bf16" else 4
+    replicated = 4 * h / (tp if megatron.sequence_parallel else 1)
+    per_token = replicated + (3 * a * d + 2 * g * d) / tp + 3 * f / tp
+    if megatron.layer_spec == "local":  # DotProductAttention repeats the KV heads (GQA)
+        per_token += 2 * (a - g) * d / tp
+    out = per_token * e * rows * seq
+    if megatron.layer_spec == "local":
+        out += 5 * a * seq * seq * rows / tp
+    return int(out)
+
+
+@dataclasses.dataclass
+class RoleMemory:
+    """One Megatron worker group's bytes on one GPU (module docstring)."""
+
+    name: str
+    parameters: int
+    weights: int
+    grads: int
+    optimizer: int
+    optimizer_distributed: int  # the same with the distributed optimizer at this DP size
+    optimizer_step_transient: int
+    reference: int
+    activations: int
+    logits: int
+    logprob_logits: int
+    micro_batch_size: int
+    seq: int
+
+    @property
+    def static(self) -> int:
+        """Weights, grads, optimizer state and reference: what stays allocated."""
+        return self.weights + self.grads + self.optimizer + self.reference
+
+    @property
+    def train_transient(self) -> int:
+        return self.activations + self.logits + self.optimizer_step_transient
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """The predicted per-GPU memory of a run's configured layout (bytes).
+
+    Attributes:
+        roles: the Megatron groups on the policy's GPUs (policy; the critic for PPO when
+            ``cluster.placement=colocated``).
+        engine: the rollout engine's bytes on a policy GPU (KV cache, engine weights).
+        engine_transient: what a generate call adds while it runs (prefill, decode logits).
+        engine_offloaded: ``cluster.colocate_generation``: the engine leaves the GPU for
+            training and the policy's training state leaves it for generation.
+        phases: peak bytes by phase (``generation``, ``logprobs``, ``train``).
+        gpu_bytes: ``cluster.gpu_memory_gb`` in bytes.
+        layout: ``(TP, PP, DP)``.
+    """
+
+    roles: List[RoleMemory]
+    engine: Dict[str, int]
+    engine_transient: Dict[str, int]
+    engine_offloaded: bool
+    phases: Dict[str, int]
+    gpu_bytes: int
+    layout: Tuple[int, int, int]
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.gpu_bytes
+
+
+def rollout_rows(cfg: TrainConfig) -> int:
+    """Rollout rows of one RL step (prompts x generations of the configured algorithm)."""
+    loop = getattr(cfg, cfg.algorithm)
+    return loop.num_prompts_per_step * loop.num_generations
+
+
+def _dp(cfg: TrainConfig, megatron: MegatronConfig) -> int:
+    return max(1, cfg.cluster.num_workers // (megatron.tensor_model_parallel_size
+                                             * megatron.pipeline_model_parallel_size))
+
+
+def role_memory(name: str, cfg: TrainConfig, arch: ModelArchConfig, vocab_size: int,
+                megatron: MegatronConfig, optimizer_name: str, micro_batch_size: int,
+                logprob_micro_batch_size: int, reference: bool, value_head: bool,
+                seq: Optional[int] = None, train_rows: Optional[int] = None) -> RoleMemory:
+    """:class:`RoleMemory` of one worker group. ``seq`` defaults to ``data.max_total_length``
+    (rows are padded to the longest in a micro-batch: the bound); the micro-batch is
+    ``min(micro_batch_size, train_rows)`` with ``train_rows`` (default: the rollout's rows per
+    DP rank per optimizer step) the most one rank trains at once."""
+    seq = seq or cfg.data.max_total_length
+    dp = _dp(cfg, megatron)
+    if train_rows is None:
+        steps = getattr(getattr(cfg, cfg.algorithm), "optimizer_steps_per_rollout", 1)
+        train_rows = max(1, _ceil_div(rollout_rows(cfg), dp * steps))
+    b = max(1, min(micro_batch_size, train_rows))
+    b_lp = max(1, min(logprob_micro_batch_size, _ceil_div(rollout_rows(cfg), dp)))
+    p = rank_parameters(arch, vocab_size, megatron, value_head)
+    bf16 = megatron.precision == "bf16"
+    e = 2 if bf16 else 4
+    grad_bytes = 4 if (not bf16 or megatron.ddp.grad_reduce_in_fp32) else 2
+    moments = 8 if optimizer_name == "adam" else 4
+    opt_per_param = moments + (4 if bf16 else 0)
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    micro_batches = _ceil_div(train_rows, b)
+    in_flight = min(pp, micro_batches)
+    acts = (_ceil_div(arch.num_layers, pp) * in_flight
+            * activation_bytes_per_layer(arch, megatron, b, seq))
+    vocab_cols = 1 if value_head else padded_vocab(vocab_size, tp) // tp
+    return RoleMemory(
+        name=name, parameters=p, weights=p * e, grads=p * grad_bytes,
+        optimizer=p * opt_per_param,
+        optimizer_distributed=_ceil_div(p * opt_per_param, dp),
+        optimizer_step_transient=p * 4 if grad_bytes == 2 else 0,
+        reference=p * e if reference else 0,
+        activations=acts,
+        logits=2 * b * seq * vocab_cols * e,
+        logprob_logits=b_lp * seq * vocab_cols * e,
+        micro_batch_size=b, seq=seq)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def engine_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: int,
+                  seq: Optional[int] = None) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """The rollout engine's bytes on one policy GPU, by item (module docstring): what it keeps
+    between calls, and what a call adds while it runs (the ``megatron`` backend: the largest
+    intermediates of one layer's prefill forward for a chunk of prompts, no autograd: ``rows x
+    prompt x (2 h + max(3 f, 2 a d + 2 g d) / t)`` elements (the residual stream and its norm,
+    then SwiGLU's input and output or q, k, v and the attention output), and the fp32 logits
+    of a decode step)."""
+    g, m = cfg.generation, cfg.policy.megatron
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    e = 2 if m.precision == "bf16" else 4
+    seq = seq or cfg.data.max_total_length
+    dp = _dp(cfg, m)
+    loop = getattr(cfg, cfg.algorithm)
+    calls = [rollout_rows(cfg)]
+    if loop.val_every > 0 or loop.val_at_start:
+        calls.append(loop.val_num_prompts)
+    if g.logprob_budget is not None:
+        calls.append(g.logprob_canary_prompts)
+    rows = _pow2(max(min(g.batch_size, _ceil_div(c, dp)) for c in calls))
+    kv_per_token = 2 * arch.num_query_groups * head_dim(arch) // min(tp, arch.num_query_groups)
+    if g.backend == "megatron":  # slots: the longest row rounded up to 128, capped
+        slots = min(_ceil_div(seq, 128) * 128, cfg.data.max_total_length)
+        kv = _ceil_div(arch.num_layers, pp) * kv_per_token * rows * slots * e
+        prompt = min(cfg.data.max_prompt_length, seq)
+        a, d, f = arch.num_attention_heads, head_dim(arch), arch.ffn_hidden_size
+        per_token = 2 * arch.hidden_size + max(3 * f, 2 * a * d + 2 * arch.num_query_groups * d) / tp
+        prefill = int(rows * prompt * per_token * e)
+        return {"kv_cache": kv}, {"prefill": prefill,
+                                  "decode_logits": rows * padded_vocab(vocab_size, tp) * 4}
+    if g.backend == "vllm":
+        if not cfg.cluster.colocate_generation:
+            return {}, {}
+        return {"vllm_share": int(g.vllm.gpu_memory_utilization * cfg.cluster.gpu_memory_gb * GIB)}, {}
+    if g.backend == "hf" and g.num_workers == 0:  # the controller's fp32 copy, on GPU 0
+        weights = model_parameters(arch, vocab_size) * 4
+        kv = arch.num_layers * 2 * arch.num_query_groups * head_dim(arch) * rows * seq * 4
+        return {"hf_weights": weights, "kv_cache": kv}, {}
+    return {}, {}
+
+
+def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[int] = None,
+                megatron: Optional[MegatronConfig] = None, micro_batch_size: Optional[int] = None,
+                seq: Optional[int] = None, train_rows: Optional[int] = None) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``cfg`` (or of its policy layout replaced by ``megatron``
+    and micro-batch ``micro_batch_size``; the critic keeps its own layout). ``seq`` (tokens a
+    row) defaults to ``data.max_total_length``."""
+    vocab_size = vocab_size or arch.vocab_size
+    pm = megatron or cfg.policy.megatron
+    kl = cfg.loss.kl_coef > 0 or getattr(getattr(cfg, cfg.algorithm), "reward_kl_coef", 0) > 0
+    roles = [role_memory("policy", cfg, arch, vocab_size, pm, cfg.policy.optimizer.name,
+                         micro_batch_size or cfg.policy.micro_batch_size,
+                         cfg.policy.logprob_micro_batch_size, kl, False, seq, train_rows)]
+    if pm.ddp.use_distributed_optimizer:
+        roles[0].optimizer = roles[0].optimizer_distributed
+    if cfg.algorithm == "ppo" and cfg.cluster.placement == "colocated":
+        v = cfg.value
+        critic = role_memory("value", cfg, arch, vocab_size, v.megatron, v.optimizer.name,
+                             v.micro_batch_size, v.values_micro_batch_size, False, True, seq,
+                             train_rows)
+        if v.megatron.ddp.use_distributed_optimizer:
+            critic.optimizer = critic.optimizer_distributed
+        roles.append(critic)
+    eng, eng_transient = engine_memory(cfg, arch, vocab_size, seq)
+    engine = sum(eng.values())
+    # Streaming generates while it trains: nothing is offloaded there.
+    offloaded = cfg.cluster.colocate_generation and not getattr(
+        getattr(cfg, cfg.algorithm), "streaming", False)
+    weights = sum(r.weights + r.reference for r in roles)
+    static = sum(r.static for r in roles)
+    # Offloaded for generation: all of the policy leaves the GPU, except the weights the
+    # megatron backend decodes with.
+    kept = weights if cfg.generation.backend == "megatron" else 0
+    generation = (kept if offloaded else static) + engine + sum(eng_transient.values())
+    resident_train = static + (0 if offloaded else engine)
+    policy = roles[0]
+    # Colocated, the training state stays off the GPU for logprobs (only the weights return).
+    logprobs = (weights if offloaded else resident_train) + policy.logprob_logits
+    train = resident_train + max(r.train_transient for r in roles)
+    tp, pp = pm.tensor_model_parallel_size, pm.pipeline_model_parallel_size
+    return MemoryPlan(roles=roles, engine=eng, engine_transient=eng_transient,
+                      engine_offloaded=offloaded,
+                      phases={"generation": generation, "logprobs": logprobs, "train": train},
+                      gpu_bytes=int(cfg.cluster.gpu_memory_gb * GIB),
+                      layout=(tp, pp, _dp(cfg, pm)))
+
+
+def candidate_layouts(cfg: TrainConfig, arch: ModelArchConfig) -> List[Tuple[int, int, int]]:
+    """``(TP, PP, DP)`` with ``TP x PP x DP = cluster.num_workers`` that can build ``arch``:
+    TP divides the attention heads and the query groups, PP the layers (even split); the
+    ``megatron`` rollout backend also needs PP = 1."""
+    w, out = cfg.cluster.num_workers, []
+    for tp in range(1, w + 1):
+        if w % tp or arch.num_attention_heads % tp or arch.num_query_groups % tp:
+            continue
+        for pp in range(1, w // tp + 1):
+            if (w // tp) % pp or arch.num_layers % pp:
+                continue
+            if cfg.generation.backend == "megatron" and pp > 1:
+                continue
+            out.append((tp, pp, w // (tp * pp)))
+    return out
+
+
+def largest_micro_batch(cfg: TrainConfig, arch: ModelArchConfig, megatron: MegatronConfig,
+                        vocab_size: Optional[int] = None) -> int:
+    """The largest micro-batch (rows, up to the rows a DP rank trains per optimizer step) for
+    which :func:`plan_memory` fits ``cluster.gpu_memory_gb`` with layout ``megatron``; 0 when
+    none does."""
+    base = plan_memory(cfg, arch, vocab_size, megatron, micro_batch_size=1)
+    if not base.fits:
+        return 0
+    high = max(1, _ceil_div(rollout_rows(cfg), base.layout[2]))
+    lo, hi = 1, high
+    while lo < hi:  # memory grows with the micro-batch: bisect
+        mid = (lo + hi + 1) // 2
+        if plan_memory(cfg, arch, vocab_size, megatron, micro_batch_size=mid).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _layout(megatron: MegatronConfig, tp: int, pp: int) -> MegatronConfig:
+    return dataclasses.replace(megatron, tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=pp,
+                               sequence_parallel=megatron.sequence_parallel and tp > 1)
+
+
+def fitting_layouts(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[int] = None
+                    ) -> List[Tuple[Tuple[int, int, int], int, MemoryPlan]]:
+    """Every :func:`candidate_layouts` entry with its largest fitting micro-batch (0: does
+    not fit) and its plan at ``min(policy.micro_batch_size, that)``."""
+    out = []
+    for tp, pp, dp in candidate_layouts(cfg, arch):
+        m = _layout(cfg.policy.megatron, tp, pp)
+        mbs = largest_micro_batch(cfg, arch, m, vocab_size)
+        plan = plan_memory(cfg, arch, vocab_size, m,
+                           micro_batch_size=max(1, min(cfg.policy.micro_batch_size, mbs or 1)))
+        out.append(((tp, pp, dp), mbs, plan))
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as a table: GiB per GPU by role and item, then by phase."""
+    tp, pp, dp = plan.layout
+    lines = [f"layout TP={tp} PP={pp} DP={dp}; GiB per GPU (cluster.gpu_memory_gb="
+             f"{plan.gpu_bytes / GIB:g})", f"{'role':10s} {'item':46s} {'GiB':>8s}"]
+    for r in plan.roles:
+        items = [("parameters (millions)", r.parameters / 1e6 * GIB),
+                 ("weights", r.weights), ("grads", r.grads),
+                 ("optimizer state", r.optimizer),
+                 (f"  with the distributed optimizer (DP={dp})", r.optimizer_distributed),
+                 ("optimizer step transient (fp32 grads)", r.optimizer_step_transient),
+                 ("reference weights", r.reference),
+                 (f"activations (mbs {r.micro_batch_size}, seq {r.seq})", r.activations),
+                 ("logits and their grad", r.logits),
+                 ("logprob micro-batch logits", r.logprob_logits)]
+        for what, value in items:
+            lines.append(f"{r.name:10s} {what:46s} {_gib(value):>8s}")
+    state = "offloaded for training" if plan.engine_offloaded else "resident"
+    for what, value in plan.engine.items():
+        lines.append(f"{'rollout':10s} {what + ' (' + state + ')':46s} {_gib(value):>8s}")
+    for what, value in plan.engine_transient.items():
+        lines.append(f"{'rollout':10s} {what + ' (while generating)':46s} {_gib(value):>8s}")
+    for phase, value in plan.phases.items():
+        lines.append(f"{'peak':10s} {phase:46s} {_gib(value):>8s}")
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"{'peak':10s} {'max':46s} {_gib(plan.peak):>8s}  {verdict}")
+    return "\n".join(lines)
+
+
+def format_layouts(rows: List[Tuple[Tuple[int, int, int], int, MemoryPlan]]) -> str:
+    """The table of :func:`fitting_layouts`."""
+    lines = [f"{'TP':>3s} {'PP':>3s} {'DP':>3s} {'largest mbs':>12s} {'peak GiB':>9s}  fits"]
+    for (tp, pp, dp), mbs, plan in rows:
+        lines.append(f"{tp:3d} {pp:3d} {dp:3d} {mbs:12d} {_gib(plan.peak):>9s}  "
+                     f"{'yes' if mbs else 'no'}")
+    return "\n".join(lines)
+
+
+def memory_error(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[int] = None
+                 ) -> Optional[str]:
+    """One line when the configured layout is predicted not to fit ``cluster.gpu_memory_gb``
+    (naming the phase, the figures and the layouts that fit), else None."""
+    plan = plan_memory(cfg, arch, vocab_size)
+    if plan.fits:
+        return None
+    phase = max(plan.phases, key=plan.phases.get)
+    r = plan.roles[0]
+    fit = [f"TP={tp} PP={pp} DP={dp} mbs<={mbs}" for (tp, pp, dp), mbs, _ in
+           fitting_layouts(cfg, arch, vocab_size) if mbs]
+    tp, pp, dp = plan.layout
+    return (f"cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}: layout TP={tp} PP={pp} DP={dp} "
+            f"with policy.micro_batch_size={cfg.policy.micro_batch_size} is predicted to need "
+            f"{_gib(plan.peak)} GiB per GPU in {phase} (weights {_gib(r.weights)}, grads "
+            f"{_gib(r.grads)}, optimizer {_gib(r.optimizer)}, activations {_gib(r.activations)}, "
+            f"logits {_gib(r.logits)}, rollout engine {_gib(sum(plan.engine.values()))}); "
+            f"layouts that fit: {', '.join(fit) if fit else 'none'}; `mcore-rl plan` prints the "
+            f"breakdown; cluster.skip_memory_check=true trains anyway")

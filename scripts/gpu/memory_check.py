@@ -1,0 +1,185 @@
+"""The memory planner (``mcore-rl plan``, mcore_rl/megatron/memory.py) against measured peaks on
+one GPU; prints a table last (and writes it to $OUT/memory_check.json).
+
+For each configuration the trainer is built on the GPU exactly as ``mcore-rl train`` builds it
+(no Ray), and each phase's peak is read on the policy's worker (``memory_stats``:
+``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``, reset before each call of the
+phase; the largest over the phase's calls and ranks):
+
+1. ``synthetic_0.36B``: ``configs/grpo_synthetic_gpu.yaml`` (Qwen2-0.5B shape, char vocab,
+   megatron rollouts, bf16), ``sft.steps=2`` then 2 RL steps (validation at start and end).
+2. ``smollm2_135m``: ``grpo_gsm8k`` with ``model.hf_path=$MODEL_DIR`` (SmolLM2-135M), cuda,
+   bf16, torch spec, megatron rollouts; 2 RL steps. Skipped without ``$MODEL_DIR``.
+3. ``bench_0.85B``: the shape of ``bench/train_step.py`` (Llama, 16 layers, hidden 2048, GQA 16/4,
+   SwiGLU 5632, vocab 32000 untied, 2048 tokens a row): the trainer built, then two train steps
+   of 16 full-length rows (micro-batches of 4) and their logprobs (no generation: the benchmark
+   has none, so its prediction leaves out the rollout engine).
+
+Predictions: the plan at ``data.max_total_length`` (what ``mcore-rl plan`` prints: the bound)
+and at the longest row the run saw (the planner's arithmetic with the true length); the error
+column compares the latter with max_memory_allocated.
+
+Usage (one device call; carry the wheels as scripts/gpu/env.sh expects):
+    MODEL_DIR=/path/to/SmolLM2-135M-Instruct bash -c 'source scripts/gpu/env.sh && python3 scripts/gpu/memory_check.py'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from mcore_rl.algorithms.losses import ClippedPGLoss  # noqa: E402
+from mcore_rl.config.loader import load_config  # noqa: E402
+from mcore_rl.config.schema import LossConfig  # noqa: E402
+from mcore_rl.controller.grpo import GRPOTrainer  # noqa: E402
+from mcore_rl.megatron import memory  # noqa: E402
+from mcore_rl.planning import resolve_arch  # noqa: E402
+
+GIB = 2.0**30
+OUT = os.environ.get("OUT", "/tmp/mcore_rl_out")
+PHASES = ("generation", "logprobs", "train")
+COMMON = ["cluster.use_ray=false", "cluster.device=cuda", "logging.progress=false",
+          "logging.tensorboard=false", "checkpoint.every=0", "checkpoint.save_final=false",
+          "cluster.skip_memory_check=true"]
+BENCH = ["model.arch.family=llama", "model.arch.num_layers=16", "model.arch.hidden_size=2048",
+         "model.arch.num_attention_heads=16", "model.arch.num_query_groups=4",
+         "model.arch.ffn_hidden_size=5632", "model.arch.max_position_embeddings=2048",
+         "model.arch.rope_theta=10000.0", "model.arch.rms_norm_eps=1e-5",
+         "model.arch.qkv_bias=false", "model.arch.tie_word_embeddings=false",
+         "model.arch.vocab_size=32000", "data.max_prompt_length=8", "data.max_total_length=2048",
+         "policy.micro_batch_size=4", "policy.logprob_micro_batch_size=4",
+         "grpo.num_prompts_per_step=8", "grpo.num_generations=2", "sft.steps=0",
+         "grpo.val_at_start=false", "grpo.val_every=0", "generation.logprob_budget=null"]
+BENCH_ROWS, BENCH_SEQ = 16, 2048
+
+
+class Recorder:
+    """Wraps the trainer's phase calls: resets the workers' peaks before each, reads them after;
+    keeps the largest peak by phase and the longest row seen."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+        self.peaks: Dict[str, Dict[str, int]] = {}
+        self.longest = 0
+        t = trainer
+        t.generation.generate = self._wrap("generation", t.generation.generate, result_rows=True)
+        t._logprobs = self._wrap("logprobs", t._logprobs)
+        t._train = self._wrap("train", t._train)
+
+    def _stats(self, reset: bool) -> List[Dict[str, int]]:
+        return self.trainer.policy.call("memory_stats", reset)
+
+    def _wrap(self, phase: str, fn, result_rows: bool = False):
+        def wrapped(*args, **kwargs):
+            self._stats(True)
+            out = fn(*args, **kwargs)  # the workers answer after their work is done
+            stats = self._stats(False)
+            peak = self.peaks.setdefault(phase, {"max_allocated": 0, "max_reserved": 0})
+            for key in peak:
+                peak[key] = max(peak[key], *(s[key] for s in stats))
+            batch = out if result_rows else (args[0] if args else None)
+            if isinstance(batch, dict) and "input_lengths" in batch:
+                self.longest = max(self.longest, int(batch["input_lengths"].max()))
+            return out
+
+        return wrapped
+
+
+def bench_rollout(vocab: int) -> Dict[str, torch.Tensor]:
+    """bench/train_step.py's rows: a 256-token prompt and a response to the end."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(BENCH_ROWS, BENCH_SEQ)
+    mask[:, 256:] = 1
+    return {"input_ids": torch.randint(1, vocab, (BENCH_ROWS, BENCH_SEQ), generator=g),
+            "input_lengths": torch.full((BENCH_ROWS,), BENCH_SEQ),
+            "prompt_lengths": torch.full((BENCH_ROWS,), 256), "token_mask": mask,
+            "sample_mask": torch.ones(BENCH_ROWS),
+            "advantages": torch.randn(BENCH_ROWS, 1, generator=g) * mask,
+            "prev_logprobs": torch.zeros(BENCH_ROWS, BENCH_SEQ),
+            "generation_logprobs": torch.zeros(BENCH_ROWS, BENCH_SEQ)}
+
+
+def measure(name: str, config: str, overrides: List[str], bench: bool = False) -> List[Dict]:
+    run_dir = tempfile.mkdtemp(prefix=f"memcheck_{name}_")
+    cfg = load_config(config, COMMON + overrides + [f"run.output_dir={run_dir}/run"])
+    arch, vocab = resolve_arch(cfg)
+    start = time.perf_counter()
+    trainer = GRPOTrainer(cfg)
+    try:
+        rec = Recorder(trainer)
+        if bench:
+            batch = bench_rollout(vocab)
+            for _ in range(2):
+                trainer._logprobs(batch)
+                trainer._train(batch, ClippedPGLoss(LossConfig(kl_coef=0.0)))
+        else:
+            trainer.fit()
+    finally:
+        trainer.close()
+    seconds = time.perf_counter() - start
+    bound = memory.plan_memory(cfg, arch, vocab)
+    seen = memory.plan_memory(cfg, arch, vocab, seq=rec.longest or None,
+                              train_rows=BENCH_ROWS if bench else None)
+    print(f"\n== {name}: {memory.model_parameters(arch, vocab) / 1e6:.1f}M parameters, longest "
+          f"row {rec.longest} tokens, {seconds:.0f} s\n{memory.format_plan(seen)}", flush=True)
+    rows = []
+    for phase in PHASES:
+        if phase not in rec.peaks:
+            continue
+        engine = sum(seen.engine.values()) if bench else 0  # the benchmark decodes nothing
+        predicted = seen.phases[phase] - engine
+        measured = rec.peaks[phase]["max_allocated"]
+        rows.append({"config": name, "phase": phase,
+                     "measured_alloc_gib": measured / GIB,
+                     "measured_reserved_gib": rec.peaks[phase]["max_reserved"] / GIB,
+                     "plan_max_len_gib": (bound.phases[phase] - (sum(bound.engine.values()) if bench else 0)) / GIB,
+                     "plan_seen_len_gib": predicted / GIB,
+                     "error_pct": 100.0 * (predicted - measured) / measured if measured else float("nan"),
+                     "longest": rec.longest})
+    return rows
+
+
+def main() -> int:
+    os.makedirs(OUT, exist_ok=True)
+    jobs = [("synthetic_0.36B", "grpo_synthetic_gpu", ["sft.steps=2", "grpo.max_steps=2"], False)]
+    model_dir = os.environ.get("MODEL_DIR")
+    if model_dir:
+        jobs.append(("smollm2_135m", "grpo_gsm8k", [
+            f"model.hf_path={model_dir}", "policy.megatron.precision=bf16",
+            "policy.megatron.layer_spec=torch", "generation.backend=megatron",
+            "grpo.max_steps=2"], False))
+    else:
+        print("MODEL_DIR unset: smollm2_135m skipped", flush=True)
+    jobs.append(("bench_0.85B", "grpo_synthetic_gpu", BENCH, True))
+    table, status = [], 0
+    for name, config, overrides, bench in jobs:
+        try:
+            table += measure(name, config, overrides, bench)
+        except Exception:  # the other configurations still run
+            traceback.print_exc()
+            status = 1
+    with open(os.path.join(OUT, "memory_check.json"), "w") as f:
+        json.dump(table, f, indent=2)
+    print(f"\nGPU: {torch.cuda.get_device_name()}; GiB per GPU (policy worker, "
+          f"max_memory_allocated / max_memory_reserved); plan at data.max_total_length and at "
+          f"the longest row seen; error = plan(seen) vs allocated")
+    print(f"{'config':16s} {'phase':11s} {'alloc':>7s} {'reserved':>8s} {'plan@max':>8s} "
+          f"{'plan@seen':>9s} {'error':>7s} {'longest':>7s}")
+    for r in table:
+        print(f"{r['config']:16s} {r['phase']:11s} {r['measured_alloc_gib']:7.2f} "
+              f"{r['measured_reserved_gib']:8.2f} {r['plan_max_len_gib']:8.2f} "
+              f"{r['plan_seen_len_gib']:9.2f} {r['error_pct']:+6.1f}% {r['longest']:7d}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

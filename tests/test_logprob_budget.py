@@ -1,0 +1,153 @@
+"""The logprob budget (``generation.logprob_budget``): a planted drift of the rollout logprobs
+stops the run at start-up (the canary) or after ``logprob_budget_steps`` consecutive RL steps,
+before an optimizer step, with one line naming backend, precision, layout and the figures and
+exit code 3; a clean run passes. The drift: the hf backend's ``generation_logprobs`` shifted by
+0.2 nats on the response tokens (token_mult_prob_error exp(0.2) = 1.22 > 1.05), which leaves the
+rollouts and the loss (ppo_clip uses the trainer's ``prev_logprobs``) as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_rl.cli import main
+from mcore_rl.config.loader import load_config
+from mcore_rl.controller.grpo import GRPOTrainer
+from mcore_rl.controller.logprob_budget import EXIT_CODE, LogprobBudget, LogprobBudgetExceeded
+from mcore_rl.generation.hf import HFGenerationBackend
+
+SMALL = [
+    "cluster.use_ray=false",
+    "grpo.num_prompts_per_step=2",
+    "grpo.num_generations=2",
+    "grpo.val_every=0",
+    "grpo.val_at_start=false",
+    "sft.steps=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "data.synthetic.num_train=20",
+    "data.synthetic.num_test=4",
+    "policy.micro_batch_size=4",
+    "generation.logprob_canary_prompts=4",
+    "model.arch.num_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.ffn_hidden_size=64",
+    "policy.optimizer.weight_decay=0.1",  # every optimizer step moves the weights
+]
+SHIFT = 0.2
+
+
+def _drifting(generate, when):
+    """``generate`` whose rollouts' response logprobs are shifted by :data:`SHIFT` while
+    ``when()`` holds."""
+
+    def wrapped(*args, **kwargs):
+        rollout = generate(*args, **kwargs)
+        if when():
+            rollout["generation_logprobs"] = rollout["generation_logprobs"] + SHIFT * rollout["token_mask"]
+        return rollout
+
+    return wrapped
+
+
+def test_drift_refused_at_start_up_with_exit_code_3(tmp_path, monkeypatch, capsys):
+    original = HFGenerationBackend.generate
+    monkeypatch.setattr(HFGenerationBackend, "generate",
+                        lambda self, *a, **k: _drifting(lambda *b, **c: original(self, *b, **c),
+                                                        lambda: True)(*a, **k))
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *SMALL, "grpo.max_steps=2", "checkpoint.every=1", f"run.output_dir={out}"])
+    assert stop.value.code == EXIT_CODE == 3
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mcore-rl: error: logprob budget exceeded at start-up")
+    for part in ("generation.backend=hf", "policy.megatron.precision=fp32", "layout TP=1 PP=1 DP=1",
+                 "> generation.logprob_budget=1.05", "canary of 4 prompts",
+                 f"train/token_mult_prob_error {torch.tensor(SHIFT).exp():.4f}",
+                 f"max {SHIFT:.4f}"):
+        assert part in err, part
+    assert not (out / "checkpoints").exists()  # nothing trained, nothing saved
+
+
+def test_drift_from_step_2_stops_at_step_3_before_its_optimizer_step(tmp_path):
+    """k = 2: step 2 (the first over budget) trains, step 3 (the second) is aborted before its
+    optimizer step: the policy's parameters are those after step 2 and no step_3 checkpoint
+    exists. Steps within budget (the canary, step 1) pass."""
+    cfg = load_config("grpo_synthetic", SMALL + [
+        "grpo.max_steps=5", "checkpoint.every=1", "checkpoint.save_final=false",
+        "generation.logprob_budget_steps=2", f"run.output_dir={tmp_path / 'run'}"])
+    trainer = GRPOTrainer(cfg)
+    after = {}  # RL step -> the rollout engine's weights at its start (refit: the policy's)
+    generate = trainer.generation.generate
+
+    def record_then_generate(*args, **kwargs):
+        after[trainer.step] = {k: v.clone() for k, v in trainer.generation.model.state_dict().items()}
+        return generate(*args, **kwargs)
+
+    trainer.generation.generate = _drifting(record_then_generate, lambda: trainer.step + 1 >= 2)
+    try:
+        with pytest.raises(LogprobBudgetExceeded) as stop:
+            trainer.fit()
+        assert stop.value.step == 3 and trainer.step == 2
+        assert trainer.logprob_budget.over == 2
+        assert "for 2 consecutive RL steps" in stop.value.message
+        assert stop.value.figures["train/token_mult_prob_error"] == pytest.approx(
+            float(torch.tensor(SHIFT).exp()), rel=1e-4)
+        checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+        assert checkpoints == ["step_1", "step_2"]
+        trainer.refit()  # the policy's current weights into the rollout engine
+        now = trainer.generation.model.state_dict()
+        assert any(not torch.equal(after[1][k], after[2][k]) for k in now)  # steps do train
+        for k, v in now.items():
+            assert torch.equal(v, after[2][k]), k  # step 3 did not
+    finally:
+        trainer.close()
+
+
+def test_budget_counts_consecutive_steps_and_null_disables():
+    cfg = load_config("grpo_synthetic", ["generation.logprob_budget_steps=2"])
+    budget = LogprobBudget(cfg)
+    over = {"train/token_mult_prob_error": 1.2, "train/logprob_mismatch_mean": 0.2,
+            "train/logprob_mismatch_max": 0.2}
+    within = {**over, "train/token_mult_prob_error": 1.01}
+    budget.observe(1, over)
+    budget.observe(2, within)  # resets the count
+    budget.observe(3, over)
+    with pytest.raises(LogprobBudgetExceeded, match="RL step 4 has"):
+        budget.observe(4, over)
+    unchecked = LogprobBudget(load_config("grpo_synthetic", ["generation.logprob_budget=null"]))
+    for step in range(1, 5):
+        unchecked.observe(step, over)
+    unchecked.check_canary(over, 8)
+
+
+def test_ppo_step_over_budget_trains_neither_policy_nor_critic(tmp_path):
+    """PPO, k = 1, drift from RL step 1 (the canary, the first generate call, is clean): step
+    1 stops right after the policy's logprobs, before the critic's values and any update."""
+    from mcore_rl.controller.ppo import PPOTrainer
+
+    cfg = load_config("ppo_synthetic", [
+        *[o for o in SMALL if not o.startswith("grpo.")], "ppo.num_prompts_per_step=4",
+        "ppo.ppo_epochs=1", "ppo.num_mini_batches=1", "ppo.val_every=0", "ppo.val_at_start=false",
+        "ppo.max_steps=2", "value.micro_batch_size=4", "value.optimizer.weight_decay=0.1",
+        "generation.logprob_budget_steps=1", f"run.output_dir={tmp_path / 'run'}"])
+    trainer = PPOTrainer(cfg)
+    calls = []
+    generate = trainer.generation.generate
+    trainer.generation.generate = _drifting(lambda *a, **k: calls.append(1) or generate(*a, **k),
+                                            lambda: len(calls) > 1)
+
+    def weights():
+        return {f"{name}/{k}": v for name, group in trainer._groups().items()
+                for k, v in group.call("get_hf_weights")[0].items()}
+
+    try:
+        before = weights()
+        with pytest.raises(LogprobBudgetExceeded, match="RL step 1 has") as stop:
+            trainer.fit()
+        assert stop.value.step == 1 and trainer.step == 0 and len(calls) == 2
+        after = weights()
+        assert any(k.startswith("value/") for k in after)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    finally:
+        trainer.close()
