@@ -32,11 +32,11 @@ import mcore_rl
 from mcore_rl.algorithms import registry as algorithm_registry
 from mcore_rl.config import checks
 from mcore_rl.config.checks import ConfigError
+from mcore_rl.config.families import arch_errors, layout_errors
 from mcore_rl.config.paths import file_problem, hf_checkpoint_errors, tokenizer_dir_error
 from mcore_rl.config.schema import CHAR_TOKENIZER, DataConfig, TrainConfig
 from mcore_rl.data.synthetic import synthetic_config_errors
 from mcore_rl.generation import registry as generation_registry
-from mcore_rl.megatron.families import arch_errors, layout_errors
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent
 DEFAULT_CONFIG_DIR = PKG_DIR.parent / "configs"

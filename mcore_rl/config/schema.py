@@ -20,7 +20,7 @@ from mcore_rl.config.checks import bounded, one_of
 from mcore_rl.generation.registry import backend_names
 
 # Choice lists that components take from here rather than repeat.
-# cluster.placement: how mcore_rl.controller.placement puts worker groups on GPUs.
+# cluster.placement: how mcore_rl.distributed.placement puts worker groups on GPUs.
 PLACEMENTS = ("colocated", "separate")
 # loss.kl_estimator and ppo.reward_kl_estimator: mcore_rl.algorithms.kl.kl_estimate.
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -28,7 +28,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 # batch's loss (the field's loss_agg_mode names).
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                      "seq-mean-token-sum-norm")
-# model.arch.family: the Hugging Face model_types of mcore_rl.megatron.families.FAMILIES.
+# model.arch.family: the Hugging Face model_types of mcore_rl.config.families.FAMILIES.
 MODEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # *.megatron.moe_token_dispatcher_type: Megatron-Core token dispatchers that run on gloo and
 # NCCL ("flex" needs DeepEP).

@@ -15,8 +15,8 @@ from typing import Dict, Mapping, Sequence
 
 import torch
 
-from mcore_rl.controller.worker_group import DataParallelGroup
 from mcore_rl.data import batch as B
+from mcore_rl.distributed.worker_group import DataParallelGroup
 
 # compare()'s keys, in table order.
 DIFF_KEYS = ("logprobs_rel", "loss_rel", "grad_norm_rel", "params_max_abs")

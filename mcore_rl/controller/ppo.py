@@ -28,8 +28,8 @@ from mcore_rl.algorithms.ppo import explained_variance, token_level_rewards
 from mcore_rl.algorithms.registry import build_policy_loss
 from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.trainer import RLTrainer, run_eval, run_trainer, step_seed
-from mcore_rl.controller.worker_group import DataParallelGroup
 from mcore_rl.data import batch as B
+from mcore_rl.distributed.worker_group import DataParallelGroup
 from mcore_rl.utils.logging import RunLogger
 
 
@@ -38,7 +38,7 @@ class PPOTrainer(RLTrainer):
     sections ``ppo`` and ``value``.
 
     Attributes:
-        value: the critic's :class:`~mcore_rl.controller.worker_group.DataParallelGroup`,
+        value: the critic's :class:`~mcore_rl.distributed.worker_group.DataParallelGroup`,
             on the policy's GPUs or GPUs of its own (``cluster.placement``).
     """
 

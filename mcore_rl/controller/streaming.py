@@ -12,7 +12,7 @@ a micro-batch's worth of rows (a chunk) takes the chunk's old (and reference) lo
 (PPO: then the chunk's token rewards and GAE advantages and returns, exact per chunk since GAE
 runs per sequence) it feeds the chunk to ``train_microbatch`` of every split step of the RL step
 (GRPO: the policy's; PPO: the critic's and the policy's, the critic's alone in the
-``ppo.critic_warmup_steps``), :class:`~mcore_rl.controller.worker_group.DataParallelGroup`.
+``ppo.critic_warmup_steps``), :class:`~mcore_rl.distributed.worker_group.DataParallelGroup`.
 Generation, the forward passes and training run at once. When ``num_prompts_per_step`` groups
 are in, ``finish_train_step`` takes the optimizer steps (PPO: the critic's first, as the
 synchronous loop), and the new policy weights are pushed to the generation processes, queued
@@ -69,8 +69,8 @@ from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.grpo import GRPOTrainer
 from mcore_rl.controller.ppo import PPOTrainer
 from mcore_rl.controller.trainer import step_seed
-from mcore_rl.controller.worker_group import DataParallelGroup, WorkerError
 from mcore_rl.data import batch as B
+from mcore_rl.distributed.worker_group import DataParallelGroup, WorkerError
 from mcore_rl.generation.base import assemble_rollout
 
 # Generation calls queued per process: one decoding, one waiting.

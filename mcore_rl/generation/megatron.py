@@ -417,7 +417,7 @@ class MegatronGenerationBackend(GenerationBackend):
 
     Args:
         policy: the policy's worker group with its DP layout
-            (:class:`mcore_rl.controller.worker_group.DataParallelGroup`: ``dp_size``,
+            (:class:`mcore_rl.distributed.worker_group.DataParallelGroup`: ``dp_size``,
             ``call_per_dp_async``).
         cfg: ``generation`` config (temperature, top_p, max_new_tokens, batch_size: rows per
             decoding chunk on each DP rank, cuda_graphs).

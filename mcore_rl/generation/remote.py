@@ -1,7 +1,7 @@
 """The hf rollout engine in processes of its own (``generation.num_workers`` > 0).
 
 Each process (:class:`GenerationWorker`, a Ray actor or a plain process of a worker group,
-placed as the ``generation`` group of :mod:`mcore_rl.controller.placement`) holds a
+placed as the ``generation`` group of :mod:`mcore_rl.distributed.placement`) holds a
 :class:`~mcore_rl.generation.hf.HFGenerationBackend` and the policy version of its weights.
 :class:`RemoteGeneration` is the controller's side: a
 :class:`~mcore_rl.generation.base.StreamingBackend` (prompt groups spread over the processes,
@@ -123,7 +123,7 @@ class RemoteGeneration(StreamingBackend):
     def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,
                first_row: int, greedy: bool = False) -> Future:
         """See :meth:`StreamingBackend.submit` (:meth:`GenerationWorker.generate`)."""
-        from mcore_rl.controller.worker_group import then
+        from mcore_rl.distributed.worker_group import then
 
         return then(self.group.call_each_async(
             "generate", [[prompts, seed, greedy, group_size, first_row]], ranks=[worker]),
