@@ -1,7 +1,9 @@
 """The floor plan (``mcore_rl/layers.py``, ``docs/design.md`` "Floor plan"): every import of
 ``mcore_rl`` goes to its own floor or below, and no import closes a cycle, between files or
 between packages. Imports are read with :mod:`ast` (module-level, function-level and
-``TYPE_CHECKING`` ones alike), so the check needs neither torch nor an import of the package."""
+``TYPE_CHECKING`` ones alike, and ``importlib.import_module("...")`` of a literal name; a
+``"module:attribute"`` plugin string counts as an import of its module outside the plugin
+tables), so the check needs neither torch nor an import of the package."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 from mcore_rl import layers
 
 ROOT = Path(__file__).resolve().parents[1]
-PLUGIN_STRING = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?::[A-Za-z_]\w*)?$")
+PLUGIN_STRING = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+):[A-Za-z_]\w*$")
 
 
 class Edge(NamedTuple):
@@ -71,6 +73,12 @@ def _imports(module: str, path: Path, modules: Dict[str, Path], package: str,
                 for alias in node.names:  # "from pkg import submodule" imports the submodule
                     add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules
                         else target, node, kind)
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"):
+            name = node.args[0].value  # importlib.import_module("pkg.module"): an import
+            if name == package or name.startswith(package + "."):
+                add(name, node, kind)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             match = PLUGIN_STRING.match(node.value)
             if match and match.group(1).startswith(package + ".") and match.group(1) in modules:
@@ -247,6 +255,11 @@ def test_checker_passes_a_clean_tree(tmp_path):
     ({"mid/c.py": "from ..top import d\n", "top/d.py": ""},
      ["upward import: pkg.mid.c -> pkg.top.d (pkg/mid/c.py:1): mid is on floor 1 (middle), "
       "top on floor 2 (top)"]),
+    # importlib.import_module of a higher floor
+    ({"low/a.py": "import importlib\ndef f():\n    return importlib.import_module('pkg.top.d')\n",
+      "top/d.py": ""},
+     ["upward import: pkg.low.a -> pkg.top.d (pkg/low/a.py:3, in a function): low is on floor 0 "
+      "(bottom), top on floor 2 (top)"]),
     # a plugin string of a higher floor outside the plugin tables
     ({"low/a.py": "X = 'pkg.top.d:D'\n", "top/d.py": ""},
      ["upward import: pkg.low.a -> pkg.top.d (pkg/low/a.py:1, a plugin string): low is on "
