@@ -3,9 +3,9 @@
 A module may import from its own floor and the floors below it, never from a floor above, and
 the import graph has no cycle, between files or between packages (a package may import a
 package of its own floor only where that makes no cycle). Every import counts: module-level,
-function-level, ``TYPE_CHECKING`` and ``importlib.import_module`` ones alike. A plugin table may name a module of a higher
-floor as a ``"module:attribute"`` string (resolved with ``importlib`` where the plugin is
-used); only the modules in :data:`PLUGIN_TABLES` may. ``tests/test_imports.py`` checks all of
+function-level, ``TYPE_CHECKING`` and ``importlib.import_module`` ones alike. A plugin table
+may name a module of a higher floor as a ``"module:attribute"`` string (resolved with
+``importlib`` where the plugin is used); only the modules in :data:`PLUGIN_TABLES` may. ``tests/test_imports.py`` checks all of
 this on every module with :mod:`ast`, and that ``docs/design.md`` and ``README.md`` draw the
 plan of :func:`floor_plan`; ``docs/design.md`` ("Floor plan") says why each floor is where it is.
 
