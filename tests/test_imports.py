@@ -286,3 +286,42 @@ def test_checker_names_a_missing_package(tmp_path):
     (root / "top").rmdir()
     assert floor_violations(root, "pkg", FLOORS) == ["pkg/layers.py names top, which does not exist"]
     assert floor_violations(root, "pkg", FLOORS, planned={"top"}) == []
+
+
+def _plugin_paths(entry) -> List[str]:
+    """The "module:attribute" strings of a plugin table entry (a string or a NamedTuple)."""
+    values = entry if isinstance(entry, tuple) else (entry,)
+    return [v for v in values if isinstance(v, str)]
+
+
+def test_plugin_tables_name_what_exists():
+    """Every entry of the plugin tables (mcore_rl/config/registry.py) names a module of the
+    package that defines the attribute at its top level (read with ast: nothing imported), and
+    the schema offers exactly the tables' names as the choices of their keys."""
+    import dataclasses
+
+    from mcore_rl.config import registry, schema
+    from mcore_rl.config.fields import CHOICES
+
+    modules = _modules(ROOT / "mcore_rl", "mcore_rl")
+    tables = {"generation.backend": registry.BACKENDS, "loss.name": registry.POLICY_LOSSES,
+              "grpo.advantage_estimator": registry.ADVANTAGE_ESTIMATORS,
+              "data.task": registry.TASKS}
+    missing = []
+    for key, table in tables.items():
+        for name, entry in table.items():
+            for path in _plugin_paths(entry):
+                module, _, attribute = path.partition(":")
+                tree = ast.parse(modules[module].read_text()) if module in modules else None
+                defined = tree is not None and any(
+                    getattr(node, "name", None) == attribute
+                    or isinstance(node, ast.Assign) and any(getattr(t, "id", None) == attribute
+                                                            for t in node.targets)
+                    for node in tree.body)
+                if not defined:
+                    missing.append(f"{key}={name}: {path}")
+        section, _, leaf = key.partition(".")
+        cls = type(getattr(schema.TrainConfig(), section))
+        field = next(f for f in dataclasses.fields(cls) if f.name == leaf)
+        assert field.metadata[CHOICES] == tuple(table), key
+    assert not missing, "plugin table entries naming nothing: " + ", ".join(missing)
