@@ -37,9 +37,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mcore_rl.config.loader import load_config  # noqa: E402
-from mcore_rl.controller.placement import Placement, config_plan  # noqa: E402
-from mcore_rl.controller.worker_group import DataParallelGroup  # noqa: E402
 from mcore_rl.data.tokenizer import load_tokenizer  # noqa: E402
+from mcore_rl.distributed.placement import Placement, config_plan  # noqa: E402
+from mcore_rl.distributed.worker_group import DataParallelGroup  # noqa: E402
 from mcore_rl.generation.base import BackendContext  # noqa: E402
 from mcore_rl.generation.registry import backend_class, build_backend  # noqa: E402
 from mcore_rl.megatron.conversion import arch_to_hf_config  # noqa: E402

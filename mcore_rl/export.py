@@ -119,7 +119,7 @@ def load_hf_state_dict(policy: str | Path, hf_config) -> dict[str, torch.Tensor]
     from megatron.core import dist_checkpointing
 
     from mcore_rl.config.schema import MegatronConfig
-    from mcore_rl.controller.worker_group import free_port
+    from mcore_rl.distributed.worker_group import free_port
     from mcore_rl.megatron import parallel
     from mcore_rl.megatron.conversion import export_hf_weights, hf_config_to_arch
     from mcore_rl.megatron.model import build_model

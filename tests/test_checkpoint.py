@@ -26,7 +26,7 @@ from dist_utils import run_distributed
 from mcore_rl.config.schema import CheckpointConfig, OptimizerConfig
 from mcore_rl.controller.checkpoints import CheckpointManager, DamagedCheckpointError
 from mcore_rl.controller.trainer import RLTrainer
-from mcore_rl.controller.worker_group import WorkerError
+from mcore_rl.distributed.worker_group import WorkerError
 
 GBS = 8  # rows of test_value_worker._batch: the global batch of every step here
 

@@ -436,8 +436,8 @@ def test_importance_ratio_cap_is_at_least_one_for_loader_and_loss():
 
 def test_choice_lists_are_the_components_lists():
     from mcore_rl.algorithms.kl import KL_ESTIMATORS
+    from mcore_rl.config.families import FAMILIES
     from mcore_rl.generation.registry import BACKENDS
-    from mcore_rl.megatron.families import FAMILIES
     from mcore_rl.rewards import REWARD_FNS
 
     choices = {key: f.metadata[checks.CHOICES] for key, _, f in _declared(

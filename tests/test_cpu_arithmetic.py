@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcore_rl.controller.worker_group import ProcessWorkerGroup
+from mcore_rl.distributed.worker_group import ProcessWorkerGroup
 from mcore_rl.megatron import cpu_backend
 from mcore_rl.workers.policy import PolicyWorker
 from test_policy_worker import _kwargs

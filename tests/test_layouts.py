@@ -32,7 +32,6 @@ from mcore_rl.algorithms.losses import ClippedPGLoss
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.config.schema import DDPConfig, LossConfig, MegatronConfig, ModelArchConfig, OptimizerConfig
 from mcore_rl.controller import parity
-from mcore_rl.controller.worker_group import DataParallelGroup, ProcessWorkerGroup
 from mcore_rl.data.microbatching import (
     ROW_INDEX,
     gather_rows,
@@ -40,6 +39,7 @@ from mcore_rl.data.microbatching import (
     shapes_vary,
     token_budget_groups,
 )
+from mcore_rl.distributed.worker_group import DataParallelGroup, ProcessWorkerGroup
 from mcore_rl.megatron.conversion import arch_to_hf_config
 from mcore_rl.workers.policy import PolicyWorker, initial_hf_state_dict
 from rollouts import random_rows

@@ -16,7 +16,7 @@ from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.config.schema import (DataConfig, GenerationConfig, MegatronConfig, ModelArchConfig,
                                     OptimizerConfig, TrainConfig)
 from mcore_rl.controller.colocation import Colocation
-from mcore_rl.controller.worker_group import DataParallelGroup, ProcessWorkerGroup, WorkerError
+from mcore_rl.distributed.worker_group import DataParallelGroup, ProcessWorkerGroup, WorkerError
 from mcore_rl.generation.base import BackendContext
 from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.generation.megatron import MegatronGenerationBackend, check_layout

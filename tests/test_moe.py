@@ -34,14 +34,14 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
 from mcore_rl.algorithms.losses import ClippedPGLoss
+from mcore_rl.config.families import arch_errors, layout_errors
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.config.schema import LossConfig, MegatronConfig, ModelArchConfig, OptimizerConfig
 from mcore_rl.controller import parity
 from mcore_rl.controller.trainer import DataParallelGroup
-from mcore_rl.controller.worker_group import ProcessWorkerGroup
 from mcore_rl.data.microbatching import make_microbatches
+from mcore_rl.distributed.worker_group import ProcessWorkerGroup
 from mcore_rl.megatron.conversion import hf_config_to_arch, megatron_to_hf_names
-from mcore_rl.megatron.families import arch_errors, layout_errors
 from mcore_rl.megatron.moe import router_padding_mask
 from mcore_rl.workers.policy import PolicyWorker
 from rollouts import random_rows

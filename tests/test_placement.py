@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mcore_rl.config.schema import ClusterConfig
-from mcore_rl.controller.placement import Placement, config_plan, plan_placement
+from mcore_rl.distributed.placement import Placement, config_plan, plan_placement
 
 
 class GpuProbe:
@@ -112,7 +112,7 @@ def test_a_dead_actor_fails_its_calls_as_gone(fake_gpu_ray):
     its pending and later calls with WorkerError.gone naming its rank (the streaming loop
     drops that generation process and requeues its prompt groups); a method that raises is not
     "gone"; the other ranks go on."""
-    from mcore_rl.controller.worker_group import WorkerError
+    from mcore_rl.distributed.worker_group import WorkerError
 
     placement = Placement(config_plan(ClusterConfig(num_workers=2), {"policy": 2}, {}),
                           use_ray=True, gpus=False)

@@ -11,8 +11,8 @@ import torch
 
 from mcore_rl.algorithms.losses import ClippedPGLoss
 from mcore_rl.config.schema import GenerationConfig, LossConfig, MegatronConfig, ModelArchConfig, OptimizerConfig
-from mcore_rl.controller.worker_group import ProcessWorkerGroup
 from mcore_rl.data import batch as B
+from mcore_rl.distributed.worker_group import ProcessWorkerGroup
 from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.megatron.conversion import arch_to_hf_config
 from mcore_rl.workers.policy import PolicyWorker

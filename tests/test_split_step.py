@@ -43,8 +43,8 @@ import torch
 
 from mcore_rl.algorithms.losses import ClippedPGLoss
 from mcore_rl.config.schema import DDPConfig, LossConfig, MegatronConfig, OptimizerConfig
-from mcore_rl.controller.worker_group import ProcessWorkerGroup, WorkerError
 from mcore_rl.data import batch as B
+from mcore_rl.distributed.worker_group import ProcessWorkerGroup, WorkerError
 from mcore_rl.megatron.conversion import arch_to_hf_config
 from mcore_rl.workers.policy import PolicyWorker
 from test_policy_worker import _kwargs, _rollout

@@ -17,8 +17,8 @@ from mcore_rl.algorithms.losses import NLLLoss
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.config.schema import (ClusterConfig, GenerationConfig, MegatronConfig, ModelArchConfig,
                                     OptimizerConfig, VLLMConfig)
-from mcore_rl.controller.placement import Placement, config_plan
-from mcore_rl.controller.worker_group import DataParallelGroup, ProcessWorkerGroup
+from mcore_rl.distributed.placement import Placement, config_plan
+from mcore_rl.distributed.worker_group import DataParallelGroup, ProcessWorkerGroup
 from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.generation.registry import backend_class
 from mcore_rl.generation.vllm import GROUP, VLLMGenerationBackend, buckets, logprobs_mode, visible_devices

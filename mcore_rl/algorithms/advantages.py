@@ -1,7 +1,7 @@
 """Advantage estimators: GRPO group statistics (with the RLOO and Dr. GRPO variants), GAE,
 REINFORCE++'s globally whitened reward-to-go, and masked whitening.
 
-Conventions (``DESIGN.md``): tensors are ``[B]`` per sample or ``[B, S]`` per token, float32;
+Conventions (``docs/design.md``, "Conventions"): tensors are ``[B]`` per sample or ``[B, S]`` per token, float32;
 ``mask`` is 1 on response tokens; a sample with ``sample_mask = 0`` is dropped.
 """
 
@@ -100,7 +100,8 @@ def gae(
     Estimation" (arXiv:1506.02438), eq. 16: ``A_t = sum_l (gamma*lambda)^l delta_{t+l}`` with
     ``delta_t = r_t + gamma*V_{t+1} - V_t``, where ``t, t+1, ...`` run over the positions with
     ``mask = 1`` only (holes in the mask are skipped) and ``V`` after the last one is 0.
-    Computed by the ``DESIGN.md`` recursion, for t = S-1 .. 0 from ``nextV = lastgae = 0``::
+    Computed by the recursion of ``docs/design.md`` ("Token rewards and GAE"), for
+    t = S-1 .. 0 from ``nextV = lastgae = 0``::
 
         delta = r_t + gamma*nextV - V_t;  g = delta + gamma*lambda*lastgae
         nextV = m_t*V_t + (1-m_t)*nextV;  lastgae = m_t*g + (1-m_t)*lastgae;  A_t = lastgae

@@ -4,7 +4,7 @@ or GSPO's sequence ratio; the token negative log-likelihood for supervised warm 
 clipped value (critic) loss of PPO. All return raw sums so the worker can form the exact global
 mean.
 
-Normalization contract with the Megatron worker (``DESIGN.md``, "Normalization"): a loss
+Normalization contract with the Megatron worker (``docs/design.md``, "Normalization"): a loss
 returns, per microbatch, ``loss_sum`` (NOT divided by anything) and ``count`` (valid tokens
 for ``loss_type == "token"``, valid sequences for ``"sequence"``); the worker divides the
 gradient by the count summed over all microbatches and data-parallel ranks. Metrics are raw

@@ -1,7 +1,7 @@
 """PPO's per-token quantities: token-level rewards (outcome reward plus a KL penalty) and the
 critic's explained variance. GAE and whitening are in :mod:`mcore_rl.algorithms.advantages`.
 
-Conventions (``DESIGN.md``): ``[B, S]`` float32 per token, ``mask`` 1 on the valid response
+Conventions (``docs/design.md``, "Token rewards and GAE"): ``[B, S]`` float32 per token, ``mask`` 1 on the valid response
 tokens (:func:`mcore_rl.algorithms.losses.valid_token_mask`).
 """
 

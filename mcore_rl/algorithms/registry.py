@@ -1,54 +1,43 @@
-"""The policy losses (config key ``loss.name``) and advantage estimators (``grpo.advantage_estimator``)
-by name, imported only when used.
+"""The policy losses (config key ``loss.name``) and advantage estimators
+(``grpo.advantage_estimator``), found by name in the plugin tables of
+:mod:`mcore_rl.config.registry` (:data:`~mcore_rl.config.registry.POLICY_LOSSES`,
+:data:`~mcore_rl.config.registry.ADVANTAGE_ESTIMATORS`) and imported only when used.
 
-Adding one is a line in :data:`POLICY_LOSSES` or :data:`ADVANTAGE_ESTIMATORS`. The schema takes
-the valid names from :func:`policy_loss_names` and :func:`advantage_estimator_names`, the config
-loader runs :func:`config_errors`, and the controllers build a loss with
+Adding one is its function or class in :mod:`mcore_rl.algorithms` plus one line in its table.
+The schema takes the valid names from the tables; the controllers build a loss with
 :func:`build_policy_loss` and look an estimator up with :func:`advantage_estimator`. This module
 imports neither torch nor the schema at import time.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Tuple
+
+from mcore_rl.config import registry as tables
 
 if TYPE_CHECKING:
     import torch
 
     from mcore_rl.config.schema import TrainConfig
 
-# name -> "module:class"; the class takes (LossConfig, max_response_length) and has
-# ClippedPGLoss's interface (loss_type, metric_kinds, __call__).
-POLICY_LOSSES: Dict[str, str] = {
-    "ppo_clip": "mcore_rl.algorithms.losses:ClippedPGLoss",
-    "gspo": "mcore_rl.algorithms.losses:GSPOLoss",
-}
-
-# name -> "module:function"; the function maps (rollout, TrainConfig) to [B, S] float32
-# advantages (mcore_rl.algorithms.estimators).
-ADVANTAGE_ESTIMATORS: Dict[str, str] = {
-    "grpo": "mcore_rl.algorithms.estimators:grpo",
-    "rloo": "mcore_rl.algorithms.estimators:rloo",
-    "reinforce_plus_plus": "mcore_rl.algorithms.estimators:reinforce_plus_plus",
-}
+# The tables, by their names here (name -> "module:attribute" / an Estimator entry).
+POLICY_LOSSES = tables.POLICY_LOSSES
+ADVANTAGE_ESTIMATORS = tables.ADVANTAGE_ESTIMATORS
 
 
 def policy_loss_names() -> Tuple[str, ...]:
     """The valid values of ``loss.name``."""
-    return tuple(POLICY_LOSSES)
+    return tables.names(POLICY_LOSSES)
 
 
 def advantage_estimator_names() -> Tuple[str, ...]:
     """The valid values of ``grpo.advantage_estimator``."""
-    return tuple(ADVANTAGE_ESTIMATORS)
+    return tables.names(ADVANTAGE_ESTIMATORS)
 
 
-def _lookup(table: Dict[str, str], key: str, name: str):
+def _check_name(table: Dict, key: str, name: str) -> None:
     if name not in table:
         raise ValueError(f"{key}: unknown name {name!r}; choose one of {', '.join(table)}")
-    module, _, attribute = table[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
 
 
 def build_policy_loss(cfg: "TrainConfig"):
@@ -59,7 +48,8 @@ def build_policy_loss(cfg: "TrainConfig"):
         ValueError: an unknown name (names ``loss.name``); ``ConfigError`` for a ``loss.*``
             value outside its declared bounds.
     """
-    return _lookup(POLICY_LOSSES, "loss.name", cfg.loss.name)(
+    _check_name(POLICY_LOSSES, "loss.name", cfg.loss.name)
+    return tables.load(POLICY_LOSSES[cfg.loss.name])(
         cfg.loss, max_response_length=cfg.generation.max_new_tokens)
 
 
@@ -69,19 +59,5 @@ def advantage_estimator(name: str) -> Callable[[Dict[str, "torch.Tensor"], "Trai
     Raises:
         ValueError: an unknown name (names ``grpo.advantage_estimator``).
     """
-    return _lookup(ADVANTAGE_ESTIMATORS, "grpo.advantage_estimator", name)
-
-
-def config_errors(cfg: "TrainConfig") -> List[str]:
-    """Combinations of ``loss.*`` and ``grpo.*`` keys no run can use, one message each naming
-    its keys (the config loader's check): a reward KL without the estimator that reads it, an
-    overlong buffer longer than the response budget."""
-    g, out = cfg.grpo, []
-    if cfg.algorithm == "grpo" and g.reward_kl_coef > 0 and g.advantage_estimator != "reinforce_plus_plus":
-        out.append(f"grpo.reward_kl_coef ({g.reward_kl_coef}) is read by "
-                   f"grpo.advantage_estimator=reinforce_plus_plus only (got "
-                   f"{g.advantage_estimator!r}); use loss.kl_coef for a KL term in the loss")
-    if g.overlong_buffer_length > cfg.generation.max_new_tokens:
-        out.append(f"grpo.overlong_buffer_length ({g.overlong_buffer_length}) must be <= "
-                   f"generation.max_new_tokens ({cfg.generation.max_new_tokens})")
-    return out
+    _check_name(ADVANTAGE_ESTIMATORS, "grpo.advantage_estimator", name)
+    return tables.load(ADVANTAGE_ESTIMATORS[name].fn)

@@ -1,7 +1,8 @@
 """Valid values of config keys, declared once on the schema's fields and checked by everyone.
 
 A field of :mod:`mcore_rl.config.schema` declares its choices with :func:`one_of` or its numeric
-range with :func:`bounded` (stored in the dataclass field's metadata). The config loader
+range with :func:`bounded` (:mod:`mcore_rl.config.fields`, stored in the dataclass field's
+metadata). The config loader
 (:func:`mcore_rl.config.loader.validate`), the components that take a config section
 (``ClippedPGLoss(cfg.loss)``, the rollout samplers, GAE, ...) and the reference page
 (``docs/config-reference.md``) all read that declaration through this module, so a bound is
@@ -18,56 +19,17 @@ import dataclasses
 import functools
 import types
 import typing
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional
 
-CHOICES = "choices"  # field metadata key: tuple of the valid strings
-RANGE = "range"      # field metadata key: a Range
+# The declarations (mcore_rl.config.fields), re-exported: this module is what everyone reads.
+from mcore_rl.config.fields import CHOICES, RANGE, Range, bounded, one_of  # noqa: F401
+from mcore_rl.config.schema import TrainConfig
 
 
 class ConfigError(ValueError):
     """Bad user input: a config value, or a file or directory that a config key names (data
     file, model directory, checkpoint). The message names the key and, for a file, the path
     and line; one line per problem."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """A numeric interval; a side that is None is unbounded, an open side excludes its end."""
-
-    low: Optional[float] = None
-    high: Optional[float] = None
-    low_open: bool = False
-    high_open: bool = False
-
-    def __contains__(self, value: float) -> bool:
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
-
-    def __str__(self) -> str:
-        """``>= 1``, ``> 0``, ``<= 1``, ``in [0, 1)``."""
-        if self.high is None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        if self.low is None:
-            return f"{'<' if self.high_open else '<='} {self.high:g}"
-        return (f"in {'(' if self.low_open else '['}{self.low:g}, "
-                f"{self.high:g}{')' if self.high_open else ']'}")
-
-
-def one_of(default: Optional[str], choices: Sequence[str]) -> Any:
-    """A dataclass field with ``default`` whose value must be one of ``choices``."""
-    return dataclasses.field(default=default, metadata={CHOICES: tuple(choices)})
-
-
-def bounded(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None,
-            le: Optional[float] = None, lt: Optional[float] = None) -> Any:
-    """A dataclass field with ``default`` whose value must be ``>= ge`` (or ``> gt``) and
-    ``<= le`` (or ``< lt``); null stays valid for an ``Optional`` field (it means "off")."""
-    if ge is not None and gt is not None or le is not None and lt is not None:
-        raise TypeError("bounded: give at most one of ge/gt and one of le/lt")
-    low, high = (gt if ge is None else ge), (lt if le is None else le)
-    return dataclasses.field(default=default, metadata={
-        RANGE: Range(low, high, low_open=gt is not None, high_open=lt is not None)})
 
 
 @functools.cache
@@ -145,8 +107,6 @@ def check_value(key: str, value: Any) -> None:
 @functools.cache
 def _field_at(key: str) -> tuple:
     """``(dataclass, field)`` of the dotted ``key`` in the schema's ``TrainConfig``."""
-    from mcore_rl.config.schema import TrainConfig  # the schema imports this module
-
     *parents, name = key.split(".")
     cls = functools.reduce(lambda c, part: typing.get_type_hints(c)[part], parents, TrainConfig)
     return cls, next(f for f in dataclasses.fields(cls) if f.name == name)

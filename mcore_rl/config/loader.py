@@ -29,14 +29,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 import mcore_rl
-from mcore_rl.algorithms import registry as algorithm_registry
 from mcore_rl.config import checks
 from mcore_rl.config.checks import ConfigError
+from mcore_rl.config.families import arch_errors, layout_errors, parallel_shape_errors
 from mcore_rl.config.paths import file_problem, hf_checkpoint_errors, tokenizer_dir_error
+from mcore_rl.config.registry import ADVANTAGE_ESTIMATORS, backend_errors, task_errors
 from mcore_rl.config.schema import CHAR_TOKENIZER, DataConfig, TrainConfig
-from mcore_rl.data.synthetic import synthetic_config_errors
-from mcore_rl.generation import registry as generation_registry
-from mcore_rl.megatron.families import arch_errors, layout_errors, parallel_shape_errors
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent
 DEFAULT_CONFIG_DIR = PKG_DIR.parent / "configs"
@@ -312,8 +310,8 @@ def validate(cfg: TrainConfig) -> None:
                        for n in gpu_only]
 
     gen, data, grpo = cfg.generation, cfg.data, cfg.grpo
-    errors += generation_registry.config_errors(cfg)
-    errors += algorithm_registry.config_errors(cfg)
+    errors += backend_errors(cfg)
+    errors += algorithm_errors(cfg)
     check(data.max_prompt_length + gen.max_new_tokens <= data.max_total_length,
           f"data.max_prompt_length + generation.max_new_tokens ({data.max_prompt_length} + "
           f"{gen.max_new_tokens}) must be <= data.max_total_length ({data.max_total_length})")
@@ -372,8 +370,10 @@ def streaming_errors(cfg: TrainConfig) -> List[str]:
         if loop.optimizer_steps_per_rollout != 1:
             errors.append(f"{on} needs grpo.optimizer_steps_per_rollout=1 (got "
                           f"{loop.optimizer_steps_per_rollout}): {one_step}")
-        if loop.advantage_estimator not in ("grpo", "rloo"):
-            errors.append(f"{on} needs a per-group grpo.advantage_estimator (grpo or rloo; got "
+        estimator = ADVANTAGE_ESTIMATORS.get(loop.advantage_estimator)
+        if estimator is not None and not estimator.per_group:
+            per_group = " or ".join(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.per_group)
+            errors.append(f"{on} needs a per-group grpo.advantage_estimator ({per_group}; got "
                           f"{loop.advantage_estimator}): a group trains as soon as it is scored")
         if loop.dynamic_sampling:
             errors.append(f"{on} cannot use grpo.dynamic_sampling (it draws prompt groups in "
@@ -390,23 +390,23 @@ def streaming_errors(cfg: TrainConfig) -> List[str]:
     return errors
 
 
-def task_errors(data: DataConfig) -> List[str]:
-    """Why ``data.task`` cannot load its prompts from ``data`` (the ``data`` section), one
-    message per problem naming its keys; empty when it can (checked by :func:`validate` and
-    :func:`mcore_rl.data.prompts.load_task`). ``gsm8k``: ``data.train_path`` set, and each path
-    set an existing file; ``synthetic``: no paths, and
-    :func:`~mcore_rl.data.synthetic.synthetic_config_errors`."""
-    if data.task == "gsm8k":
-        missing = [] if data.train_path else ["data.task=gsm8k needs data.train_path (a GSM8K "
-                                              "JSONL file)"]
-        paths = {f"data.{name}": getattr(data, name) for name in ("train_path", "test_path")}
-        return missing + [f"{key}: {path}: {problem}" for key, path in paths.items()
-                          if path and (problem := file_problem(path))]
-    if data.task == "synthetic":
-        paths = ["data.train_path and data.test_path must be null for data.task=synthetic (its "
-                 "prompts come from data.synthetic)"] if data.train_path or data.test_path else []
-        return paths + synthetic_config_errors(data.synthetic)
-    return []
+def algorithm_errors(cfg: TrainConfig) -> List[str]:
+    """Combinations of ``loss.*`` and ``grpo.*`` keys no run can use, one message each naming
+    its keys: a reward KL without an estimator that reads it
+    (:attr:`~mcore_rl.config.registry.Estimator.reads_reward_kl`), an overlong buffer longer
+    than the response budget."""
+    g, out = cfg.grpo, []
+    estimator = ADVANTAGE_ESTIMATORS.get(g.advantage_estimator)
+    if (cfg.algorithm == "grpo" and g.reward_kl_coef > 0 and estimator is not None
+            and not estimator.reads_reward_kl):
+        readers = " or ".join(f"grpo.advantage_estimator={n}"
+                              for n, e in ADVANTAGE_ESTIMATORS.items() if e.reads_reward_kl)
+        out.append(f"grpo.reward_kl_coef ({g.reward_kl_coef}) is read by {readers} only (got "
+                   f"{g.advantage_estimator!r}); use loss.kl_coef for a KL term in the loss")
+    if g.overlong_buffer_length > cfg.generation.max_new_tokens:
+        out.append(f"grpo.overlong_buffer_length ({g.overlong_buffer_length}) must be <= "
+                   f"generation.max_new_tokens ({cfg.generation.max_new_tokens})")
+    return out
 
 
 def _cuda_available() -> bool:

@@ -4,8 +4,8 @@ YAML files in ``configs/`` are composed over these dataclasses by Hydra (see
 :mod:`mcore_rl.config.loader`), so an unknown key or a wrong type is refused before any work.
 Units: learning rates per optimizer step, lengths in tokens, intervals in RL steps.
 Each field's meaning is the comment directly above it (or at the end of its line); its valid
-values are declared with :func:`~mcore_rl.config.checks.one_of` (choices) or
-:func:`~mcore_rl.config.checks.bounded` (a range), which config loading and the components
+values are declared with :func:`~mcore_rl.config.fields.one_of` (choices) or
+:func:`~mcore_rl.config.fields.bounded` (a range), which config loading and the components
 check (:mod:`mcore_rl.config.checks`); :mod:`mcore_rl.config.docs` writes both into
 ``docs/config-reference.md``.
 """
@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from mcore_rl.algorithms.registry import advantage_estimator_names, policy_loss_names
-from mcore_rl.config.checks import bounded, one_of
-from mcore_rl.generation.registry import backend_names
+from mcore_rl.config.fields import bounded, one_of
+from mcore_rl.config.registry import ADVANTAGE_ESTIMATORS, BACKENDS, POLICY_LOSSES, TASKS, names
 
 # Choice lists that components take from here rather than repeat.
-# cluster.placement: how mcore_rl.controller.placement puts worker groups on GPUs.
+# cluster.placement: how mcore_rl.distributed.placement puts worker groups on GPUs.
 PLACEMENTS = ("colocated", "separate")
 # loss.kl_estimator and ppo.reward_kl_estimator: mcore_rl.algorithms.kl.kl_estimate.
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -28,7 +27,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 # batch's loss (the field's loss_agg_mode names).
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                      "seq-mean-token-sum-norm")
-# model.arch.family: the Hugging Face model_types of mcore_rl.megatron.families.FAMILIES.
+# model.arch.family: the Hugging Face model_types of mcore_rl.config.families.FAMILIES.
 MODEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # *.megatron.moe_token_dispatcher_type: Megatron-Core token dispatchers that run on gloo and
 # NCCL ("flex" needs DeepEP).
@@ -279,13 +278,13 @@ class VLLMConfig:
 class GenerationConfig:
     """The rollout engine and its decoding."""
 
-    # Rollout engine (mcore_rl/generation/registry.py): "hf" (a transformers model with our own
+    # Rollout engine (mcore_rl/config/registry.py): "hf" (a transformers model with our own
     # decoding loop, refit by weight copy), "megatron" (the policy workers decode with the
     # policy's own Megatron model and a static KV cache, weights shared in place: refit copies
     # nothing; needs policy.megatron.pipeline_model_parallel_size=1 and sequence_parallel=false)
     # or "vllm" (vLLM engines in processes of their own, refit by streamed weights:
     # generation.vllm).
-    backend: str = one_of("hf", backend_names())
+    backend: str = one_of("hf", names(BACKENDS))
     # Sampling temperature; the policy's logprobs use the same temperature.
     temperature: float = bounded(1.0, gt=0)
     # Nucleus sampling mass; 1 disables (logprobs are taken before the filter).
@@ -342,7 +341,7 @@ class DataConfig:
     """The prompt data set and how prompts are rendered."""
 
     # "synthetic" (data.synthetic) or "gsm8k" (JSONL files).
-    task: str = one_of("synthetic", ("synthetic", "gsm8k"))
+    task: str = one_of("synthetic", names(TASKS))
     # JSONL files (GSM8K schema: question, answer with "#### N"); null for synthetic.
     train_path: Optional[str] = None
     # Held-out GSM8K JSONL for validation; null: no validation (must be null for synthetic).
@@ -377,10 +376,10 @@ class RewardConfig:
 class LossConfig:
     """The policy loss (:mod:`mcore_rl.algorithms.losses`, chosen by ``loss.name``)."""
 
-    # Policy loss (mcore_rl/algorithms/registry.py): "ppo_clip" (token-level ratio, PPO-clip;
+    # Policy loss (mcore_rl/config/registry.py): "ppo_clip" (token-level ratio, PPO-clip;
     # Schulman et al. 2017) or "gspo" (sequence-level length-normalized ratio, clipped per
     # sequence; Zheng et al. 2025: use small clip ranges, e.g. 3e-4 / 4e-4).
-    name: str = one_of("ppo_clip", policy_loss_names())
+    name: str = one_of("ppo_clip", names(POLICY_LOSSES))
     # Ratio clipped below at 1 - this (Schulman et al. 2017, eq. 7).
     ratio_clip_low: float = bounded(0.2, ge=0, lt=1)
     # Ratio clipped above at 1 + this; above ratio_clip_low is DAPO's clip-higher (Yu et al. 2025).
@@ -444,11 +443,11 @@ class GRPOConfig(StreamingLoopConfig):
     num_generations: int = bounded(8, ge=2)
     # RL steps to run: each is one rollout, its optimizer steps and a refit.
     max_steps: int = bounded(100, ge=0)
-    # Advantage estimator (mcore_rl/algorithms/registry.py): "grpo" (group mean baseline, over
+    # Advantage estimator (mcore_rl/config/registry.py): "grpo" (group mean baseline, over
     # the group std with normalize_std; Shao et al. 2024), "rloo" (leave-one-out mean of the
     # group; Ahmadian et al. 2024), "reinforce_plus_plus" (reward-to-go with the KL penalty
     # grpo.reward_kl_coef in the reward, whitened over the global batch; Hu 2025).
-    advantage_estimator: str = one_of("grpo", advantage_estimator_names())
+    advantage_estimator: str = one_of("grpo", names(ADVANTAGE_ESTIMATORS))
     # "grpo" estimator: divide by the group std (Shao et al. 2024); false gives Dr. GRPO's
     # mean-centering (Liu et al. 2025).
     normalize_std: bool = True

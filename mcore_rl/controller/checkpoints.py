@@ -27,7 +27,7 @@ import shutil
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from mcore_rl.config.schema import CheckpointConfig
-from mcore_rl.controller.worker_group import WorkerError
+from mcore_rl.distributed.worker_group import WorkerError
 
 _log = logging.getLogger(__name__)
 

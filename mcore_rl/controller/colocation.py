@@ -32,7 +32,7 @@ class Colocation:
     """The device hand-over between a policy and a rollout backend.
 
     Args:
-        policy: the policy's :class:`~mcore_rl.controller.worker_group.DataParallelGroup`
+        policy: the policy's :class:`~mcore_rl.distributed.worker_group.DataParallelGroup`
             (its ``call`` reaches every rank).
         backend: the rollout backend.
         enabled: ``cluster.colocate_generation``; False makes every method but :meth:`refit` a

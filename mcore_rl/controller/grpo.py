@@ -20,6 +20,7 @@ from typing import Any, Dict, Tuple
 from mcore_rl.algorithms import dapo
 from mcore_rl.algorithms.registry import advantage_estimator, build_policy_loss
 from mcore_rl.config.schema import TrainConfig
+from mcore_rl.controller.streaming import StreamingLoop
 from mcore_rl.controller.trainer import RLTrainer, run_eval, run_trainer
 from mcore_rl.data import batch as B
 
@@ -107,14 +108,20 @@ class GRPOTrainer(RLTrainer):
         return metrics
 
 
+class StreamingGRPOTrainer(StreamingLoop, GRPOTrainer):
+    """GRPO (:class:`GRPOTrainer`) with the streaming loop (``grpo.streaming``): each group's
+    rewards shaped and advantages set as it is scored (a per-group estimator: load-time
+    check)."""
+
+    def _score_group(self, rows: B.Batch) -> None:
+        self._shape_rewards(rows)
+        self._set_advantages(rows)
+
+
 def trainer_class(cfg: TrainConfig):
     """:class:`GRPOTrainer`, or with ``grpo.streaming`` the streaming loop's
-    (:class:`~mcore_rl.controller.streaming.StreamingGRPOTrainer`)."""
-    if cfg.grpo.streaming:
-        from mcore_rl.controller.streaming import StreamingGRPOTrainer
-
-        return StreamingGRPOTrainer
-    return GRPOTrainer
+    (:class:`StreamingGRPOTrainer`)."""
+    return StreamingGRPOTrainer if cfg.grpo.streaming else GRPOTrainer
 
 
 def run(cfg: TrainConfig) -> Dict[str, Any]:

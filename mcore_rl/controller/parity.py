@@ -1,7 +1,7 @@
 """Layout parity: one policy training step in a parallel layout against a reference layout.
 
 The same model and global batch must give the same numbers whatever the TP x PP x DP layout
-(``DESIGN.md``, "Tests, in tiers"). :func:`record_step` runs what an RL step runs on a policy
+(``docs/design.md``, "Tests, in tiers"). :func:`record_step` runs what an RL step runs on a policy
 worker group (logprobs, one ``train`` step, the refit export) and keeps the numbers;
 :func:`compare` turns two records into the differences that matter; :func:`parity_table`
 prints them. The CPU tests (``tests/test_layouts.py``, fp32, gloo) and the GPU check
@@ -15,8 +15,8 @@ from typing import Dict, Mapping, Sequence
 
 import torch
 
-from mcore_rl.controller.worker_group import DataParallelGroup
 from mcore_rl.data import batch as B
+from mcore_rl.distributed.worker_group import DataParallelGroup
 
 # compare()'s keys, in table order.
 DIFF_KEYS = ("logprobs_rel", "loss_rel", "grad_norm_rel", "params_max_abs")

@@ -17,6 +17,7 @@ After a supervised warm start the critic's backbone takes the warm-started polic
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -27,9 +28,10 @@ from mcore_rl.algorithms.losses import ClippedValueLoss, valid_token_mask
 from mcore_rl.algorithms.ppo import explained_variance, token_level_rewards
 from mcore_rl.algorithms.registry import build_policy_loss
 from mcore_rl.config.schema import TrainConfig
+from mcore_rl.controller.streaming import SplitStep, StreamingLoop
 from mcore_rl.controller.trainer import RLTrainer, run_eval, run_trainer, step_seed
-from mcore_rl.controller.worker_group import DataParallelGroup
 from mcore_rl.data import batch as B
+from mcore_rl.distributed.worker_group import DataParallelGroup
 from mcore_rl.utils.logging import RunLogger
 
 
@@ -38,7 +40,7 @@ class PPOTrainer(RLTrainer):
     sections ``ppo`` and ``value``.
 
     Attributes:
-        value: the critic's :class:`~mcore_rl.controller.worker_group.DataParallelGroup`,
+        value: the critic's :class:`~mcore_rl.distributed.worker_group.DataParallelGroup`,
             on the policy's GPUs or GPUs of its own (``cluster.placement``).
     """
 
@@ -190,14 +192,41 @@ def _mean_metrics(metrics: List[Dict[str, float]], prefix: str) -> Dict[str, flo
     return {f"{prefix}{k}": sum(m[k] for m in metrics) / len(metrics) for k in metrics[-1]}
 
 
+class StreamingPPOTrainer(StreamingLoop, PPOTrainer):
+    """PPO (:class:`PPOTrainer`) with the streaming loop (``ppo.streaming``): a chunk's values
+    come from the critic with its logprobs, then its token rewards, GAE advantages and returns
+    (:meth:`PPOTrainer.compute_advantages`, unwhitened: load-time check); the critic's split
+    step runs in every RL step, the policy's after ``ppo.critic_warmup_steps`` (the policy
+    version counts the policy's updates, so the warm-up's rollouts are not stale)."""
+
+    def _chunk_calls(self, chunk: B.Batch, dp_ranks: Dict[str, int]) -> Dict[str, Future]:
+        calls = super()._chunk_calls(chunk, dp_ranks)
+        calls["prev_values"] = self.value.call_per_dp_async(
+            "get_values", [[chunk, self.cfg.value.values_micro_batch_size]],
+            dp_ranks=[dp_ranks["value"]])
+        return calls
+
+    def _prepare_chunk(self, chunk: B.Batch) -> None:
+        self.compute_advantages(chunk)
+
+    def _split_steps(self) -> Dict[str, SplitStep]:
+        critic = {"value": SplitStep(self.value, self.value_loss_fn,
+                                     self.cfg.value.micro_batch_size, "critic/")}
+        if self.step < self.cfg.ppo.critic_warmup_steps:
+            return critic
+        return {**critic, **super()._split_steps()}
+
+    def _policy_version(self, step: int) -> int:
+        return max(0, step - self.cfg.ppo.critic_warmup_steps)
+
+    def _batch_metrics(self, rollout: B.Batch) -> Dict[str, float]:
+        return self.critic_metrics(rollout)
+
+
 def trainer_class(cfg: TrainConfig):
     """:class:`PPOTrainer`, or with ``ppo.streaming`` the streaming loop's
-    (:class:`~mcore_rl.controller.streaming.StreamingPPOTrainer`)."""
-    if cfg.ppo.streaming:
-        from mcore_rl.controller.streaming import StreamingPPOTrainer
-
-        return StreamingPPOTrainer
-    return PPOTrainer
+    (:class:`StreamingPPOTrainer`)."""
+    return StreamingPPOTrainer if cfg.ppo.streaming else PPOTrainer
 
 
 def run(cfg: TrainConfig) -> Dict[str, Any]:

@@ -12,7 +12,7 @@ a micro-batch's worth of rows (a chunk) takes the chunk's old (and reference) lo
 (PPO: then the chunk's token rewards and GAE advantages and returns, exact per chunk since GAE
 runs per sequence) it feeds the chunk to ``train_microbatch`` of every split step of the RL step
 (GRPO: the policy's; PPO: the critic's and the policy's, the critic's alone in the
-``ppo.critic_warmup_steps``), :class:`~mcore_rl.controller.worker_group.DataParallelGroup`.
+``ppo.critic_warmup_steps``), :class:`~mcore_rl.distributed.worker_group.DataParallelGroup`.
 Generation, the forward passes and training run at once. When ``num_prompts_per_step`` groups
 are in, ``finish_train_step`` takes the optimizer steps (PPO: the critic's first, as the
 synchronous loop), and the new policy weights are pushed to the generation processes, queued
@@ -66,12 +66,10 @@ from typing import Any, Callable, Deque, Dict, List, Tuple
 import torch
 
 from mcore_rl.config.schema import TrainConfig
-from mcore_rl.controller.grpo import GRPOTrainer
 from mcore_rl.controller.logprob_budget import LogprobBudgetExceeded
-from mcore_rl.controller.ppo import PPOTrainer
 from mcore_rl.controller.trainer import step_seed
-from mcore_rl.controller.worker_group import DataParallelGroup, WorkerError
 from mcore_rl.data import batch as B
+from mcore_rl.distributed.worker_group import DataParallelGroup, WorkerError
 from mcore_rl.generation.base import assemble_rollout
 
 # Generation calls queued per process: one decoding, one waiting.
@@ -157,7 +155,10 @@ class _Chunk:
 
 class StreamingLoop:
     """The streaming loop of the module docstring, on a synchronous trainer (the classes after
-    it in the MRO: :class:`GRPOTrainer` or :class:`PPOTrainer`), whose section gives
+    it in the MRO: :class:`~mcore_rl.controller.grpo.GRPOTrainer` in
+    :class:`~mcore_rl.controller.grpo.StreamingGRPOTrainer`,
+    :class:`~mcore_rl.controller.ppo.PPOTrainer` in
+    :class:`~mcore_rl.controller.ppo.StreamingPPOTrainer`), whose section gives
     ``streaming``, ``max_staleness``, ``max_step_retries``, ``num_prompts_per_step`` and
     ``num_generations``; the generation processes of a
     :class:`~mcore_rl.generation.base.StreamingBackend`.
@@ -481,44 +482,3 @@ class StreamingLoop:
             if isinstance(e, WorkerError):
                 raise _Fault(str(e)) from e
             raise
-
-
-class StreamingGRPOTrainer(StreamingLoop, GRPOTrainer):
-    """GRPO (:class:`GRPOTrainer`) with the streaming loop (``grpo.streaming``): each group's
-    rewards shaped and advantages set as it is scored (a per-group estimator: load-time
-    check)."""
-
-    def _score_group(self, rows: B.Batch) -> None:
-        self._shape_rewards(rows)
-        self._set_advantages(rows)
-
-
-class StreamingPPOTrainer(StreamingLoop, PPOTrainer):
-    """PPO (:class:`PPOTrainer`) with the streaming loop (``ppo.streaming``): a chunk's values
-    come from the critic with its logprobs, then its token rewards, GAE advantages and returns
-    (:meth:`PPOTrainer.compute_advantages`, unwhitened: load-time check); the critic's split
-    step runs in every RL step, the policy's after ``ppo.critic_warmup_steps`` (the policy
-    version counts the policy's updates, so the warm-up's rollouts are not stale)."""
-
-    def _chunk_calls(self, chunk: B.Batch, dp_ranks: Dict[str, int]) -> Dict[str, Future]:
-        calls = super()._chunk_calls(chunk, dp_ranks)
-        calls["prev_values"] = self.value.call_per_dp_async(
-            "get_values", [[chunk, self.cfg.value.values_micro_batch_size]],
-            dp_ranks=[dp_ranks["value"]])
-        return calls
-
-    def _prepare_chunk(self, chunk: B.Batch) -> None:
-        self.compute_advantages(chunk)
-
-    def _split_steps(self) -> Dict[str, SplitStep]:
-        critic = {"value": SplitStep(self.value, self.value_loss_fn,
-                                     self.cfg.value.micro_batch_size, "critic/")}
-        if self.step < self.cfg.ppo.critic_warmup_steps:
-            return critic
-        return {**critic, **super()._split_steps()}
-
-    def _policy_version(self, step: int) -> int:
-        return max(0, step - self.cfg.ppo.critic_warmup_steps)
-
-    def _batch_metrics(self, rollout: B.Batch) -> Dict[str, float]:
-        return self.critic_metrics(rollout)

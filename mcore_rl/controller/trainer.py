@@ -1,7 +1,7 @@
 """What every RL loop of the single controller shares (GRPO, PPO).
 
 :class:`RLTrainer` holds the run's pieces: tokenizer, prompt data and sampler, the placement of
-its worker groups (:mod:`~mcore_rl.controller.placement`), the policy worker group, the rollout
+its worker groups (:mod:`~mcore_rl.distributed.placement`), the policy worker group, the rollout
 backend (built by name from :mod:`mcore_rl.generation.registry`), the device hand-over between
 them (:mod:`~mcore_rl.controller.colocation`), the verifier and the logger; it generates and
 scores rollouts, refits the rollout backend, validates (greedy accuracy on held-out prompts),
@@ -31,8 +31,8 @@ from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.checkpoints import CheckpointManager
 from mcore_rl.controller.logprob_budget import LogprobBudget, LogprobBudgetExceeded, mismatch_figures
 from mcore_rl.controller.preemption import EXIT_CODE, Preempted, PreemptionSignals
-from mcore_rl.controller.worker_group import DataParallelGroup
 from mcore_rl.data import batch as B
+from mcore_rl.distributed.worker_group import DataParallelGroup
 from mcore_rl.utils.logging import RunLogger
 from mcore_rl.utils.timers import PhaseTimer, phase_table
 
@@ -58,8 +58,8 @@ class RLTrainer:
         group_names: the Megatron worker groups the subclass builds (the policy first), each of
             ``cluster.num_workers`` ranks, placed together (:attr:`placement`).
         loop: that section.
-        placement: the :class:`~mcore_rl.controller.placement.Placement` of the worker groups.
-        policy: the policy's :class:`~mcore_rl.controller.worker_group.DataParallelGroup`.
+        placement: the :class:`~mcore_rl.distributed.placement.Placement` of the worker groups.
+        policy: the policy's :class:`~mcore_rl.distributed.worker_group.DataParallelGroup`.
         generation: the rollout backend (:class:`~mcore_rl.generation.base.GenerationBackend`).
         colocation: the device hand-over between them
             (:class:`~mcore_rl.controller.colocation.Colocation`).
@@ -70,13 +70,13 @@ class RLTrainer:
 
     def __init__(self, cfg: TrainConfig):
         from mcore_rl.controller.colocation import Colocation
-        from mcore_rl.controller.placement import Placement, config_plan
         from mcore_rl.data.prompts import PromptSampler, load_task
         from mcore_rl.data.tokenizer import load_tokenizer
+        from mcore_rl.distributed.placement import Placement, config_plan
         from mcore_rl.generation.base import BackendContext
         from mcore_rl.generation.registry import backend_class, build_backend
         from mcore_rl.megatron.conversion import arch_to_hf_config, hf_config_to_arch
-        from mcore_rl.megatron.families import parallel_shape_errors
+        from mcore_rl.config.families import parallel_shape_errors
         from mcore_rl.megatron.parallel import resolve_device
         from mcore_rl.rewards import get_reward_fn
         from mcore_rl.rewards.pool import RewardScorer, default_num_workers

@@ -21,11 +21,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from mcore_rl.config.checks import ConfigError
 from mcore_rl.config.paths import file_problem
 from mcore_rl.data.example import Example
+
+if TYPE_CHECKING:
+    from mcore_rl.config.schema import DataConfig
 
 GSM8K_SAMPLE_DIR = Path(__file__).resolve().parent / "samples" / "gsm8k"
 
@@ -90,3 +93,23 @@ def _parse_record(line: str, source: str, prefix: str) -> Example:
     steps = _CALCULATOR_ANNOTATION.sub("", reasoning).strip()
     solution = f"{steps}\nThe answer is {answer}." if steps else f"The answer is {answer}."
     return Example(prompt=record["question"], answer=answer, solution=solution, source=source)
+
+
+def task_errors(data: "DataConfig") -> List[str]:
+    """The load-time check of ``data.task=gsm8k`` (its entry in
+    :data:`mcore_rl.config.registry.TASKS`), one message per problem naming its keys:
+    ``data.train_path`` set, and each path set an existing file."""
+    missing = [] if data.train_path else ["data.task=gsm8k needs data.train_path (a GSM8K "
+                                          "JSONL file)"]
+    paths = {f"data.{name}": getattr(data, name) for name in ("train_path", "test_path")}
+    return missing + [f"{key}: {path}: {problem}" for key, path in paths.items()
+                      if path and (problem := file_problem(path))]
+
+
+def task_examples(data: "DataConfig", seed: int) -> Tuple[List[Example], List[Example]]:
+    """``data.task=gsm8k``: :func:`load_gsm8k` of ``data.train_path`` and of
+    ``data.test_path`` (empty when null: no validation set; the train file is never split, so
+    the training prompts stay what the file says). ``seed`` is unused."""
+    train = load_gsm8k(data.train_path, key="data.train_path")
+    test = load_gsm8k(data.test_path, key="data.test_path") if data.test_path is not None else []
+    return train, test

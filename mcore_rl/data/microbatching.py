@@ -22,7 +22,7 @@ A training or logprob pass cuts a worker's rows into micro-batches, one of three
   swapped (measured: a deadlock on gloo). Fixed micro-batches of ``budget // width`` rows at
   the batch's width instead, so the budget still bounds each micro-batch.
 
-The loss is a sum over tokens divided by the global count (``DESIGN.md``, normalization), so
+The loss is a sum over tokens divided by the global count (``docs/design.md``, "Normalization"), so
 both ways give the same gradient up to float summation order.
 
 Each micro-batch carries ``row_index`` ``[b]`` int64: the row's index in the input batch, -1

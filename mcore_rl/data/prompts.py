@@ -12,12 +12,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from mcore_rl.config.checks import ConfigError, check_value, errors
-from mcore_rl.config.loader import task_errors
+from mcore_rl.config.registry import TASKS, load, task_errors
 from mcore_rl.config.schema import DataConfig
 from mcore_rl.data.batch import Batch
 from mcore_rl.data.example import Example
-from mcore_rl.data.gsm8k import load_gsm8k
-from mcore_rl.data.synthetic import make_synthetic_examples
 
 logger = logging.getLogger("mcore_rl.data")
 
@@ -136,31 +134,24 @@ class PromptSampler:
 
 def load_task(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
               seed: int) -> Tuple[PromptDataset, Optional[PromptDataset]]:
-    """Train and validation prompt datasets of ``data.task``.
-
-    - ``"synthetic"``: :func:`~mcore_rl.data.synthetic.make_synthetic_examples` from
-      ``data.synthetic`` and ``seed``; no validation set when ``num_test`` is 0.
-    - ``"gsm8k"``: :func:`~mcore_rl.data.gsm8k.load_gsm8k` on ``data.train_path`` (required)
-      and ``data.test_path``; no validation set when ``test_path`` is null (the train file is
-      never split, so the training prompts stay what the file says).
+    """Train and validation prompt datasets of ``data.task``: the examples of the task's entry
+    in :data:`mcore_rl.config.registry.TASKS` (``synthetic``:
+    :func:`mcore_rl.data.synthetic.task_examples`; ``gsm8k``:
+    :func:`mcore_rl.data.gsm8k.task_examples`), rendered and tokenized.
 
     Returns:
         ``(train, test)``; ``test`` is None when the run has no validation set.
 
     Raises:
         ConfigError: a ``data`` key outside its declared choices or bounds, a problem of
-            :func:`~mcore_rl.config.loader.task_errors` (``data.train_path`` null or missing for
+            :func:`~mcore_rl.config.registry.task_errors` (``data.train_path`` null or missing for
             gsm8k, set for synthetic, ...), and the errors of the loaders and
             :class:`PromptDataset`.
     """
     problems = errors(cfg, "data") + task_errors(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
-    if cfg.task == "synthetic":
-        train, test = make_synthetic_examples(cfg.synthetic, seed)
-    else:
-        train = load_gsm8k(cfg.train_path, key="data.train_path")
-        test = load_gsm8k(cfg.test_path, key="data.test_path") if cfg.test_path is not None else []
+    train, test = load(TASKS[cfg.task].examples)(cfg, seed)
 
     def dataset(examples: List[Example]) -> PromptDataset:
         return PromptDataset(examples, tokenizer, cfg.prompt_template, cfg.use_chat_template,

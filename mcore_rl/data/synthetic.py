@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import operator
 import random
-from typing import List, Tuple
+from typing import TYPE_CHECKING, List, Tuple
 
 from mcore_rl.config.checks import ConfigError, errors
 from mcore_rl.config.schema import SyntheticTaskConfig
 from mcore_rl.data.example import Example
+
+if TYPE_CHECKING:
+    from mcore_rl.config.schema import DataConfig
 
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
@@ -81,3 +84,18 @@ def make_synthetic_examples(cfg: SyntheticTaskConfig,
     test = [example(i, "test", k) for k, i in enumerate(drawn[:cfg.num_test])]
     train = [example(i, "train", k) for k, i in enumerate(drawn[cfg.num_test:])]
     return train, test
+
+
+def task_errors(data: "DataConfig") -> List[str]:
+    """The load-time check of ``data.task=synthetic`` (its entry in
+    :data:`mcore_rl.config.registry.TASKS`), one message per problem naming its keys: no data
+    paths, and :func:`synthetic_config_errors` of ``data.synthetic``."""
+    paths = ["data.train_path and data.test_path must be null for data.task=synthetic (its "
+             "prompts come from data.synthetic)"] if data.train_path or data.test_path else []
+    return paths + synthetic_config_errors(data.synthetic)
+
+
+def task_examples(data: "DataConfig", seed: int) -> Tuple[List[Example], List[Example]]:
+    """``data.task=synthetic``: :func:`make_synthetic_examples` of ``data.synthetic`` and
+    ``seed`` (no validation set when ``num_test`` is 0)."""
+    return make_synthetic_examples(data.synthetic, seed)

@@ -23,8 +23,8 @@ from mcore_rl.config.schema import GenerationConfig, TrainConfig
 from mcore_rl.data.batch import Batch
 
 if TYPE_CHECKING:
-    from mcore_rl.controller.placement import Placement
-    from mcore_rl.controller.worker_group import DataParallelGroup
+    from mcore_rl.distributed.placement import Placement
+    from mcore_rl.distributed.worker_group import DataParallelGroup
 
 
 @dataclasses.dataclass
@@ -39,9 +39,9 @@ class BackendContext:
         pad_token_id: fills ``input_ids`` after a row's end.
         vocab_size: the policy's real vocabulary (prompt ids are checked against it).
         device: ``"cpu"`` or ``"cuda"`` (``cluster.device`` resolved).
-        policy: the policy's worker group (:class:`~mcore_rl.controller.worker_group.
+        policy: the policy's worker group (:class:`~mcore_rl.distributed.worker_group.
             DataParallelGroup`), for a backend that decodes on it or pulls weights from it.
-        placement: the run's :class:`~mcore_rl.controller.placement.Placement`; a backend with
+        placement: the run's :class:`~mcore_rl.distributed.placement.Placement`; a backend with
             worker groups of its own (:meth:`GenerationBackend.worker_groups`) builds them with
             ``placement.make_group`` or places its processes with ``placement.actor_options``.
     """
@@ -113,7 +113,7 @@ class GenerationBackend(abc.ABC):
     def worker_groups(cls, cfg: TrainConfig) -> Dict[str, int]:
         """Worker groups of its own that need a GPU per rank, by name -> ranks (an engine in
         processes of its own); placed with the run's training groups before anything is built
-        (:mod:`mcore_rl.controller.placement`; on the policy's GPUs with
+        (:mod:`mcore_rl.distributed.placement`; on the policy's GPUs with
         ``cluster.colocate_generation``). Default: none."""
         return {}
 
@@ -197,7 +197,7 @@ class Push(NamedTuple):
     """Weights of one policy version on their way into a :class:`StreamingBackend`'s workers
     (:meth:`StreamingBackend.push`): ``gbytes``, GB of weights each worker loads, and
     ``loaded``, a future of None once every live worker has loaded them (a
-    :class:`~mcore_rl.controller.worker_group.WorkerError` naming the workers that failed or
+    :class:`~mcore_rl.distributed.worker_group.WorkerError` naming the workers that failed or
     are gone; a worker that failed to load refuses to decode until a good refit)."""
 
     gbytes: float
@@ -236,7 +236,7 @@ class StreamingBackend(GenerationBackend):
         Returns:
             a future of ``(version, groups)``: the policy version of the weights that decoded
             them and every :class:`FinishedGroup` (``rows`` relative to ``prompts``); or of a
-            :class:`~mcore_rl.controller.worker_group.WorkerError` (its ``gone``: the worker
+            :class:`~mcore_rl.distributed.worker_group.WorkerError` (its ``gone``: the worker
             died).
         """
 
@@ -260,7 +260,7 @@ class StreamingBackend(GenerationBackend):
     def refit(self, policy: "DataParallelGroup", version: int = 0) -> Dict[str, float]:
         """:meth:`push` the policy's weights as ``version`` and wait until every live worker has
         loaded them. Returns ``refit/gbytes`` (per worker). Raises as :meth:`push`, and
-        :class:`~mcore_rl.controller.worker_group.WorkerError` when a worker failed to load
+        :class:`~mcore_rl.distributed.worker_group.WorkerError` when a worker failed to load
         (then :meth:`generate_async` refuses until a good refit)."""
         return self._loaded(self.push(policy, version))
 
@@ -281,7 +281,7 @@ class StreamingBackend(GenerationBackend):
         its worker is done.
 
         Raises (beyond the interface's): RuntimeError also after a failed refit, until a good
-        one; :class:`~mcore_rl.controller.worker_group.WorkerError` when iterated, when a worker
+        one; :class:`~mcore_rl.distributed.worker_group.WorkerError` when iterated, when a worker
         raises.
         """
         if not self._weights_loaded:

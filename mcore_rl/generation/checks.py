@@ -78,7 +78,7 @@ def vllm_config_errors(cfg: TrainConfig) -> List[str]:
     (``cluster.colocate_generation``) within the policy's GPUs (each engine worker takes its
     refit from the policy rank on its GPU) and, with Ray, one GPU per engine (a Ray placement
     bundle holds one GPU). Whether there are GPUs enough is the placement's check at start
-    (:class:`mcore_rl.controller.placement.Placement`)."""
+    (:class:`mcore_rl.distributed.placement.Placement`)."""
     gen, v, arch, cluster = cfg.generation, cfg.generation.vllm, cfg.model.arch, cfg.cluster
     errors = []
     if gen.num_workers:

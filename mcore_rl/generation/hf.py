@@ -19,6 +19,7 @@ from mcore_rl.config.schema import GenerationConfig
 from mcore_rl.generation.base import (BackendContext, FinishedGroup, GenerationBackend,
                                       GroupAssembler, Response, check_lengths, check_prompts,
                                       response_budgets)
+from mcore_rl.generation.remote import RemoteGeneration
 from mcore_rl.generation.sampling import Sampler, row_uniforms
 
 
@@ -74,9 +75,7 @@ class HFGenerationBackend(GenerationBackend):
         controller's process, or with ``generation.num_workers`` > 0 in that many processes of
         its own (:class:`~mcore_rl.generation.remote.RemoteGeneration`)."""
         if ctx.cfg.generation.num_workers:
-            from mcore_rl.generation.remote import RemoteGeneration
-
-            return RemoteGeneration.from_context(ctx)
+            return RemoteGeneration.from_context(ctx, engine=cls)
         return cls(ctx.hf_config, ctx.cfg.generation, ctx.eos_token_id, ctx.pad_token_id,
                    ctx.cfg.data.max_total_length, device=ctx.device)
 

@@ -3,7 +3,9 @@ the weights are shared in place, so a refit copies nothing.
 
 Two halves:
 
-- :class:`MegatronDecoder` runs inside each policy worker (``PolicyWorker.generate``): Megatron's
+- :class:`MegatronDecoder` runs inside each policy worker (``PolicyWorker.generate``, which gets
+  the class from :class:`MegatronGenerationBackend` with each call: the workers do not import
+  the generation floor above them): Megatron's
   modules (embedding, transformer block, output layer) with a static KV cache
   (:class:`~mcore_rl.megatron.attention.KVCache`) and our sampling
   (:mod:`mcore_rl.generation.sampling`), so the rollout conventions are those of the ``hf``
@@ -417,7 +419,7 @@ class MegatronGenerationBackend(GenerationBackend):
 
     Args:
         policy: the policy's worker group with its DP layout
-            (:class:`mcore_rl.controller.worker_group.DataParallelGroup`: ``dp_size``,
+            (:class:`mcore_rl.distributed.worker_group.DataParallelGroup`: ``dp_size``,
             ``call_per_dp_async``).
         cfg: ``generation`` config (temperature, top_p, max_new_tokens, batch_size: rows per
             decoding chunk on each DP rank, cuda_graphs).
@@ -481,8 +483,9 @@ class MegatronGenerationBackend(GenerationBackend):
             if bounds[d] < bounds[d + 1]:
                 future = self.policy.call_per_dp_async(
                     "generate", [[prompts[bounds[d]:bounds[d + 1]], bounds[d], seed, greedy]],
-                    dp_ranks=[d], cfg=self.cfg, eos_token_id=self.eos_token_id,
-                    pad_token_id=self.pad_token_id, max_total_length=self.max_total_length)
+                    dp_ranks=[d], decoder=MegatronDecoder, cfg=self.cfg,
+                    eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                    max_total_length=self.max_total_length)
                 first_row[future] = bounds[d]
         return self._collect(first_row, groups)
 

@@ -1,8 +1,11 @@
-"""The hf rollout engine in processes of its own (``generation.num_workers`` > 0).
+"""An in-process rollout engine in processes of its own: the hf engine with
+``generation.num_workers`` > 0.
 
 Each process (:class:`GenerationWorker`, a Ray actor or a plain process of a worker group,
-placed as the ``generation`` group of :mod:`mcore_rl.controller.placement`) holds a
-:class:`~mcore_rl.generation.hf.HFGenerationBackend` and the policy version of its weights.
+placed as the ``generation`` group of :mod:`mcore_rl.distributed.placement`) holds an engine
+(the class its backend passes: :class:`~mcore_rl.generation.hf.HFGenerationBackend`, whose
+``from_context`` builds :class:`RemoteGeneration`; this module does not import it) and the
+policy version of its weights.
 :class:`RemoteGeneration` is the controller's side: a
 :class:`~mcore_rl.generation.base.StreamingBackend` (prompt groups spread over the processes,
 or given to one process at a time by a streaming controller; weights pushed with their version,
@@ -26,12 +29,14 @@ from mcore_rl.generation.base import (BackendContext, FinishedGroup, Push, Strea
 
 
 class GenerationWorker:
-    """One rollout process: an :class:`~mcore_rl.generation.hf.HFGenerationBackend` (fp32) and
-    ``version``, the policy version of its weights (-1 before the first
-    :meth:`update_weights`). Built by a worker group (``rank`` ... ``master_port`` are the
-    group's; no ``torch.distributed`` world is formed).
+    """One rollout process: an engine (fp32) and ``version``, the policy version of its weights
+    (-1 before the first :meth:`update_weights`). Built by a worker group (``rank`` ...
+    ``master_port`` are the group's; no ``torch.distributed`` world is formed).
 
     Args:
+        engine: the in-process backend class, built as ``engine(hf_config, generation,
+            eos_token_id, pad_token_id, max_total_length, device=...)``
+            (:class:`~mcore_rl.generation.hf.HFGenerationBackend`).
         hf_config: the policy's ``transformers.PretrainedConfig`` (eos and pad ids set).
         generation: the ``generation`` config.
         eos_token_id, pad_token_id: as for the backend.
@@ -41,10 +46,9 @@ class GenerationWorker:
         threads: torch CPU threads on the cpu device (``cluster.threads_per_worker``; 0: one).
     """
 
-    def __init__(self, hf_config, generation, eos_token_id: int, pad_token_id: int,
+    def __init__(self, engine, hf_config, generation, eos_token_id: int, pad_token_id: int,
                  max_total_length: int, device: str, threads: int, rank: int = 0,
                  world_size: int = 1, master_addr: str = "", master_port: int = 0):
-        from mcore_rl.generation.hf import HFGenerationBackend
         from mcore_rl.megatron.parallel import resolve_device
 
         device = resolve_device(device)  # pins the CPU arithmetic before any tensor work
@@ -55,8 +59,8 @@ class GenerationWorker:
             torch.set_num_threads(threads or 1)
         self.rank = rank
         self.version = -1
-        self.backend = HFGenerationBackend(hf_config, generation, eos_token_id, pad_token_id,
-                                           max_total_length, device=device)
+        self.backend = engine(hf_config, generation, eos_token_id, pad_token_id, max_total_length,
+                              device=device)
 
     def layout(self) -> Dict[str, int]:
         """``{"rank": r}`` (a worker group's construction probe)."""
@@ -83,7 +87,8 @@ class GenerationWorker:
 
 
 class RemoteGeneration(StreamingBackend):
-    """The hf engine in ``generation.num_workers`` processes (:class:`GenerationWorker`), one
+    """An in-process engine (the hf one) in ``generation.num_workers`` processes
+    (:class:`GenerationWorker`), one
     :class:`~mcore_rl.generation.base.StreamingBackend` worker each.
 
     Args:
@@ -100,12 +105,13 @@ class RemoteGeneration(StreamingBackend):
         self.alive = list(range(group.world_size))
 
     @classmethod
-    def from_context(cls, ctx: BackendContext) -> "RemoteGeneration":
-        """``generation.num_workers`` processes placed as the run's ``generation`` group."""
+    def from_context(cls, ctx: BackendContext, engine) -> "RemoteGeneration":
+        """``generation.num_workers`` processes of ``engine`` (:class:`GenerationWorker`)
+        placed as the run's ``generation`` group."""
         cfg = ctx.cfg
         check_lengths(cfg.generation, cfg.data.max_total_length)
         group = ctx.placement.make_group("generation", GenerationWorker, dict(
-            hf_config=ctx.hf_config, generation=cfg.generation, eos_token_id=ctx.eos_token_id,
+            engine=engine, hf_config=ctx.hf_config, generation=cfg.generation, eos_token_id=ctx.eos_token_id,
             pad_token_id=ctx.pad_token_id, max_total_length=cfg.data.max_total_length,
             device=ctx.device, threads=cfg.cluster.threads_per_worker))
         return cls(group, ctx.vocab_size, cfg.data.max_total_length, ctx.pad_token_id)
@@ -123,7 +129,7 @@ class RemoteGeneration(StreamingBackend):
     def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,
                first_row: int, greedy: bool = False) -> Future:
         """See :meth:`StreamingBackend.submit` (:meth:`GenerationWorker.generate`)."""
-        from mcore_rl.controller.worker_group import then
+        from mcore_rl.distributed.worker_group import then
 
         return then(self.group.call_each_async(
             "generate", [[prompts, seed, greedy, group_size, first_row]], ranks=[worker]),

@@ -4,11 +4,11 @@ Pieces:
 
 - :class:`VLLMEngine`: one vLLM instance (``vllm.LLM``, tensor-parallel size
   ``generation.vllm.tensor_parallel_size``) in a process of its own: a plain spawned process
-  (:class:`~mcore_rl.controller.worker_group.ProcessWorkerGroup`) or a Ray actor
+  (:class:`~mcore_rl.distributed.worker_group.ProcessWorkerGroup`) or a Ray actor
   (``RayWorkerGroup``, ``cluster.use_ray``). vLLM's engine core runs inside that process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); with TP > 1 vLLM spawns its TP workers from it. Its
   output goes to ``<run dir>/vllm_engine_<i>.log``. The engines are the worker group
-  ``"vllm"`` of the run's placement (:mod:`mcore_rl.controller.placement`), one rank per engine
+  ``"vllm"`` of the run's placement (:mod:`mcore_rl.distributed.placement`), one rank per engine
   GPU: engine ``e`` takes ranks ``e * tp .. e * tp + tp - 1`` (a Ray actor in rank ``e * tp``'s
   bundle, which holds one GPU; a plain process sees those GPUs as its
   ``CUDA_VISIBLE_DEVICES``). On CPU it computes with the run's pinned CPU arithmetic
@@ -396,7 +396,7 @@ class VLLMGenerationBackend(StreamingBackend):
         device: ``"cpu"`` or ``"cuda"``.
         dtype: the engines' weights: ``"float32"`` or ``"bfloat16"`` (the policy's precision).
         seed: the run seed (vLLM's own; rows carry theirs).
-        placement: the run's :class:`~mcore_rl.controller.placement.Placement`, whose plan has
+        placement: the run's :class:`~mcore_rl.distributed.placement.Placement`, whose plan has
             the group :data:`GROUP` (:meth:`worker_groups`): the engines become Ray actors
             (``cluster.use_ray``) or plain processes on their GPUs; None: plain processes,
             no GPUs chosen (tests, benchmarks).
@@ -414,7 +414,7 @@ class VLLMGenerationBackend(StreamingBackend):
                  seed: int = 0, placement=None, colocated: bool = False):
         from transformers import AutoModelForCausalLM
 
-        from mcore_rl.controller.worker_group import WorkerError
+        from mcore_rl.distributed.worker_group import WorkerError
 
         check_sampling(cfg)
         check_lengths(cfg, max_total_length)
@@ -468,7 +468,7 @@ class VLLMGenerationBackend(StreamingBackend):
     def _start_engines(self, kwargs: Dict[str, Any], placement):
         """The engines' worker group: engine ``e`` on ranks ``e * tp ..`` of :data:`GROUP` in
         ``placement`` (module docstring)."""
-        from mcore_rl.controller.worker_group import ProcessWorkerGroup, RayWorkerGroup
+        from mcore_rl.distributed.worker_group import ProcessWorkerGroup, RayWorkerGroup
 
         n, tp = self.vllm.num_engines, self.vllm.tensor_parallel_size
         if placement is not None and placement.use_ray:
@@ -486,7 +486,7 @@ class VLLMGenerationBackend(StreamingBackend):
         """See :meth:`StreamingBackend.submit`: one ``LLM.generate`` call on engine ``worker``
         (vLLM returns a call's requests together), row ``i`` seeded with ``row_seed(seed,
         first_row + i)`` (module docstring)."""
-        from mcore_rl.controller.worker_group import then
+        from mcore_rl.distributed.worker_group import then
 
         groups = GroupAssembler(len(prompts), group_size)
         budgets = response_budgets(prompts, self.cfg.max_new_tokens, self.max_total_length)
@@ -527,7 +527,7 @@ class VLLMGenerationBackend(StreamingBackend):
         one), write them in buckets of ``generation.vllm.refit_bucket_mb`` to files in
         ``/dev/shm`` (the whole model at once: the engines load them after their queued calls),
         queue their load on every live engine; the files go when every engine is done."""
-        from mcore_rl.controller.worker_group import then
+        from mcore_rl.distributed.worker_group import then
 
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         prefix = os.path.join(shm, f"mcore_rl_refit_{os.getpid()}_{uuid.uuid4().hex[:8]}")

@@ -58,8 +58,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
+from mcore_rl.config.families import FAMILIES, arch_errors, head_dim
 from mcore_rl.config.schema import ModelArchConfig
-from mcore_rl.megatron.families import FAMILIES, arch_errors, head_dim
 
 _REPLICATED, _ROW, _VOCAB, _QKV, _GATE_UP = "replicated", "row", "vocab", "qkv", "gate_up"
 _EMBED = "model.embed_tokens.weight"

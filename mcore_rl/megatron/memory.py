@@ -50,7 +50,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from mcore_rl.config.schema import MegatronConfig, ModelArchConfig, TrainConfig
-from mcore_rl.megatron.families import FAMILIES, head_dim
+from mcore_rl.config.families import FAMILIES, head_dim
 
 GIB = float(2**30)
 

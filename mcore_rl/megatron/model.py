@@ -30,8 +30,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from mcore_rl.config.families import FAMILIES, arch_errors, head_dim, layout_errors
 from mcore_rl.config.schema import LAYER_SPECS, MegatronConfig, ModelArchConfig
-from mcore_rl.megatron.families import FAMILIES, arch_errors, head_dim, layout_errors
 
 _PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

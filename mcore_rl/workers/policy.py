@@ -9,7 +9,7 @@ policy for the KL term, and the refit exporter that yields Hugging Face-named te
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -123,21 +123,25 @@ class PolicyWorker(MegatronTrainWorker):
         return self._per_token_forward(batch, micro_batch_size, self._token_logprobs)
 
     # ------------------------------------------------------------------ rollouts
-    _decoder = None  # MegatronDecoder, made at the first generate call
+    _decoder = None  # made by the first generate call's decoder factory, kept for the next
 
     @requires_device_state(training=False)
     def generate(self, prompts: List[List[int]], first_row: int, seed: int, greedy: bool, *,
-                 cfg, eos_token_id: int, pad_token_id: int, max_total_length: int) -> list:
+                 decoder: Callable, cfg, eos_token_id: int, pad_token_id: int,
+                 max_total_length: int) -> list:
         """Decode ``prompts`` (this DP rank's share) with the policy's own model and weights
-        (``generation.backend: megatron``): :meth:`mcore_rl.generation.megatron.MegatronDecoder.
-        generate`, which documents the arguments and returns one ``Response`` per prompt. The
-        decoder (KV cache, CUDA graphs) is kept for the next call; raises
-        ``NotImplementedError`` for pipeline or sequence parallelism. Collective over TP (every
-        TP rank of one DP group gets the same prompts); the weights are left unchanged."""
-        from mcore_rl.generation.megatron import MegatronDecoder
+        (``generation.backend: megatron``).
 
+        ``decoder`` is the decoder's factory, ``(model chunk, policy.megatron config, vocab
+        size) -> decoder``, injected by the generation backend that calls this
+        (:class:`mcore_rl.generation.megatron.MegatronDecoder`, whose ``generate`` documents
+        the other arguments and returns one ``Response`` per prompt; the workers' floor does
+        not import the generation floor above it). The decoder (KV cache, CUDA graphs) is made
+        at the first call and kept for the next; it raises ``NotImplementedError`` for pipeline
+        or sequence parallelism. Collective over TP (every TP rank of one DP group gets the
+        same prompts); the weights are left unchanged."""
         if self._decoder is None:
-            self._decoder = MegatronDecoder(self.model[0], self.megatron_cfg, self.vocab_size)
+            self._decoder = decoder(self.model[0], self.megatron_cfg, self.vocab_size)
         return self._decoder.generate(prompts, first_row, seed, greedy, cfg, eos_token_id,
                                       pad_token_id, max_total_length)
 

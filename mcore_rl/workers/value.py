@@ -5,7 +5,7 @@ Adds to :class:`~mcore_rl.workers.megatron_worker.MegatronTrainWorker`: the same
 initialisation), whose LM output layer is replaced by :class:`ValueHead` (``hidden -> 1``),
 and right-shifted per-token values.
 
-Convention (``DESIGN.md``): ``values[b, t] = V(state before token t)`` = the head applied to
+Convention (``docs/design.md``, "Values"): ``values[b, t] = V(state before token t)`` = the head applied to
 the final hidden state at position ``t - 1``; ``values[:, 0] = 0``. The shift matters: a critic
 read at position ``t`` (which has already seen token ``t``) trains without error and silently
 costs reward.
@@ -80,7 +80,7 @@ def _values(output: torch.Tensor, mb: Batch) -> torch.Tensor:
 
 
 def shift_right(head_values: torch.Tensor) -> torch.Tensor:
-    """``values[:, t] = head_values[:, t - 1]``, ``values[:, 0] = 0`` (``DESIGN.md``: the value
+    """``values[:, t] = head_values[:, t - 1]``, ``values[:, 0] = 0`` (``docs/design.md``, "Values": the value
     of the state before token ``t`` is read from the hidden state that has seen tokens ``< t``).
 
     Args:

@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from mcore_rl.config.schema import (  # noqa: E402
     GenerationConfig, MegatronConfig, ModelArchConfig, OptimizerConfig)
-from mcore_rl.controller.worker_group import free_port  # noqa: E402
 from mcore_rl.data.tokenizer import build_char_tokenizer  # noqa: E402
+from mcore_rl.distributed.worker_group import free_port  # noqa: E402
 from mcore_rl.generation.hf import HFGenerationBackend  # noqa: E402
 from mcore_rl.megatron.conversion import arch_to_hf_config  # noqa: E402
 from mcore_rl.workers.policy import PolicyWorker  # noqa: E402

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from mcore_rl.config.schema import (  # noqa: E402
     GenerationConfig, MegatronConfig, ModelArchConfig, OptimizerConfig)
-from mcore_rl.controller.worker_group import (DataParallelGroup, ProcessWorkerGroup,  # noqa: E402
+from mcore_rl.distributed.worker_group import (DataParallelGroup, ProcessWorkerGroup,  # noqa: E402
                                               WorkerError)
 from mcore_rl.generation.hf import HFGenerationBackend  # noqa: E402
 from mcore_rl.generation.megatron import MegatronGenerationBackend  # noqa: E402

@@ -4,7 +4,7 @@ single controller.
 Two implementations with the same surface:
 
 - :class:`RayWorkerGroup`: each rank is a Ray actor (local cluster by default, or
-  ``ray.init(address=...)`` to join one), placed by Ray (:mod:`mcore_rl.controller.placement`
+  ``ray.init(address=...)`` to join one), placed by Ray (:mod:`mcore_rl.distributed.placement`
   gives each rank its options: GPU share, placement-group bundle).
 - :class:`ProcessWorkerGroup`: each rank is a plain ``torch.multiprocessing`` process with a
   pipe; no Ray needed (tests, GPU checks where Ray is not installed).
@@ -203,7 +203,7 @@ class ProcessWorkerGroup(_Group):
 
     Args:
         env_per_rank: environment variables set in rank r's process before its worker is
-            built (``LOCAL_RANK``: its GPU, :mod:`mcore_rl.controller.placement`); None: none.
+            built (``LOCAL_RANK``: its GPU, :mod:`mcore_rl.distributed.placement`); None: none.
     """
 
     def __init__(self, worker_cls, world_size: int, kwargs: Dict[str, Any],
@@ -293,7 +293,7 @@ class RayWorkerGroup(_Group):
 
     Args:
         actor_options: per rank, the Ray options of its actor (``num_gpus``, ``num_cpus``,
-            ``scheduling_strategy``: :meth:`mcore_rl.controller.placement.Placement.
+            ``scheduling_strategy``: :meth:`mcore_rl.distributed.placement.Placement.
             actor_options`); rank 0's also place the probe that picks the rendezvous address,
             so it is rank 0's node.
     """

@@ -187,9 +187,9 @@ class Placement:
     def make_group(self, group: str, worker_cls, kwargs: Dict[str, Any]):
         """The worker group ``group`` of the plan: ``worker_cls(**kwargs, rank=...,
         world_size=..., master_addr=..., master_port=...)`` per rank, placed
-        (:class:`~mcore_rl.controller.worker_group.RayWorkerGroup` or
-        :class:`~mcore_rl.controller.worker_group.ProcessWorkerGroup`)."""
-        from mcore_rl.controller.worker_group import ProcessWorkerGroup, RayWorkerGroup
+        (:class:`~mcore_rl.distributed.worker_group.RayWorkerGroup` or
+        :class:`~mcore_rl.distributed.worker_group.ProcessWorkerGroup`)."""
+        from mcore_rl.distributed.worker_group import ProcessWorkerGroup, RayWorkerGroup
 
         size = len(self.plan.groups[group].bundles)
         if self.use_ray:

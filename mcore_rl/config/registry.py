@@ -1,0 +1,131 @@
+"""The plugin tables: every name a config key chooses, and where its implementation lives.
+
+A plugin (a policy loss, an advantage estimator, a generation backend, a prompt task) is a module
+on its own floor of the package (``docs/design.md``, "Floor plan"); its entry here names it as
+``"module:attribute"`` strings. So the config floor knows the valid names (the schema's choices,
+the error messages, ``docs/config-reference.md``) and runs each chosen plugin's load-time check
+(:func:`backend_errors`, :func:`task_errors`: from :func:`mcore_rl.config.loader.validate`)
+without importing anything above it; the floors that use a plugin resolve its entry with :func:`load`
+(:mod:`mcore_rl.algorithms.registry`, :mod:`mcore_rl.generation.registry`,
+:func:`mcore_rl.data.prompts.load_task`). Adding one is its module plus one line here.
+
+This module imports nothing of the package; an entry's module is imported when the entry is
+used, and a load-time check lives in a module that imports without torch (loading a config
+stays fast).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+
+class Estimator(NamedTuple):
+    """An advantage estimator (``grpo.advantage_estimator``).
+
+    Attributes:
+        fn: ``"module:function"`` mapping ``(rollout, TrainConfig)`` to ``[B, S]`` float32
+            advantages (:mod:`mcore_rl.algorithms.estimators`).
+        per_group: each prompt group's advantages come from that group's rows alone, so the
+            streaming loop can train a group as soon as it is scored.
+        reads_reward_kl: reads ``grpo.reward_kl_coef`` (the KL term in the reward).
+    """
+
+    fn: str
+    per_group: bool
+    reads_reward_kl: bool = False
+
+
+class BackendEntry(NamedTuple):
+    """A generation backend (``generation.backend``).
+
+    Attributes:
+        cls: ``"module:class"`` of the :class:`~mcore_rl.generation.base.GenerationBackend`
+            subclass.
+        config_check: None, or ``"module:function"`` mapping ``TrainConfig`` to the reasons
+            (``List[str]``, each naming its keys) the config cannot run this backend, in a
+            module that imports without torch (:mod:`mcore_rl.generation.checks`).
+    """
+
+    cls: str
+    config_check: Optional[str] = None
+
+
+class Task(NamedTuple):
+    """A prompt task (``data.task``).
+
+    Attributes:
+        examples: ``"module:function"`` mapping ``(DataConfig, seed)`` to ``(train, test)``
+            lists of :class:`~mcore_rl.data.example.Example` (test empty: no validation set).
+        config_check: ``"module:function"`` mapping ``DataConfig`` to the reasons
+            (``List[str]``, each naming its ``data.*`` keys) the task cannot load its prompts
+            from it, torch-free.
+    """
+
+    examples: str
+    config_check: str
+
+
+# loss.name -> "module:class"; the class takes (LossConfig, max_response_length) and has
+# ClippedPGLoss's interface (loss_type, metric_kinds, __call__).
+POLICY_LOSSES: Dict[str, str] = {
+    "ppo_clip": "mcore_rl.algorithms.losses:ClippedPGLoss",
+    "gspo": "mcore_rl.algorithms.losses:GSPOLoss",
+}
+
+# grpo.advantage_estimator -> its estimator.
+ADVANTAGE_ESTIMATORS: Dict[str, Estimator] = {
+    "grpo": Estimator("mcore_rl.algorithms.estimators:grpo", per_group=True),
+    "rloo": Estimator("mcore_rl.algorithms.estimators:rloo", per_group=True),
+    "reinforce_plus_plus": Estimator("mcore_rl.algorithms.estimators:reinforce_plus_plus",
+                                     per_group=False, reads_reward_kl=True),
+}
+
+# generation.backend -> its backend.
+BACKENDS: Dict[str, BackendEntry] = {
+    "hf": BackendEntry("mcore_rl.generation.hf:HFGenerationBackend",
+                       "mcore_rl.generation.checks:hf_config_errors"),
+    "megatron": BackendEntry("mcore_rl.generation.megatron:MegatronGenerationBackend",
+                             "mcore_rl.generation.checks:megatron_config_errors"),
+    "vllm": BackendEntry("mcore_rl.generation.vllm:VLLMGenerationBackend",
+                         "mcore_rl.generation.checks:vllm_config_errors"),
+}
+
+# data.task -> its task (the first is the schema's default).
+TASKS: Dict[str, Task] = {
+    "synthetic": Task("mcore_rl.data.synthetic:task_examples", "mcore_rl.data.synthetic:task_errors"),
+    "gsm8k": Task("mcore_rl.data.gsm8k:task_examples", "mcore_rl.data.gsm8k:task_errors"),
+}
+
+
+def load(path: str) -> Any:
+    """The attribute ``"module:attribute"`` names, its module imported now."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def names(table: Dict[str, Any]) -> Tuple[str, ...]:
+    """The valid values of the config key whose plugins ``table`` holds, in table order."""
+    return tuple(table)
+
+
+def task_errors(data: Any) -> List[str]:
+    """Why ``data.task`` cannot load its prompts from the ``data`` section ``data``
+    (:class:`~mcore_rl.config.schema.DataConfig`), one message per problem naming its keys:
+    the task's own check (:attr:`Task.config_check`); empty for an unknown task (the choices
+    check reports it). Checked by :func:`mcore_rl.config.loader.validate` and
+    :func:`mcore_rl.data.prompts.load_task`."""
+    task = TASKS.get(data.task)
+    return [] if task is None else load(task.config_check)(data)
+
+
+def backend_errors(cfg: Any) -> List[str]:
+    """Why ``cfg`` (a :class:`~mcore_rl.config.schema.TrainConfig`) cannot run its
+    ``generation.backend`` (the backend's :attr:`BackendEntry.config_check`), one message per
+    reason naming its keys; empty when it can, or when the name is unknown (the choices check
+    reports that)."""
+    entry = BACKENDS.get(cfg.generation.backend)
+    if entry is None or entry.config_check is None:
+        return []
+    check: Callable[[Any], List[str]] = load(entry.config_check)
+    return check(cfg)
