@@ -44,8 +44,8 @@ FLOORS: Tuple[Floor, ...] = (
           "(planned) environments, the producer of scored prompt groups"),
     Floor("controller", ("controller",),
           "the RL loops (sync, streaming), GRPO/PPO steps, checkpoints, colocation"),
-    Floor("entry points", ("cli", "__main__", "export", "layers"),
-          "the mcore-rl command, Hugging Face export, this plan"),
+    Floor("entry points", ("cli", "__main__", "export", "gguf", "planning", "layers"),
+          "the mcore-rl command, Hugging Face export, GGUF import, the memory planner, this plan"),
 )
 
 # Packages of the plan not built yet: no module of theirs is required to exist.
