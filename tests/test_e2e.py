@@ -129,6 +129,7 @@ def test_gsm8k_two_steps_from_hf_checkpoint_on_ray(qwen2_checkpoint, tmp_path, c
         "data.max_total_length=1032",
         "logging.progress=false",
         "cluster.device=cpu",
+        "data.use_chat_template=false",  # the character tokenizer has no chat template
     ]
     if train_path is not None:
         overrides.append(f"data.train_path={train_path}")

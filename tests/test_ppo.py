@@ -283,6 +283,7 @@ def test_ppo_gsm8k_two_steps_from_hf_checkpoint_with_resume(qwen2_checkpoint, tm
         "ppo.reward_kl_coef=0.05", "ppo.val_every=2", "ppo.val_num_prompts=1", "generation.max_new_tokens=8",
         "data.max_prompt_length=1024", "data.max_total_length=1032", "logging.progress=false",
         "checkpoint.every=1", "ppo.critic_warmup_steps=1",
+        "data.use_chat_template=false",  # the character tokenizer has no chat template
     ]
     assert main(["train", "--config-name", "ppo_gsm8k", "ppo.max_steps=1", *overrides]) == 0
     # the second step resumes policy and critic from step 1's checkpoint
