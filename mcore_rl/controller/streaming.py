@@ -343,7 +343,12 @@ class StreamingLoop:
                         f"({self.algorithm}.max_step_retries={loop.max_step_retries}); the last "
                         f"failure: {fault}") from fault.__cause__
         try:  # the logprob budget, before the optimizer step: may stop the run
-            self.check_logprob_budget(B.concat(chunks))
+            batch = B.concat(chunks)
+            # Only rows decoded by the weights being trained measure the backend: a row decoded
+            # one version back differs from them by the last optimizer step, as it should.
+            on_policy = torch.nonzero(batch["trainer_version"] == self.step).flatten()
+            if len(on_policy):
+                self.check_logprob_budget(B.select(batch, on_policy))
         except LogprobBudgetExceeded:
             for step in steps.values():
                 step.group.abort_train_step()
