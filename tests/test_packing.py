@@ -75,6 +75,42 @@ def test_pack_unpack_roundtrip_and_targets():
     assert padding_fraction(16, 15) == pytest.approx(1 / 16) and padding_fraction(0, 0) == 0.0
 
 
+class _OneRankGroup:
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_packed_rope_matches_megatron_per_sequence_rope(interleaved):
+    """mcore_rl.megatron.rope.packed_rope (one gather, no host sync) equals Megatron-Core's THD
+    RoPE, which rotates each sequence from position 0 on its own; a padding tail counts as a
+    sequence, and a second micro-batch with other lengths does not reuse the first one's
+    cached frequencies."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from mcore_rl.megatron.rope import packed_rope
+
+    inv = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)  # Megatron's RotaryEmbedding layout
+    angles = torch.outer(torch.arange(16).float(), inv)
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [16, 1, 1, 8]
+    original = rope_utils._apply_rotary_pos_emb_thd
+    torch.manual_seed(0)
+    for lengths in ([10, 4, 1, 1], [3, 7, 6]):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        t = torch.randn(int(cu[-1]), 3, 8, requires_grad=True)
+        kw = dict(rotary_interleaved=interleaved, cp_group=_OneRankGroup())
+        ref = original(t, cu, freqs, **kw)
+        got = packed_rope(original, t, cu, freqs, **kw)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+        g = torch.randn_like(ref)
+        (ga,) = torch.autograd.grad(ref, t, g)
+        (gb,) = torch.autograd.grad(got, t, g)
+        torch.testing.assert_close(gb, ga, rtol=0, atol=1e-6)
+
+
 def test_varlen_attention_matches_per_sequence_sdpa():
     from megatron.core.packed_seq_params import PackedSeqParams
 

@@ -191,6 +191,10 @@ class MegatronTrainWorker:
                                  or megatron.layer_spec == "local"):
             raise ValueError("sequence_packing needs pipeline_model_parallel_size=1, no virtual "
                              "stages, a dense model and layer_spec torch or transformer_engine")
+        if sequence_packing:  # one RoPE pass per packed micro-batch, not one per sequence
+            from mcore_rl.megatron import rope
+
+            rope.install()
         self.rank = rank
         self.device = parallel.initialize(
             rank,
