@@ -130,6 +130,14 @@ class VLLMEngine:
         self.log_path = os.path.join(log_dir, f"vllm_engine_{rank}.log")
         _redirect_output(self.log_path)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        if device == "cuda" and "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
+            import importlib.util
+
+            if importlib.util.find_spec("flashinfer") is None:
+                # vLLM 0.24's GPU sampler imports FlashInfer unguarded unless told not to use it
+                # (seen on an H100 without FlashInfer: the engine failed to start); its torch
+                # top-p/top-k path samples the same distribution.
+                os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
         self.device = device
         if device == "cpu":  # inherited from the controller already; pinned as every worker does
             cpu_backend.pin_arithmetic()
