@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# One device session's runs on one GPU, stage by stage, one or more stages per device call
+# (each call <= 10 min; the machine stays warm 30 s between calls, so /tmp survives):
+#
+#   bash scripts/gpu/session.sh STAGE [STAGE ...]
+#
+# Packages and the model travel in parts (scripts/gpu/carry.sh makes them: one folder
+# .carry<k>/ of < 60 MB per call, with gsm8k_data/ and .carry-trl/ in the first); each call
+# first copies what it carried to /tmp (parts to /tmp/parts/) and later stages put them together.
+#
+# Stages:
+#   synthetic   grpo_synthetic_gpu (0.36B, char vocabulary, megatron rollouts, bf16): seconds per
+#               RL step and per phase, padded micro-batches vs sequence packing (issue 22)
+#   model       SmolLM2-135M-Instruct from the GGUF in /tmp/parts to /tmp/models (issue 21)
+#   learn       GRPO on the arithmetic chat task from the pretrained model (LRS: learning rates
+#               run side by side on the GPU) and the GSM8K eval on the first 500 test problems
+#   gsm8k       the SmolLM2 GSM8K RL step (bench/peers/mcore_rl_step.sh): GSM8K_VARIANTS of
+#               before (micro-batches of 16/32 rows), mbs64 (64/128), packed (32k tokens)
+#   trl         TRL 1.16 GRPOTrainer on the same step, its own generation (bench/peers)
+#   memory      the memory planner against measured peaks (scripts/gpu/memory_check.py)
+#   vllm        vLLM 0.24.0 from /tmp/parts into /tmp/site, then an engine smoke test (issue 23)
+#   vllm_runs   grpo_smollm2_arith (learning curve) and grpo_synthetic_gpu with
+#               generation.backend=vllm, colocated (CUDA-IPC refit, sleep/wake); TRL_MODES=vllm
+#               with the trl stage runs TRL's vLLM-colocate mode
+#   table       the tables of every result under $OUT so far
+#
+# Results: $OUT/<name>.json and logs (they come back with the call); tables printed last.
+# shellcheck source-path=SCRIPTDIR source=env.sh
+source "$(dirname "$0")/env.sh"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# vLLM 0.24's GPU sampler imports FlashInfer (not carried) unless told not to use it; mcore-rl's
+# engines set this themselves, TRL's vLLM mode needs it here.
+export VLLM_USE_FLASHINFER_SAMPLER=0
+MODEL=${MODEL:-/tmp/models/SmolLM2-135M-Instruct}
+DATA=${DATA:-/tmp/gsm8k}
+RES=/tmp/results  # kept across calls of the warm machine; copied to $OUT at the end of a call
+mkdir -p /tmp/parts "$RES" "$DATA"
+# What this call carried stays in /tmp for the next calls of the warm machine: parts, GSM8K
+# (train.jsonl, test.jsonl), TRL's wheels.
+for d in .carry[0-9]*/; do [ -d "$d" ] && cp -n "$d"* /tmp/parts/ 2>/dev/null; done
+[ -d gsm8k_data ] && cp -n gsm8k_data/*.jsonl "$DATA"/
+if [ -d .carry-trl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .carry-trl/*.whl || exit 1
+fi
+status=0
+common=(cluster.use_ray=false cluster.device=cuda logging.tensorboard=false logging.progress=false)
+quiet() { grep -v -i -E "warn|deprecat|evict|MimoModel|full_param_layout|grad_input|it/s\]|^\s*$"; }
+
+# steps NAME CONFIG LABEL [overrides...]: an RL run of STEPS steps without validation, then its
+# per-phase medians (steps after WARMUP) in $RES/NAME.json.
+steps() {
+    local name=$1 config=$2 label=$3; shift 3
+    local dir=/tmp/runs/$name
+    rm -rf "$dir"
+    local args=(--config-name "$config" "${common[@]}" grpo.max_steps="${STEPS:-8}" grpo.val_every=0
+                grpo.val_at_start=false run.output_dir="$dir" "$@")
+    echo "== $name: mcore-rl train ${args[*]}"
+    timeout "${STEP_TIMEOUT:-300}" python3 -m mcore_rl train "${args[@]}" > "$RES/$name.log" 2>&1 \
+        || { status=1; quiet < "$RES/$name.log" | tail -n 8; }
+    python3 bench/peers/summarize.py mcore-rl "$dir/metrics.jsonl" --warmup "${WARMUP:-2}" \
+        --command "mcore-rl train ${args[*]}" --json "$RES/$name.json" --mode "$label" || status=1
+}
+
+stage_synthetic() {
+    local o=(sft.steps=20)
+    steps syn_padded grpo_synthetic_gpu "syn padded" "${o[@]}"
+    steps syn_packed grpo_synthetic_gpu "syn packed" "${o[@]}" policy.sequence_packing=true \
+        policy.max_tokens_per_microbatch=16384
+}
+
+stage_model() {
+    [ -f "$MODEL/config.json" ] && return
+    cat /tmp/parts/gguf_part_* > /tmp/smollm2.gguf || { status=1; return; }
+    python3 -m mcore_rl convert-gguf --gguf /tmp/smollm2.gguf --output "$MODEL" --no-install \
+        > "$RES/convert.log" 2>&1 || { status=1; tail -n 5 "$RES/convert.log"; }
+}
+
+stage_learn() {
+    local pids=() lr
+    for lr in ${LRS:-5e-6 1e-5 2e-5}; do
+        timeout "${LEARN_TIMEOUT:-480}" python3 -m mcore_rl train --config-name grpo_smollm2_arith \
+            "${common[@]}" model.hf_path="$MODEL" run.output_dir="/tmp/runs/arith_lr$lr" \
+            policy.optimizer.lr="$lr" grpo.max_steps="${LEARN_STEPS:-200}" grpo.val_every=20 \
+            > "$RES/arith_lr$lr.log" 2>&1 &
+        pids+=($!)
+    done
+    timeout 300 python3 -m mcore_rl eval --config-name grpo_smollm2_gsm8k "${common[@]}" \
+        model.hf_path="$MODEL" data.train_path="$DATA/train.jsonl" data.test_path="$DATA/test.jsonl" \
+        run.output_dir=/tmp/runs/eval_gsm8k > "$RES/eval_gsm8k.log" 2>&1 || status=1
+    wait "${pids[@]}" || true
+    for lr in ${LRS:-5e-6 1e-5 2e-5}; do
+        cp "/tmp/runs/arith_lr$lr/metrics.jsonl" "$RES/arith_lr$lr.metrics.jsonl" 2>/dev/null
+    done
+}
+
+stage_gsm8k() {  # GSM8K_VARIANTS: a subset of "before mbs64 packed"
+    local step=bench/peers/mcore_rl_step.sh v
+    declare -A args=(
+        [before]="policy.micro_batch_size=16 policy.logprob_micro_batch_size=32"
+        [mbs64]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128"
+        [packed]="policy.sequence_packing=true policy.max_tokens_per_microbatch=32768")
+    for v in ${GSM8K_VARIANTS:-mbs64 packed}; do
+        # shellcheck disable=SC2086
+        NAME=gsm8k_$v MODE="gsm8k $v" timeout 240 bash $step "$MODEL" "$DATA/train.jsonl" \
+            "$DATA/test.jsonl" logging.progress=false ${args[$v]} > /dev/null 2>&1 || status=1
+    done
+    cp "$OUT"/gsm8k_*.json "$OUT"/gsm8k_*.log "$RES/" 2>/dev/null
+}
+
+stage_trl() {
+    python3 -m pip list 2>/dev/null | grep -i -E "^(pyarrow|pandas|trl|datasets) "
+    for mode in ${TRL_MODES:-hf}; do
+        timeout "${TRL_TIMEOUT:-300}" python3 bench/peers/trl_grpo.py --model "$MODEL" \
+            --data "$DATA/train.jsonl" --mode "$mode" --steps "${TRL_STEPS:-6}" --warmup 2 \
+            --json "$RES/trl_grpo_$mode.json" > "$RES/trl_grpo_$mode.log" 2>&1 \
+            || { status=1; quiet < "$RES/trl_grpo_$mode.log" | tail -n 8; }
+    done
+}
+
+stage_memory() {
+    MODEL_DIR=$MODEL timeout 400 python3 scripts/gpu/memory_check.py > "$RES/memory_check.log" 2>&1 \
+        || status=1
+    tail -n 14 "$RES/memory_check.log"
+}
+
+stage_vllm() {
+    if ! python3 -c "import vllm" 2>/dev/null; then
+        cat /tmp/parts/vllm_part_* | xz -d | tar -x -C /tmp/site || { status=1; return; }
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site /tmp/parts/*.whl || { status=1; return; }
+    fi
+    [ "${VLLM_SMOKE:-1}" = 1 ] || return 0
+    timeout 300 python3 scripts/gpu/vllm_smoke.py "$MODEL" > "$RES/vllm_smoke.log" 2>&1 || status=1
+    quiet < "$RES/vllm_smoke.log" | tail -n 15
+}
+
+stage_vllm_runs() {  # learning with vLLM rollouts on the real model, and the default GPU job
+    local v=(generation.backend=vllm cluster.colocate_generation=true)
+    timeout 330 python3 -m mcore_rl train --config-name grpo_smollm2_arith "${common[@]}" \
+        model.hf_path="$MODEL" run.output_dir=/tmp/runs/arith_vllm grpo.max_steps="${VLLM_STEPS:-60}" \
+        grpo.val_every=20 "${v[@]}" > "$RES/arith_vllm.log" 2>&1 || status=1
+    cp /tmp/runs/arith_vllm/metrics.jsonl "$RES/arith_vllm.metrics.jsonl" 2>/dev/null
+    cp /tmp/runs/arith_vllm/vllm_engine_0.log "$RES/arith_vllm_engine.log" 2>/dev/null
+    STEPS=6 steps syn_vllm grpo_synthetic_gpu "syn vllm" sft.steps=20 "${v[@]}"
+}
+
+stage_table() {
+    echo "== seconds per RL step and phase (median over the steps after the first ${WARMUP:-2})"
+    python3 bench/peers/summarize.py phases "$RES"/*.json 2>/dev/null
+    echo "== peers"
+    python3 bench/peers/summarize.py table "$RES"/gsm8k_*.json "$RES"/trl_grpo_*.json 2>/dev/null
+    for f in "$RES"/arith_*.metrics.jsonl; do
+        [ -f "$f" ] || continue
+        echo "== $(basename "$f" .metrics.jsonl): held-out accuracy by step"
+        python3 - "$f" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print("  " + "  ".join(f"{r['step']}:{r['val/accuracy']:.3f}" for r in rows if "val/accuracy" in r))
+t = [r for r in rows if "timing/step_s" in r]
+if t:
+    print(f"  {len(t)} steps, median {sorted(r['timing/step_s'] for r in t)[len(t) // 2]:.2f} s/step, "
+          f"token_mult_prob_error last {t[-1].get('train/token_mult_prob_error', float('nan')):.4f}")
+PY
+    done
+    grep -h -E "accuracy" "$RES/eval_gsm8k.log" 2>/dev/null | tail -n 2
+}
+
+for stage in "$@"; do
+    t0=$SECONDS
+    "stage_$stage"
+    echo "== stage $stage: $((SECONDS - t0)) s"
+done
+# $OUT comes back with at most 8 files: everything in one archive, the tables on stdout.
+cp "$OUT"/*.json "$OUT"/*.log "$RES"/ 2>/dev/null
+tar -czf /tmp/results.tgz -C "$RES" . && rm -rf "${OUT:?}"/* && cp /tmp/results.tgz "$OUT"/
+stage_table
+exit $status
