@@ -16,6 +16,7 @@ from mcore_rl.distributed.worker_group import ProcessWorkerGroup
 from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.megatron.conversion import arch_to_hf_config
 from mcore_rl.workers.policy import PolicyWorker
+from dist_utils import run_distributed
 from rollouts import random_rows
 
 VOCAB = 48
@@ -173,3 +174,28 @@ def test_manual_gc_interval_must_not_be_negative():
     with pytest.raises(ValueError, match="manual_gc_interval must be >= 0"):
         PolicyWorker(**_kwargs(), manual_gc_interval=-1, rank=0, world_size=1,
                      master_addr="127.0.0.1", master_port=0)
+
+
+def _warmup_longer_than_the_run():
+    from dist_utils import _WORLD
+
+    from mcore_rl.workers.policy import PolicyWorker
+
+    kw = dict(_kwargs(), optimizer=OptimizerConfig(lr=1e-2, lr_warmup_steps=5, clip_grad=1.0),
+              total_optimizer_steps=2)
+    worker = PolicyWorker(**kw, rank=0, world_size=1, master_addr="127.0.0.1",
+                          master_port=_WORLD["port"])
+    batch = _rollout()
+    lrs = []
+    for _ in range(2):
+        rows = dict(batch, prev_logprobs=worker.get_logprobs(batch, 4))
+        lrs.append(worker.train(rows, ClippedPGLoss(LossConfig()), B.batch_size(rows), 4)["lr"])
+    return lrs
+
+
+def test_a_run_shorter_than_its_lr_warmup_trains_while_warming_up():
+    """2 optimizer steps with lr_warmup_steps=5 (a smoke run of a config with a warmup):
+    Megatron's scheduler asserts warmup < decay; the run trains at the warmup's lr, 0 then
+    lr/5 (the lr read before each step's scheduler increment)."""
+    lrs = run_distributed(_warmup_longer_than_the_run, 1)[0]
+    assert lrs == pytest.approx([0.0, 2e-3])

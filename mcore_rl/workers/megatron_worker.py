@@ -304,22 +304,26 @@ class MegatronTrainWorker:
         optimizer step, constant weight decay. It counts samples, so every step count is
         multiplied by the global batch size. The configuration is the source of truth on
         resume (``override_opt_param_scheduler``): a checkpoint gives the schedule only its
-        progress (:meth:`load_checkpoint`)."""
+        progress (:meth:`load_checkpoint`). A run shorter than its warmup (a smoke run of
+        ``grpo.max_steps=2`` on a config with ``lr_warmup_steps: 5``) ends while still warming up:
+        the decay is then counted to one step past the warmup, as Megatron's scheduler needs
+        warmup < decay (it asserts otherwise)."""
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         total_optimizer_steps, global_batch_size = self._schedule_args
         gbs = max(1, global_batch_size)
+        total_optimizer_steps = max(total_optimizer_steps, o.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if o.lr_warmup_steps > 0 else o.lr,
             max_lr=o.lr,
             min_lr=o.min_lr,
             lr_warmup_steps=o.lr_warmup_steps * gbs,
-            lr_decay_steps=max(1, total_optimizer_steps) * gbs,
+            lr_decay_steps=total_optimizer_steps * gbs,
             lr_decay_style=o.lr_decay_style,
             start_wd=o.weight_decay,
             end_wd=o.weight_decay,
-            wd_incr_steps=max(1, total_optimizer_steps) * gbs,
+            wd_incr_steps=total_optimizer_steps * gbs,
             wd_incr_style="constant",
             use_checkpoint_opt_param_scheduler=False,
             override_opt_param_scheduler=True,
