@@ -25,6 +25,8 @@
 #   table       the tables of every result under $OUT so far
 #
 # Results: $OUT/<name>.json and logs (they come back with the call); tables printed last.
+# The stage_* functions are called by name (the loop at the end).
+# shellcheck disable=SC2329
 # shellcheck source-path=SCRIPTDIR source=env.sh
 source "$(dirname "$0")/env.sh"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -96,14 +98,14 @@ stage_learn() {
 
 stage_gsm8k() {  # GSM8K_VARIANTS: a subset of "before mbs64 packed"
     local step=bench/peers/mcore_rl_step.sh v
-    declare -A args=(
+    declare -A variant_args=(
         [before]="policy.micro_batch_size=16 policy.logprob_micro_batch_size=32"
         [mbs64]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128"
         [packed]="policy.sequence_packing=true policy.max_tokens_per_microbatch=32768")
     for v in ${GSM8K_VARIANTS:-mbs64 packed}; do
         # shellcheck disable=SC2086
         NAME=gsm8k_$v MODE="gsm8k $v" timeout 240 bash $step "$MODEL" "$DATA/train.jsonl" \
-            "$DATA/test.jsonl" logging.progress=false ${args[$v]} > /dev/null 2>&1 || status=1
+            "$DATA/test.jsonl" logging.progress=false ${variant_args[$v]} > /dev/null 2>&1 || status=1
     done
     cp "$OUT"/gsm8k_*.json "$OUT"/gsm8k_*.log "$RES/" 2>/dev/null
 }
