@@ -438,13 +438,13 @@ def test_choice_lists_are_the_components_lists():
     from mcore_rl.algorithms.kl import KL_ESTIMATORS
     from mcore_rl.config.families import FAMILIES
     from mcore_rl.generation.registry import BACKENDS
-    from mcore_rl.rewards import REWARD_FNS
+    from mcore_rl.config.registry import VERIFIERS
 
     choices = {key: f.metadata[checks.CHOICES] for key, _, f in _declared(
         ("loss", "generation", "reward", "ppo")) if checks.CHOICES in f.metadata}
     assert choices["loss.kl_estimator"] == choices["ppo.reward_kl_estimator"] == KL_ESTIMATORS
     assert choices["generation.backend"] == tuple(BACKENDS)
-    assert choices["reward.name"] == tuple(REWARD_FNS)
+    assert choices["reward.name"] == tuple(VERIFIERS)
     assert schema.MODEL_FAMILIES == tuple(FAMILIES)
 
 

@@ -1,6 +1,7 @@
 """The plugin tables: every name a config key chooses, and where its implementation lives.
 
-A plugin (a policy loss, an advantage estimator, a generation backend, a prompt task) is a module
+A plugin (a policy loss, an advantage estimator, a generation backend, a prompt task, a
+verifier) is a module
 on its own floor of the package (``docs/design.md``, "Floor plan"); its entry here names it as
 ``"module:attribute"`` strings. So the config floor knows the valid names (the schema's choices,
 the error messages, ``docs/config-reference.md``) and runs each chosen plugin's load-time check
@@ -95,6 +96,13 @@ BACKENDS: Dict[str, BackendEntry] = {
 TASKS: Dict[str, Task] = {
     "synthetic": Task("mcore_rl.data.synthetic:task_examples", "mcore_rl.data.synthetic:task_errors"),
     "gsm8k": Task("mcore_rl.data.gsm8k:task_examples", "mcore_rl.data.gsm8k:task_errors"),
+}
+
+# reward.name -> "module:function" of its verifier, ``(response_text, Example) -> float``
+# (mcore_rl/rewards/: exact integer answers, math answers through math-verify).
+VERIFIERS: Dict[str, str] = {
+    "exact": "mcore_rl.rewards.exact:exact_reward",
+    "math": "mcore_rl.rewards.math:math_reward",
 }
 
 

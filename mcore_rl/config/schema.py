@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from mcore_rl.config.fields import bounded, one_of
-from mcore_rl.config.registry import ADVANTAGE_ESTIMATORS, BACKENDS, POLICY_LOSSES, TASKS, names
+from mcore_rl.config.registry import ADVANTAGE_ESTIMATORS, BACKENDS, POLICY_LOSSES, TASKS, VERIFIERS, names
 
 # Choice lists that components take from here rather than repeat.
 # cluster.placement: how mcore_rl.distributed.placement puts worker groups on GPUs.
@@ -361,8 +361,9 @@ class DataConfig:
 class RewardConfig:
     """The verifier that scores responses."""
 
-    # "exact" (synthetic: first line is the integer answer) or "math" (GSM8K, math-verify).
-    name: str = one_of("exact", ("exact", "math"))
+    # Verifier (mcore_rl/config/registry.py): "exact" (synthetic: first line is the integer
+    # answer) or "math" (GSM8K, math-verify).
+    name: str = one_of("exact", names(VERIFIERS))
     # Processes that score in parallel, overlapped with the logprob forward
     # (mcore_rl/rewards/pool.py); 0 scores in the controller; null: 0 for "exact" (a regex),
     # min(8, CPU count) for "math".

@@ -1,7 +1,9 @@
 """Reward verifiers: ``RewardFn(response_text, example) -> float`` and batch scoring.
 
 Verifiers: ``"exact"`` (:func:`~mcore_rl.rewards.exact.exact_reward`, the synthetic task) and
-``"math"`` (:func:`~mcore_rl.rewards.math.math_reward`, GSM8K), chosen by ``reward.name``.
+``"math"`` (:func:`~mcore_rl.rewards.math.math_reward`, GSM8K), chosen by ``reward.name`` from
+the ``VERIFIERS`` table of :mod:`mcore_rl.config.registry` (a new verifier: its module here and
+one line there).
 """
 
 from __future__ import annotations
@@ -11,22 +13,23 @@ from typing import Callable, List, Sequence, Tuple
 
 import torch
 
+from mcore_rl.config.registry import VERIFIERS, load
 from mcore_rl.data.example import Example
-from mcore_rl.rewards.exact import exact_reward
-from mcore_rl.rewards.math import math_reward
 
 logger = logging.getLogger("mcore_rl.rewards")
 
 RewardFn = Callable[[str, Example], float]
 
-REWARD_FNS = {"exact": exact_reward, "math": math_reward}
-
 
 def get_reward_fn(name: str) -> RewardFn:
-    """The verifier called ``name``. Raises ``ValueError`` naming ``reward.name`` if unknown."""
-    if name not in REWARD_FNS:
-        raise ValueError(f"reward.name={name!r}: expected one of {sorted(REWARD_FNS)}")
-    return REWARD_FNS[name]
+    """The verifier called ``name`` (its ``VERIFIERS`` entry in :mod:`mcore_rl.config.registry`).
+
+    Raises:
+        ValueError: an unknown name (the message names ``reward.name`` and the choices).
+    """
+    if name not in VERIFIERS:
+        raise ValueError(f"reward.name={name!r}: expected one of {sorted(VERIFIERS)}")
+    return load(VERIFIERS[name])
 
 
 def score_responses(fn: RewardFn, responses: Sequence[str],
