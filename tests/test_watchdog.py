@@ -1,7 +1,7 @@
 """The hang watchdog (``watchdog.*``, :mod:`mcore_rl.controller.watchdog`): the deadline rule
 (floor, factor, history), the thread on stand-in worker groups (fires once, after the deadline,
 never for a phase that ended), and a planted hang: a 2-worker CPU run whose policy rank 1
-sleeps in ``get_logprobs`` far past a 2 s floor ends with exit code 4 long before the sleep
+sleeps in ``get_logprobs`` far past a 3 s floor ends with exit code 4 long before the sleep
 would, rank 1's stack dump names the sleeping function, and one stderr line names the phase
 and the rank."""
 
@@ -161,7 +161,7 @@ TINY = [
     "data.synthetic.num_train=8", "data.synthetic.num_test=2",
     "generation.logprob_canary_prompts=0", "checkpoint.save_final=false",
     "model.arch.num_layers=2", "model.arch.hidden_size=32", "model.arch.ffn_hidden_size=64",
-    "watchdog.floor_seconds=2", "watchdog.factor=2",
+    "watchdog.floor_seconds=3", "watchdog.factor=2",
 ]
 
 
@@ -175,7 +175,7 @@ def test_planted_hang_ends_the_run_with_exit_code_4_and_the_ranks_stack(tmp_path
     ended = time.time()
     assert mark.exists(), proc.stderr[-3000:]  # the planted hang was reached
     assert proc.returncode == EXIT_CODE == 4, proc.stderr[-3000:]
-    # Deadline 4 s (factor x floor: the phase's first run) + dumps: not the 60 s of the sleep.
+    # Deadline 6 s (factor x floor: the phase's first run) + dumps: not the 60 s of the sleep.
     assert ended - float(mark.read_text()) < 40
     lines = [l for l in proc.stderr.splitlines() if l.startswith("mcore-rl: error: hang watchdog")]
     assert len(lines) == 1, proc.stderr[-3000:]
