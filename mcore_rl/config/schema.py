@@ -606,6 +606,27 @@ class CheckpointConfig:
     async_save: bool = False
 
 
+@dataclass
+class WatchdogConfig:
+    """The hang watchdog (mcore_rl/controller/watchdog.py): a phase of the RL step that
+    overruns its deadline dumps every worker's Python stack to `<output_dir>/hang/` and stops
+    the run with exit code 4, instead of waiting for an NCCL timeout. A phase's deadline is
+    max(floor_seconds, factor x the longest of its last `history` durations); before it has a
+    duration, factor x floor_seconds (its first run carries the warm-up)."""
+
+    # Watch the phases (generation, reward, logprobs, values, train, finish, refit,
+    # validation, checkpoint; the streaming loop's calls each).
+    enabled: bool = True
+    # The shortest deadline of any phase, in seconds: generous, so that a slow but live phase
+    # never trips it.
+    floor_seconds: float = bounded(600.0, gt=0)
+    # A phase's deadline is this many times the longest of its recent durations (when that is
+    # above floor_seconds).
+    factor: float = bounded(3.0, ge=1)
+    # Recent durations of each phase that the deadline looks at.
+    history: int = bounded(10, ge=1)
+
+
 ALGORITHMS = ("grpo", "ppo")  # the RL loops, each with a config section of its name
 
 
@@ -629,6 +650,7 @@ class TrainConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     @property
     def loop(self) -> Optional[Union[GRPOConfig, PPOConfig]]:

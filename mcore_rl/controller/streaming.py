@@ -282,7 +282,8 @@ class StreamingLoop:
                    and self.todo[0].first_row == items[-1].first_row + n):
                 items.append(self.todo.popleft())
             prompts = [list(self.train_data.input_ids[item.prompt]) for item in items for _ in range(n)]
-            future = self.generation.submit(worker, prompts, items[0].seed, n, items[0].first_row)
+            future = self.watchdog.track("generation", self.generation.submit(
+                worker, prompts, items[0].seed, n, items[0].first_row))
             self.generating[future] = (worker, items)
             generating += len(items)
             load[worker] += 1
@@ -430,6 +431,8 @@ class StreamingLoop:
                     ranks[name] = min(range(len(rows)), key=rows.__getitem__)
                     rows[ranks[name]] += B.batch_size(chunk)
             c = _Chunk(chunk, ranks, self._chunk_calls(chunk, ranks))
+            for key, call in c.calls.items():  # watched as the synchronous loop's phases
+                self.watchdog.track("values" if key.endswith("values") else "logprobs", call)
             waiting.update((f, c) for f in c.calls.values())
 
         def forwarded(f: Future) -> None:
@@ -441,8 +444,10 @@ class StreamingLoop:
                 c.rows[key] = call.result()[0]
             self._prepare_chunk(c.rows)
             chunks.append(c.rows)
-            training.update(step.group.train_microbatch(c.rows, c.dp_ranks[name])
-                            for name, step in steps.items())
+            training.update(self.watchdog.track(
+                "train" if name == "policy" else "train_critic",
+                step.group.train_microbatch(c.rows, c.dp_ranks[name]))
+                for name, step in steps.items())
 
         try:
             for step in steps.values():

@@ -31,6 +31,7 @@ from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.checkpoints import CheckpointManager
 from mcore_rl.controller.logprob_budget import LogprobBudget, LogprobBudgetExceeded, mismatch_figures
 from mcore_rl.controller.preemption import EXIT_CODE, Preempted, PreemptionSignals
+from mcore_rl.controller.watchdog import Watchdog, hang_dir
 from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import DataParallelGroup
 from mcore_rl.utils.logging import RunLogger
@@ -143,12 +144,15 @@ class RLTrainer:
         self.hf_config.to_json_file(os.path.join(self.run_dir, "hf_config.json"), use_diff=False)
 
         self.use_reference = self._needs_reference()
+        # The hang watchdog (mcore_rl.controller.watchdog): watches the phases while fit runs.
+        self.watchdog = Watchdog(cfg.watchdog, self.run_dir, cleanup=self.rewards.close)
         backend = backend_class(cfg.generation.backend)
         self.placement = Placement(
             config_plan(cfg.cluster, {name: cfg.cluster.num_workers for name in self.group_names},
                         backend.worker_groups(cfg)),
             use_ray=cfg.cluster.use_ray, gpus=self.device == "cuda",
-            ray_address=cfg.cluster.ray_address)
+            ray_address=cfg.cluster.ray_address,
+            dump_dir=hang_dir(self.run_dir) if cfg.watchdog.enabled else None)
         self.policy = self._megatron_group(
             "policy", PolicyWorker, cfg.policy.megatron, cfg.policy.optimizer,
             *self._policy_schedule(), hf_path=cfg.model.hf_path,
@@ -163,12 +167,13 @@ class RLTrainer:
         except BaseException:  # e.g. an engine that fails to start: no worker outlives the error
             self.policy.shutdown()
             self.placement.shutdown()
+            self.watchdog.close()
             raise
         # Streaming generates while it trains: colocated engines then share the policy's GPUs
         # with everything resident, so the offload lifecycle is off.
         self.colocation = Colocation(self.policy, self.generation,
                                      cfg.cluster.colocate_generation and not cfg.streaming)
-        self.timer = PhaseTimer()
+        self.timer = PhaseTimer(self.watchdog)
         self.step = 0
         self.sft_done = cfg.sft.steps == 0
         self.history: List[Dict[str, float]] = []
@@ -405,9 +410,10 @@ class RLTrainer:
         """Save every worker group and the controller state at the current RL step (atomic;
         with ``checkpoint.async_save`` completed later, see :class:`CheckpointManager`);
         returns the step directory."""
-        self.colocation.prepare_for_training()
-        path = self.checkpoints.save(self.step, self.controller_state())
-        self.colocation.prepare_for_generation()
+        with self.watchdog.phase("checkpoint"):
+            self.colocation.prepare_for_training()
+            path = self.checkpoints.save(self.step, self.controller_state())
+            self.colocation.prepare_for_generation()
         return path
 
     def controller_state(self) -> Dict[str, Any]:
@@ -465,6 +471,9 @@ class RLTrainer:
                 consecutive RL steps, over ``generation.logprob_budget``
                 (:mod:`mcore_rl.controller.logprob_budget`): the process exits with its
                 ``EXIT_CODE`` (3); nothing of the aborted step was trained or saved.
+
+        A phase past its deadline (:mod:`mcore_rl.controller.watchdog`) ends the process from
+        the watchdog's thread with exit code 4, the stacks in ``<run.output_dir>/hang``.
         """
         cfg, loop = self.cfg, self.loop
         if cfg.checkpoint.resume:
@@ -480,7 +489,9 @@ class RLTrainer:
             preemption.install()
             if not self.sft_done:
                 self.warm_start(logger)
-            self.refit()
+            self.watchdog.start()
+            with self.watchdog.phase("refit"):
+                self.refit()
             if self.step < loop.max_steps:
                 canary = self.logprob_canary()
                 if canary:
@@ -488,7 +499,8 @@ class RLTrainer:
                                  f"{cfg.generation.logprob_budget:g}: " + ", ".join(
                                      f"{k[len('train/'):]} {v:.4f}" for k, v in canary.items()))
             if self.step == 0 and loop.val_at_start:
-                val = self.validate()
+                with self.watchdog.phase("validation"):
+                    val = self.validate()
                 if val:
                     self.history.append({"step": 0, **val})
                     logger.log(0, val, advance=False)
@@ -499,7 +511,8 @@ class RLTrainer:
                 self.step += 1
                 if loop.val_every > 0 and (self.step % loop.val_every == 0 or self.step == loop.max_steps):
                     start = time.perf_counter()
-                    val = self.validate()
+                    with self.watchdog.phase("validation"):
+                        val = self.validate()
                     metrics.update(val)
                     metrics["timing/validation_s"] = time.perf_counter() - start
                     if val:
@@ -519,7 +532,11 @@ class RLTrainer:
             self.checkpoints.wait()  # earlier complete steps' saves; none of the aborted step
             print(f"mcore-rl: error: {e} (exit code {e.code})", file=sys.stderr, flush=True)
             raise
+        except BaseException:
+            self.watchdog.hold_if_fired()  # a hang: the watchdog ends the process (exit code 4)
+            raise
         finally:
+            self.watchdog.stop()
             preemption.restore()
             logger.close()
         summary = self._summary()
@@ -573,6 +590,7 @@ class RLTrainer:
         self.generation.shutdown()
         self.placement.shutdown()
         self.rewards.close()
+        self.watchdog.close()
 
 
 @contextlib.contextmanager

@@ -132,6 +132,9 @@ class Placement:
             yet) or plain processes on this host.
         gpus: reserve GPUs (``cluster.device`` is cuda); False: nothing is reserved.
         ray_address: ``cluster.ray_address``.
+        dump_dir: where the processes of the groups it builds write their Python stacks on
+            :data:`~mcore_rl.distributed.worker_group.DUMP_SIGNAL` (the hang watchdog's
+            ``<run.output_dir>/hang``); None: nowhere.
 
     Raises:
         RuntimeError: the Ray cluster (or, without Ray, this host) has fewer GPUs than the plan
@@ -139,8 +142,9 @@ class Placement:
     """
 
     def __init__(self, plan: PlacementPlan, use_ray: bool, gpus: bool,
-                 ray_address: Optional[str] = None):
+                 ray_address: Optional[str] = None, dump_dir: Optional[str] = None):
         self.plan = plan
+        self.dump_dir = dump_dir
         self.use_ray = use_ray
         self.gpus = gpus
         self._placement_groups: List[Any] = []
@@ -194,10 +198,12 @@ class Placement:
         size = len(self.plan.groups[group].bundles)
         if self.use_ray:
             return RayWorkerGroup(worker_cls, size, kwargs,
-                                  [self.actor_options(group, r) for r in range(size)])
+                                  [self.actor_options(group, r) for r in range(size)],
+                                  name=group, dump_dir=self.dump_dir)
         env = [{"LOCAL_RANK": str(self.plan.gpu_index(group, r))} for r in range(size)] \
             if self.gpus else None
-        return ProcessWorkerGroup(worker_cls, size, kwargs, env_per_rank=env)
+        return ProcessWorkerGroup(worker_cls, size, kwargs, env_per_rank=env, name=group,
+                                  dump_dir=self.dump_dir)
 
     def shutdown(self) -> None:
         """Release the placement groups (after the groups on them are shut down)."""

@@ -21,24 +21,54 @@ train step fed micro-batch by micro-batch.
 
 The workers themselves are plain classes (:mod:`mcore_rl.workers`); the group only places
 them and forwards method calls.
+
+For the hang watchdog (:mod:`mcore_rl.controller.watchdog`) every group keeps the calls its
+ranks have not answered yet (:meth:`_Group.pending_calls`), can make each rank's process write
+its Python stack (:meth:`_Group.dump_stacks`: with a ``dump_dir``, every worker process
+registers :data:`DUMP_SIGNAL` with :mod:`faulthandler` at start, appending to
+``<dump_dir>/<group>_rank_<r>.txt``) and can kill its processes (:meth:`_Group.kill`); the
+groups of this process not shut down yet are :func:`live_groups`.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import signal
 import socket
 import threading
+import time
 import traceback
+import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
 
 from mcore_rl.data import batch as B
 from mcore_rl.utils.profiling import profiled_call
+
+
+# The signal that makes a worker process write every thread's Python stack to its dump file
+# (faulthandler, so also while the process is stuck in a C call: a collective, a CUDA sync).
+# Not SIGTERM or SIGUSR1: those are the controller's preemption signals.
+DUMP_SIGNAL = signal.SIGUSR2
+
+_LIVE_GROUPS: "weakref.WeakSet[_Group]" = weakref.WeakSet()
+
+
+def live_groups() -> List["_Group"]:
+    """The worker groups (:class:`ProcessWorkerGroup`, :class:`RayWorkerGroup`) built in this
+    process and not shut down yet, in no particular order."""
+    return list(_LIVE_GROUPS)
+
+
+def dump_path(dump_dir: str, group: str, rank: int) -> str:
+    """The stack-dump file of rank ``rank`` of worker group ``group``:
+    ``<dump_dir>/<group>_rank_<rank>.txt``."""
+    return os.path.join(dump_dir, f"{group}_rank_{rank}.txt")
 
 
 def free_port() -> int:
@@ -80,9 +110,12 @@ class _Gather:
     is the list of answers in the order of the ranks called, its exception a
     :class:`WorkerError` with every failed rank's traceback."""
 
-    def __init__(self, ranks: Sequence[int]):
+    def __init__(self, ranks: Sequence[int], method: str = ""):
         self.future: Future = Future()
+        self.method = method
+        self.sent = time.monotonic()
         self._ranks = list(ranks)
+        self._answered = [False] * len(self._ranks)
         self._results: List[Any] = [None] * len(self._ranks)
         self._errors: Dict[int, str] = {}
         self._gone: List[int] = []
@@ -95,6 +128,7 @@ class _Gather:
         """The answer of the rank in ``slot``: its result (``ok``) or its error text; ``gone``:
         the rank's process is gone."""
         with self._lock:
+            self._answered[slot] = True
             if ok:
                 self._results[slot] = value
             else:
@@ -111,11 +145,95 @@ class _Gather:
         else:
             self.future.set_result(self._results)
 
+    def pending(self) -> List[int]:
+        """The ranks called that have not answered yet."""
+        with self._lock:
+            return [r for r, done in zip(self._ranks, self._answered) if not done]
+
 
 class _Group:
-    """What both groups share: the blocking calls on top of :meth:`call_each_async`."""
+    """What both groups share: the blocking calls on top of :meth:`call_each_async`, and what
+    the hang watchdog asks of a group (:meth:`pending_calls`, :meth:`dump_stacks`,
+    :meth:`kill`).
+
+    Attributes:
+        name: the group's name (``policy``, ``generation``, ...): its dump files' prefix.
+        dump_dir: where its ranks write their stacks on :data:`DUMP_SIGNAL`; None: nowhere (no
+            signal is sent then).
+    """
 
     world_size: int
+    name: str = "workers"
+    dump_dir: Optional[str] = None
+
+    def _watch(self, name: str, dump_dir: Optional[str]) -> None:
+        """Start the bookkeeping of calls not answered; register as a live group."""
+        self.name, self.dump_dir = name, dump_dir
+        self._calls_lock = threading.Lock()
+        self._calls: set = set()
+        _LIVE_GROUPS.add(self)
+
+    def _gather(self, ranks: Sequence[int], method: str) -> "_Gather":
+        """A :class:`_Gather` for a call of ``method`` on ``ranks``, kept until answered."""
+        gather = _Gather(ranks, method)
+        if not gather.future.done():
+            with self._calls_lock:
+                self._calls.add(gather)
+
+            def answered(_f: Future) -> None:
+                with self._calls_lock:
+                    self._calls.discard(gather)
+
+            gather.future.add_done_callback(answered)
+        return gather
+
+    def pending_calls(self) -> List[Tuple[int, str, float]]:
+        """The calls not answered yet: ``(rank, method, seconds since the call was sent)`` per
+        rank and call, oldest first."""
+        with self._calls_lock:
+            calls = list(self._calls)
+        now = time.monotonic()
+        out = [(rank, g.method, now - g.sent) for g in calls for rank in g.pending()]
+        return sorted(out, key=lambda c: (-c[2], c[0]))
+
+    def _pids(self) -> List[Tuple[Optional[str], Optional[int]]]:
+        """Per rank: ``(Ray node id or None, process id or None when unknown or gone)``."""
+        raise NotImplementedError
+
+    def dump_stacks(self, header: str) -> List[Tuple[str, int]]:
+        """Make every rank's process append its Python stack (all threads) to its dump file
+        (:func:`dump_path`), after ``header`` and a line naming the rank and its calls not
+        answered. Returns ``(path, size after the header)`` per rank signalled (the stack
+        follows within milliseconds, written by the process itself); nothing without a
+        :attr:`dump_dir`. Errors (a file or process gone) skip that rank."""
+        if self.dump_dir is None:
+            return []
+        pending: Dict[int, List[str]] = {}
+        for rank, method, seconds in self.pending_calls():
+            pending.setdefault(rank, []).append(f"{method} (sent {seconds:.1f} s ago)")
+        out = []
+        for rank, (node, pid) in enumerate(self._pids()):
+            if pid is None:
+                continue
+            path = dump_path(self.dump_dir, self.name, rank)
+            try:
+                with open(path, "a") as f:
+                    f.write(f"{header}\n{self.name} rank {rank} (pid {pid}): calls not answered: "
+                            f"{', '.join(pending.get(rank, [])) or 'none'}\n")
+                size = os.path.getsize(path)
+                self._signal(node, pid, DUMP_SIGNAL)
+            except (OSError, RuntimeError):
+                continue
+            out.append((path, size))
+        return out
+
+    def _signal(self, node: Optional[str], pid: int, signum: int) -> None:
+        os.kill(pid, signum)
+
+    def kill(self) -> None:
+        """Kill every rank's process at once (a hung rank answers nothing else); the group is
+        unusable after."""
+        raise NotImplementedError
 
     def call_each_async(self, method: str, args_per_rank: Sequence[Sequence[Any]],
                         ranks: Optional[Sequence[int]] = None, **kwargs) -> Future:
@@ -147,9 +265,27 @@ class _Group:
 class _Host:
     """Holds one rank's worker object and runs methods on it (used by both groups)."""
 
-    def __init__(self, worker_cls, kwargs: Dict[str, Any]):
+    def __init__(self, worker_cls, kwargs: Dict[str, Any], dump_file: Optional[str] = None):
+        # Registered before the worker is built: a stack dump works from the start.
+        self._dump = None
+        if dump_file:
+            os.makedirs(os.path.dirname(dump_file), exist_ok=True)
+            self._dump = open(dump_file, "a")  # appends: the controller's header comes first
+            faulthandler.register(DUMP_SIGNAL, file=self._dump, all_threads=True)
         self.worker = worker_cls(**kwargs)
         self.rank = kwargs.get("rank", 0)
+
+    def process(self) -> Tuple[Optional[str], int]:
+        """``(Ray node id, or None outside Ray; this process's id)``."""
+        node = None
+        try:
+            import ray
+
+            if ray.is_initialized():
+                node = ray.get_runtime_context().get_node_id()
+        except ImportError:
+            pass
+        return node, os.getpid()
 
     def call(self, method: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         # MCORE_RL_PROFILE_DIR set: one steady-state call of each method profiled (a table).
@@ -157,7 +293,7 @@ class _Host:
                              self.rank)
 
 
-def _process_main(conn, worker_cls, kwargs, env):
+def _process_main(conn, worker_cls, kwargs, env, dump_file=None):
     # Preemption (SIGTERM, SIGUSR1: a job scheduler's notice, sent to the whole process group)
     # is the controller's to handle (mcore_rl.controller.preemption): it finishes its step and
     # saves, which needs the workers alive.
@@ -165,7 +301,7 @@ def _process_main(conn, worker_cls, kwargs, env):
         signal.signal(sig, signal.SIG_IGN)
     os.environ.update(env)
     try:
-        host = _Host(worker_cls, kwargs)
+        host = _Host(worker_cls, kwargs, dump_file)
         conn.send(("ok", None))
     except BaseException:  # report construction errors to the controller
         conn.send(("error", traceback.format_exc()))
@@ -204,10 +340,15 @@ class ProcessWorkerGroup(_Group):
     Args:
         env_per_rank: environment variables set in rank r's process before its worker is
             built (``LOCAL_RANK``: its GPU, :mod:`mcore_rl.distributed.placement`); None: none.
+        name: the group's name (its dump files' prefix).
+        dump_dir: where rank r writes its Python stack on :data:`DUMP_SIGNAL`
+            (:func:`dump_path`); None: the processes keep the signal's default.
     """
 
     def __init__(self, worker_cls, world_size: int, kwargs: Dict[str, Any],
-                 env_per_rank: Optional[Sequence[Dict[str, str]]] = None):
+                 env_per_rank: Optional[Sequence[Dict[str, str]]] = None,
+                 name: str = "workers", dump_dir: Optional[str] = None):
+        self._watch(name, dump_dir)
         ctx = mp.get_context("spawn")
         port = free_port()
         self._conns = []
@@ -215,14 +356,16 @@ class ProcessWorkerGroup(_Group):
         # Per rank: the calls waiting for its answer, in order; a thread per rank reads them.
         self._waiting: List[queue.Queue] = [queue.Queue() for _ in range(world_size)]
         self._send_lock = threading.Lock()
-        built = _Gather(range(world_size))
+        built = self._gather(range(world_size), "__init__")
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             kw = dict(kwargs, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
             env = dict(env_per_rank[rank]) if env_per_rank else {}
             # Not daemonic: Megatron's checkpoint writer starts processes of its own. A worker
             # exits when its pipe closes, so it does not outlive the controller.
-            p = ctx.Process(target=_process_main, args=(child, worker_cls, kw, env), daemon=False)
+            dump_file = dump_path(dump_dir, name, rank) if dump_dir else None
+            p = ctx.Process(target=_process_main, args=(child, worker_cls, kw, env, dump_file),
+                            daemon=False)
             p.start()
             # The child's end is the child's: held open here too, a dead child's pipe would
             # never report EOF to recv (a call on a dead worker would wait forever).
@@ -263,7 +406,7 @@ class ProcessWorkerGroup(_Group):
     def call_each_async(self, method: str, args_per_rank: Sequence[Sequence[Any]],
                         ranks: Optional[Sequence[int]] = None, **kwargs) -> Future:
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
-        gather = _Gather(ranks)
+        gather = self._gather(ranks, method)
         with self._send_lock:  # the order of sends is the order of answers, per rank
             for slot, r in enumerate(ranks):
                 try:
@@ -274,7 +417,17 @@ class ProcessWorkerGroup(_Group):
                 self._waiting[r].put((gather, slot))
         return gather.future
 
+    def _pids(self) -> List[Tuple[Optional[str], Optional[int]]]:
+        return [(None, p.pid if p.is_alive() else None) for p in self._procs]
+
+    def kill(self) -> None:
+        _LIVE_GROUPS.discard(self)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+
     def shutdown(self) -> None:
+        _LIVE_GROUPS.discard(self)
         for conn in self._conns:
             try:
                 conn.send(None)
@@ -296,11 +449,16 @@ class RayWorkerGroup(_Group):
             ``scheduling_strategy``: :meth:`mcore_rl.distributed.placement.Placement.
             actor_options`); rank 0's also place the probe that picks the rendezvous address,
             so it is rank 0's node.
+        name, dump_dir: as for :class:`ProcessWorkerGroup`; an actor's stack is signalled on
+            its own node (a task pinned there when that is not this one).
     """
 
     def __init__(self, worker_cls, world_size: int, kwargs: Dict[str, Any],
-                 actor_options: Sequence[Dict[str, Any]]):
+                 actor_options: Sequence[Dict[str, Any]], name: str = "workers",
+                 dump_dir: Optional[str] = None):
         import ray
+
+        self._watch(name, dump_dir)
 
         self._ray = ray
         host_cls = ray.remote(_Host)
@@ -312,11 +470,14 @@ class RayWorkerGroup(_Group):
             host_cls.options(**actor_options[r]).remote(
                 worker_cls,
                 dict(kwargs, rank=r, world_size=world_size, master_addr=addr, master_port=port),
+                dump_path(dump_dir, name, r) if dump_dir else None,
             )
             for r in range(world_size)
         ]
         # Construction errors surface here.
         self.call("layout")
+        # Asked now: a hung actor answers nothing (its calls run one at a time).
+        self._processes = ray.get([a.process.remote() for a in self._actors])
 
     @property
     def world_size(self) -> int:
@@ -325,7 +486,7 @@ class RayWorkerGroup(_Group):
     def call_each_async(self, method: str, args_per_rank: Sequence[Sequence[Any]],
                         ranks: Optional[Sequence[int]] = None, **kwargs) -> Future:
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
-        gather = _Gather(ranks)
+        gather = self._gather(ranks, method)
         for slot, r in enumerate(ranks):
             ref = self._actors[r].call.remote(method, tuple(args_per_rank[slot]), kwargs)
             ref.future().add_done_callback(
@@ -340,13 +501,40 @@ class RayWorkerGroup(_Group):
         except self._ray.exceptions.RayError as e:  # a raising method, a dead actor, ...
             return False, str(e), isinstance(e, self._ray.exceptions.RayActorError)
 
+    def _pids(self) -> List[Tuple[Optional[str], Optional[int]]]:
+        return list(self._processes)
+
+    def _signal(self, node: Optional[str], pid: int, signum: int) -> None:
+        ray = self._ray
+        if node is None or node == ray.get_runtime_context().get_node_id():
+            os.kill(pid, signum)
+            return
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        task = ray.remote(num_cpus=0)(_send_signal).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        try:
+            ray.get(task.remote(pid, signum), timeout=10)
+        except Exception as e:  # noqa: BLE001 (a node gone, a timeout: that rank is skipped)
+            raise RuntimeError(str(e)) from e
+
+    def kill(self) -> None:
+        _LIVE_GROUPS.discard(self)
+        for a in self._actors:
+            self._ray.kill(a)
+
     def shutdown(self) -> None:
+        _LIVE_GROUPS.discard(self)
         try:
             self.call("shutdown")
         except WorkerError:
             pass
         for a in self._actors:
             self._ray.kill(a)
+
+
+def _send_signal(pid: int, signum: int) -> None:
+    os.kill(pid, signum)
 
 
 def _node_address_and_port():

@@ -481,12 +481,14 @@ class VLLMGenerationBackend(StreamingBackend):
         n, tp = self.vllm.num_engines, self.vllm.tensor_parallel_size
         if placement is not None and placement.use_ray:
             return RayWorkerGroup(VLLMEngine, n, kwargs,
-                                  [placement.actor_options(GROUP, e * tp) for e in range(n)])
+                                  [placement.actor_options(GROUP, e * tp) for e in range(n)],
+                                  name=GROUP, dump_dir=getattr(placement, "dump_dir", None))
         env = None
         if placement is not None and placement.gpus:
             env = [{"CUDA_VISIBLE_DEVICES": visible_devices(
                 [placement.plan.gpu_index(GROUP, e * tp + t) for t in range(tp)])} for e in range(n)]
-        return ProcessWorkerGroup(VLLMEngine, n, kwargs, env_per_rank=env)
+        return ProcessWorkerGroup(VLLMEngine, n, kwargs, env_per_rank=env, name=GROUP,
+                                  dump_dir=getattr(placement, "dump_dir", None))
 
     # ------------------------------------------------------------------ StreamingBackend
     def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,

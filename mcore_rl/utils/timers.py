@@ -4,23 +4,34 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator
+from typing import Any, Dict, Iterator, Optional
 
 
 class PhaseTimer:
     """Accumulates seconds per named phase; :meth:`pop` returns and clears them as
-    ``{"timing/<phase>_s": seconds}``."""
+    ``{"timing/<phase>_s": seconds}``.
 
-    def __init__(self) -> None:
+    Args:
+        watch: told of each phase's start and end: ``watch.begin(name)`` returns a token
+            (None: not watched) that ``watch.end(token)`` gets back (the hang watchdog,
+            :class:`mcore_rl.controller.watchdog.Watchdog`); None: nothing is told.
+    """
+
+    def __init__(self, watch: Optional[Any] = None) -> None:
         self._seconds: Dict[str, float] = {}
+        self._watch = watch
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Time the block as phase ``name`` (seconds add up over repeats until :meth:`pop`)."""
+        token = self._watch.begin(name) if self._watch is not None else None
         start = time.perf_counter()
         try:
             yield
         finally:
             self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
+            if token is not None:
+                self._watch.end(token)
 
     def seconds(self, name: str) -> float:
         """Seconds spent in phase ``name`` since the last :meth:`pop` (0 if none)."""
