@@ -274,7 +274,7 @@ def test_cli_unknown_subcommand_is_a_usage_error(capsys):
 
 # The sections whose every numeric key declares a range (their nested sections included).
 CHECKED_SECTIONS = ("loss", "generation", "ppo", "grpo", "model.arch", "policy.megatron",
-                    "reward")
+                    "reward", "env")
 
 
 def _section(cfg, dotted):

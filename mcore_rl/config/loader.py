@@ -334,6 +334,11 @@ def validate(cfg: TrainConfig) -> None:
     if model.tokenizer not in (None, CHAR_TOKENIZER):
         errors += filter(None, [tokenizer_dir_error("model.tokenizer", model.tokenizer)])
     errors += streaming_errors(cfg)
+    env = cfg.env
+    check(any(e.startswith("env.") for e in field_errors)  # then the field checks report it
+          or env.step_timeout_seconds > env.tool_timeout_seconds,
+          f"env.step_timeout_seconds ({env.step_timeout_seconds}) must be > "
+          f"env.tool_timeout_seconds ({env.tool_timeout_seconds}): a step waits for its tools")
     rollouts = grpo.num_prompts_per_step * grpo.num_generations
     check(grpo.optimizer_steps_per_rollout < 1 or rollouts % grpo.optimizer_steps_per_rollout == 0,
           f"grpo.num_prompts_per_step x grpo.num_generations ({grpo.num_prompts_per_step} x "

@@ -1,7 +1,7 @@
 """The plugin tables: every name a config key chooses, and where its implementation lives.
 
 A plugin (a policy loss, an advantage estimator, a generation backend, a prompt task, a
-verifier) is a module
+verifier, an environment) is a module
 on its own floor of the package (``docs/design.md``, "Floor plan"); its entry here names it as
 ``"module:attribute"`` strings. So the config floor knows the valid names (the schema's choices,
 the error messages, ``docs/config-reference.md``) and runs each chosen plugin's load-time check
@@ -103,6 +103,15 @@ TASKS: Dict[str, Task] = {
 VERIFIERS: Dict[str, str] = {
     "exact": "mcore_rl.rewards.exact:exact_reward",
     "math": "mcore_rl.rewards.math:math_reward",
+}
+
+
+# env.name -> "module:class" of an environment (mcore_rl/environments/base.py: reset(example),
+# step(state, model_turn_text)) with a classmethod from_config(TrainConfig); the first is the
+# schema's default. Built by mcore_rl.environments.build_environment.
+ENVIRONMENTS: Dict[str, str] = {
+    "single_turn": "mcore_rl.environments.single_turn:SingleTurnEnvironment",
+    "tool_use": "mcore_rl.environments.tool_use:ToolUseEnvironment",
 }
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from mcore_rl.config.fields import bounded, one_of
-from mcore_rl.config.registry import ADVANTAGE_ESTIMATORS, BACKENDS, POLICY_LOSSES, TASKS, VERIFIERS, names
+from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, BACKENDS, ENVIRONMENTS, POLICY_LOSSES,
+                                      TASKS, VERIFIERS, names)
 
 # Choice lists that components take from here rather than repeat.
 # cluster.placement: how mcore_rl.distributed.placement puts worker groups on GPUs.
@@ -374,6 +375,39 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    """The environment an episode runs in (mcore_rl/environments/): reset on a data example,
+    stepped one model turn at a time. Not read by today's RL loops (one turn, scored by
+    reward.name's verifier: what env.name=single_turn does); the multi-turn rollout loop will
+    use it."""
+
+    # Environment (mcore_rl/config/registry.py ENVIRONMENTS): "single_turn" (reward.name's
+    # verifier scores the one model turn) or "tool_use" (the model may call a calculator and a
+    # Python sandbox, as `<tool_call>` JSON blocks of the Hermes/Qwen format, before its
+    # answer, which reward.name's verifier scores).
+    name: str = one_of("single_turn", names(ENVIRONMENTS))
+    # Model turns per episode at most; tool calls in the last one are not run (reward 0).
+    max_turns: int = bounded(4, ge=1, le=1024)
+    # Wall-clock limit in seconds of one Python sandbox run; past it the process group is
+    # killed and the call counts as a tool timeout.
+    tool_timeout_seconds: float = bounded(10.0, gt=0)
+    # Characters kept of a sandbox run's stdout and of its stderr each (the rest is dropped).
+    max_output_chars: int = bounded(4096, ge=1)
+    # Address-space limit (RLIMIT_AS) of the Python sandbox in MiB; the interpreter itself
+    # takes about 20.
+    sandbox_memory_mb: int = bounded(512, ge=64)
+    # CPU-time limit (RLIMIT_CPU) of the Python sandbox in seconds.
+    sandbox_cpu_seconds: int = bounded(5, ge=1, le=3600)
+    # Processes that run environment steps (mcore_rl/environments/executor.py), so a slow or
+    # crashing environment cannot stall or kill the controller; 0: in the controller's process.
+    num_workers: int = bounded(4, ge=0, le=256)
+    # Hard limit in seconds on one environment step in those processes: past it the episode
+    # ends with reward 0 and an error, and the processes are replaced. Must exceed
+    # env.tool_timeout_seconds.
+    step_timeout_seconds: float = bounded(60.0, gt=0)
+
+
+@dataclass
 class LossConfig:
     """The policy loss (:mod:`mcore_rl.algorithms.losses`, chosen by ``loss.name``)."""
 
@@ -643,6 +677,7 @@ class TrainConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
