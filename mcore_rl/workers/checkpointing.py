@@ -38,6 +38,27 @@ def _group_settings(group: Dict[str, Any]) -> Dict[str, Any]:
             for name, key in PARAM_GROUP_SETTINGS.items() if key in group}
 
 
+def _init_sgd_momentum(opt, config=None) -> None:
+    """Zero momentum buffers for the parameters of torch SGD ``opt`` that have none yet, so
+    that a checkpoint's buffers can be loaded into them."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if len(opt.state[p]) == 0:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
+
+
+def _init_sgd_state_fn(optimizer) -> None:
+    """Megatron builds SGD (momentum ``sgd_momentum``) without the ``init_state_fn`` that
+    loading its sharded state calls (``'NoneType' object is not callable`` on resuming an SGD
+    run after its first step): give each of ``optimizer``'s SGD optimizers with momentum
+    :func:`_init_sgd_momentum`. Others are left as they are."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if (getattr(opt, "init_state_fn", False) is None and isinstance(inner, torch.optim.SGD)
+                and any(g.get("momentum", 0) for g in inner.param_groups)):
+            opt.init_state_fn = _init_sgd_momentum
+
+
 class CheckpointMixin:
     """The checkpoint methods of :class:`~mcore_rl.workers.megatron_worker.MegatronTrainWorker`
     (module docstring). Uses the worker's ``model``, ``optimizer``, ``scheduler`` and
@@ -55,6 +76,8 @@ class CheckpointMixin:
         else:
             state = {f"model{i}": m.module.sharded_state_dict() for i, m in enumerate(self.model)}
         if with_optimizer:
+            if is_loading:
+                _init_sgd_state_fn(self.optimizer)
             state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
         return state
 
