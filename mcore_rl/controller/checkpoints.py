@@ -4,7 +4,9 @@
 Layout: ``<run_dir>/checkpoints/step_<N>/`` holds one Megatron dist checkpoint per worker group
 (``policy/``, ``value/``: written by
 :meth:`~mcore_rl.workers.megatron_worker.MegatronTrainWorker.save_checkpoint`), the controller's
-``controller.json`` (the RL step, the prompt sampler's state, ...) and ``manifest.json``.
+``controller.json`` (the RL step, the prompt sampler's state, ...), where the controller has
+tensors to keep (the streaming loop's finished, untrained rollouts) ``controller.pt``
+(``torch.save``), and ``manifest.json``.
 
 A save is atomic: everything is written under ``step_<N>.tmp/``; once every group has finished
 (with ``checkpoint.async_save``, once Megatron's background writers have), ``manifest.json``
@@ -32,6 +34,9 @@ from mcore_rl.distributed.worker_group import WorkerError
 _log = logging.getLogger(__name__)
 
 CONTROLLER_STATE = "controller.json"
+CONTROLLER_TENSORS = "controller.pt"
+# The key under which :meth:`CheckpointManager.load` returns what ``controller.pt`` holds.
+TENSORS_KEY = "tensors"
 MANIFEST = "manifest.json"
 # Directory names under <run_dir>/checkpoints: step_<N> (complete when verified), step_<N>.tmp (a
 # save in progress or interrupted), step_<N>.old (a complete step_<N> being replaced by a new save
@@ -87,6 +92,16 @@ def _write_json(path: str, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+def _write_torch(path: str, obj: Any) -> None:
+    """``obj`` with ``torch.save``, on disk (fsync) when this returns."""
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -108,6 +123,7 @@ class _Pending:
     step: int
     tmp: str
     state: Dict[str, Any]
+    tensors: Any = None
 
 
 class CheckpointManager:
@@ -138,9 +154,11 @@ class CheckpointManager:
         return os.path.join(self.root, f"step_{step}")
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, state: Dict[str, Any]) -> str:
-        """Save every worker group and the controller's ``state`` (JSON-serialisable) as the
-        checkpoint of RL step ``step``. A pending asynchronous save completes first. With
+    def save(self, step: int, state: Dict[str, Any], tensors: Any = None) -> str:
+        """Save every worker group and the controller's ``state`` (JSON-serialisable; a
+        ``tensors`` key is reserved) as the checkpoint of RL step ``step``; ``tensors`` (not
+        None: lists, dicts, numbers and tensors, what ``torch.load(weights_only=True)`` reads)
+        goes to ``controller.pt`` and comes back from :meth:`load` as the state's ``tensors``. A pending asynchronous save completes first. With
         ``checkpoint.async_save`` the groups write in the background and the checkpoint
         becomes ``step_<step>`` at a later :meth:`poll` or :meth:`wait`; otherwise before this
         returns. Returns the step directory."""
@@ -150,7 +168,7 @@ class CheckpointManager:
         os.makedirs(tmp)
         for name, group in self.groups().items():
             group.call("save_checkpoint", os.path.join(tmp, name), self.cfg.async_save)
-        self._pending = _Pending(step, tmp, state)
+        self._pending = _Pending(step, tmp, state, tensors)
         self.last_step = step
         if not self.cfg.async_save:
             self._commit()
@@ -175,6 +193,8 @@ class CheckpointManager:
         """The pending save's controller state and manifest, then verify and rename."""
         pending, self._pending = self._pending, None
         _write_json(os.path.join(pending.tmp, CONTROLLER_STATE), pending.state)
+        if pending.tensors is not None:
+            _write_torch(os.path.join(pending.tmp, CONTROLLER_TENSORS), pending.tensors)
         files = {}
         for folder, _, names in os.walk(pending.tmp):
             for name in names:
@@ -222,7 +242,8 @@ class CheckpointManager:
         configuration; with ``warn_schedule`` a warning names the settings that changed.
 
         Returns:
-            the directory loaded and the controller state saved with it.
+            the directory loaded and the controller state saved with it (with what
+            ``controller.pt`` holds under ``tensors`` where the save had tensors).
 
         Raises:
             DamagedCheckpointError: ``path`` is not a complete checkpoint or does not load (the
@@ -259,6 +280,14 @@ class CheckpointManager:
     def _load(self, path: str, warn_schedule: bool) -> Dict[str, Any]:
         with open(os.path.join(path, CONTROLLER_STATE)) as f:
             state = json.load(f)
+        tensors = os.path.join(path, CONTROLLER_TENSORS)
+        if os.path.exists(tensors):
+            import torch
+
+            try:
+                state[TENSORS_KEY] = torch.load(tensors, weights_only=True)
+            except Exception as e:  # verified sizes, yet unreadable
+                raise DamagedCheckpointError(f"{tensors} does not load: {e!r}") from e
         for name, group in self.groups().items():
             try:
                 changed = group.call("load_checkpoint", os.path.join(path, name))[0]

@@ -412,7 +412,8 @@ class RLTrainer:
         returns the step directory."""
         with self.watchdog.phase("checkpoint"):
             self.colocation.prepare_for_training()
-            path = self.checkpoints.save(self.step, self.controller_state())
+            path = self.checkpoints.save(self.step, self.controller_state(),
+                                         self.controller_tensors())
             self.colocation.prepare_for_generation()
         return path
 
@@ -422,8 +423,15 @@ class RLTrainer:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
                 "history": self.history}
 
+    def controller_tensors(self) -> Any:
+        """What a checkpoint keeps of the controller beyond JSON (``controller.pt``, back in
+        the loaded state's ``tensors``): None here (nothing; the streaming loop keeps its
+        finished, untrained rollouts)."""
+        return None
+
     def load_controller_state(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`controller_state`."""
+        """Restore :meth:`controller_state` (and :meth:`controller_tensors`, under the state's
+        ``tensors``)."""
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.sft_done = state["sft_done"]
