@@ -44,6 +44,19 @@ runs again, up to ``max_step_retries`` times; then the run stops with :class:`St
 policy's raises, the critic has already stepped). A checkpoint is only ever written between
 steps, so nothing half-trained reaches one.
 
+Checkpoints (exact resume). A save first waits for the generation calls in flight
+(:meth:`StreamingLoop.drain`), so every drawn, untrained group is either finished or not yet
+dispatched. The checkpoint keeps the finished ones with their rollouts (rows, rewards, what the
+algorithm scored, the version that decoded them: ``controller.pt``) and the others as prompts,
+with the sampler's state and the batches drawn. After a resume the finished groups train as
+they would have in the straight run (at the same staleness; one too old for ``max_staleness``
+is dropped and generated again by the rule above), and the others are decoded with the version
+a straight run would use: a call dispatched after step ``s`` meets the weights pushed at the end
+of step ``s``, which the refit of a resume loads. Where generation is not limited by the calls
+each process may hold, so which groups a step trains does not depend on timing, a resumed run's
+parameters are the straight run's (tests/test_streaming_resume.py). A checkpoint without the
+finished groups (saved before they were kept) generates them again after the resume.
+
 Metrics (per RL step): ``stream/staleness_<j>`` (prompt groups trained at staleness j, j = 0..k:
 the histogram), ``stream/staleness_mean`` (per sequence), ``stream/dropped_stale`` (prompt
 groups), ``stream/step_retries``, ``stream/generation_workers`` (live processes), and wall
@@ -66,6 +79,7 @@ from typing import Any, Callable, Deque, Dict, List, Tuple
 import torch
 
 from mcore_rl.config.schema import TrainConfig
+from mcore_rl.controller.checkpoints import TENSORS_KEY
 from mcore_rl.controller.logprob_budget import LogprobBudgetExceeded
 from mcore_rl.controller.trainer import step_seed
 from mcore_rl.data import batch as B
@@ -224,19 +238,65 @@ class StreamingLoop:
         return {}
 
     # ------------------------------------------------------------------ checkpoints
+    def drain(self) -> None:
+        """Wait for every generation call in flight and take its groups into :attr:`ready`
+        (scored, with the version that decoded them), in the order the calls finish, as the
+        loop would have; a failed call's groups go back to the front of :attr:`todo` (its
+        process dropped if it died). Between steps (:meth:`save`), so that a checkpoint's state
+        does not depend on how far generation got.
+
+        Raises:
+            StepFailed: every generation process is gone.
+        """
+        while self.generating:
+            done, _ = wait(list(self.generating), return_when=FIRST_COMPLETED)
+            for future in [f for f in self.generating if f in done]:  # in dispatch order
+                if future not in self.generating:  # a dead process's call, requeued
+                    continue
+                try:
+                    self._generated(future)
+                except _Fault:
+                    pass  # its groups are back in todo: generated again after the resume
+
+    def save(self) -> str:
+        """:meth:`drain`, then :meth:`RLTrainer.save`: the checkpoint holds every finished,
+        untrained group with its rollouts and version (:meth:`controller_tensors`)."""
+        self.drain()
+        return super().save()
+
     def controller_state(self) -> Dict[str, Any]:
-        """:meth:`RLTrainer.controller_state` plus the prompt groups drawn but not trained yet
-        (generated again after a resume, with the resumed weights)."""
-        pending = [*(sg.item for sg in self.ready),
-                   *(item for _, items in self.generating.values() for item in items), *self.todo]
+        """:meth:`RLTrainer.controller_state` plus the sampler batches drawn, the finished,
+        untrained groups (``ready``: their prompt group, version and reward errors; their rows
+        in :meth:`controller_tensors`) and the prompt groups drawn but not generated
+        (``pending``: in flight, none after :meth:`drain`, or not dispatched; generated after a
+        resume with the resumed weights, as a straight run generates them with the same
+        version: a call dispatched after step ``s`` is decoded with the weights of version
+        ``_policy_version(s)``, pushed at its end or loaded by the refit of a resume)."""
+        pending = [*(item for _, items in self.generating.values() for item in items), *self.todo]
         return {**super().controller_state(), "batches_drawn": self.batches_drawn,
-                "pending": [dataclasses.astuple(p) for p in pending]}
+                "pending": [dataclasses.astuple(p) for p in pending],
+                "ready": [[*dataclasses.astuple(sg.item), sg.version, sg.reward_errors]
+                          for sg in self.ready]}
+
+    def controller_tensors(self) -> List[B.Batch]:
+        """The rows of each group of ``ready`` (:meth:`controller_state`), in its order: the
+        rollout keys with ``rewards``, ``sample_mask``, ``trainer_version`` and what the
+        algorithm scored (:meth:`_score_group`)."""
+        return [sg.rows for sg in self.ready]
 
     def load_controller_state(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`controller_state`: the finished groups into :attr:`ready` (to train
+        first, as in the run that saved them; one too old for ``max_staleness`` at the step
+        that meets it is dropped and generated again by the loop's rule), the others into
+        :attr:`todo`. A checkpoint from before ``ready`` was kept holds every untrained group
+        in ``pending``: all are generated again."""
         super().load_controller_state(state)
         self.batches_drawn = state.get("batches_drawn", self.step)
         self.todo = collections.deque(PromptGroup(*p) for p in state.get("pending", []))
         self.ready.clear()
+        rows = state.get(TENSORS_KEY) or []
+        for (*item, version, errors), group in zip(state.get("ready", []), rows, strict=True):
+            self.ready.append(ScoredGroup(PromptGroup(*item), version, group, errors))
 
     # ------------------------------------------------------------------ refit
     def refit(self) -> Dict[str, float]:

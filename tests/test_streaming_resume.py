@@ -1,0 +1,147 @@
+"""Exact resume of the streaming loop (GRPO and PPO, DP=2, ``max_staleness=1``): a run saved
+mid-stream at step J, thrown away and resumed from that checkpoint ends with the parameters of
+a straight run; restored groups train at the staleness they had in the straight run, a restored
+group too old for ``max_staleness`` is dropped and generated again, and a checkpoint without the
+finished groups (saved before they were kept) still loads (they are generated again).
+
+Determinism. Which groups a streamed step trains with ``max_staleness >= 1`` depends on when
+generation calls finish wherever a process may hold fewer calls than the loop wants in flight
+(a slot freed in the middle of a step is refilled with this step's weights, one freed after it
+with the next step's). Here one generation process decodes a whole step's prompt groups per
+call (``generation.batch_size`` = ``num_prompts_per_step * num_generations`` rows), so the
+loop's ``max_staleness + 1`` steps' worth of groups fit in the two calls a process holds: every
+call is dispatched at the start of a step (with the weights pushed at the end of the step
+before), calls finish in the order they were dispatched, and step s trains the groups drawn for
+step s - 1 at staleness 1, whatever the timing. The save waits for the calls in flight
+(:meth:`StreamingLoop.drain`), so the checkpoint's state does not depend on timing either.
+
+"Thrown away": after the save the run goes on one step, then the same trainer is reset to the
+checkpoint as a fresh one would be (the in-flight calls waited for and forgotten, the worker
+groups and the controller state loaded from the checkpoint, the generation processes refit),
+as tests/test_streaming.py's ``Run.reset`` does.
+
+Tolerance: that of tests/test_streaming.py (``PARITY_RTOL`` of each tensor's update plus
+``PARITY_ULPS`` ulps of its largest parameter); the resumed run trains the same rows in the
+same chunks as the straight one, and the metrics that count rows, tokens, rewards and
+staleness are equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import wait
+
+import pytest
+import test_streaming_ppo
+from test_streaming import BASE, Run, _assert_same_updates
+
+STEPS = 4
+SAVE_AT = 2
+EXACT = ("train/reward_mean", "train/num_tokens", "stream/staleness_0", "stream/staleness_1",
+         "stream/dropped_stale")
+
+
+def restart(run, path):
+    """The trainer as a fresh one resumed from checkpoint ``path`` (module docstring)."""
+    t = run.trainer
+    wait(list(t.generating))
+    t.generating.clear()
+    t.resume(path, warn_schedule=False)
+    t.refit()
+
+
+def worst_ratio(run, actual, expected):
+    """Max over tensors of |actual - expected| over the tensor's largest update."""
+    e = run.update(expected)
+    return max((actual[k] - expected[k]).abs().max().item() / e[k].abs().max().item() for k in e)
+
+
+class Scenario:
+    """A straight run of ``steps`` steps, then from the same start a run saved at ``save_at``
+    (``path``; ``state``: its controller.json) that goes on one step (thrown away)."""
+
+    def __init__(self, run, steps=STEPS, save_at=SAVE_AT):
+        self.run, self.n, self.save_at = run, steps, save_at
+        run.reset()
+        self.straight = run.steps(steps)
+        self.straight_weights = run.weights()
+        run.reset()
+        self.saved_run = run.steps(save_at)
+        self.path = run.trainer.save()
+        with open(os.path.join(self.path, "controller.json")) as f:
+            self.state = json.load(f)
+        run.steps(1)  # the run goes on past its checkpoint, then is thrown away
+
+    def check_exact_resume(self, need):
+        """The resumed run's parameters and per-step figures are the straight run's; the
+        checkpoint held the ``need`` groups finished for the next step, nothing in flight."""
+        run = self.run
+        for m, e in zip(self.saved_run, self.straight):  # the straight run is deterministic
+            assert all(m[k] == e[k] for k in EXACT)
+        restart(run, self.path)
+        resumed = run.steps(self.n - self.save_at)
+        weights = run.weights()
+        print(f"\nresumed vs straight: worst |diff| / update = "
+              f"{worst_ratio(run, weights, self.straight_weights):.3g}")
+        _assert_same_updates(run, weights, self.straight_weights)
+        for m, e in zip(resumed, self.straight[self.save_at:]):
+            assert {k: m[k] for k in EXACT} == {k: e[k] for k in EXACT}
+        # The restored groups trained at the straight run's staleness, within the bound.
+        assert resumed[0]["stream/staleness_1"] == need and resumed[0]["stream/dropped_stale"] == 0
+        assert len(self.state["ready"]) == need and self.state["pending"] == []  # drained
+
+
+@pytest.fixture(scope="module")
+def grpo(tmp_path_factory):
+    run = Run(tmp_path_factory.mktemp("resume_grpo"),
+              ["cluster.num_workers=2", "generation.num_workers=1", "generation.batch_size=16",
+               "grpo.max_staleness=1", "checkpoint.keep_last=0"])
+    yield Scenario(run)
+    run.trainer.close()
+
+
+def test_streaming_grpo_resume_is_exact(grpo):
+    grpo.check_exact_resume(need=4)
+
+
+def test_restored_group_too_stale_is_dropped(grpo):
+    """Resumed with max_staleness=0: the restored groups (version SAVE_AT - 1) would train at
+    staleness 1, so the loop drops them and generates them again (``stream/dropped_stale``)."""
+    t = grpo.run.trainer
+    t.cfg.grpo.max_staleness = 0
+    try:
+        restart(grpo.run, grpo.path)
+        assert [sg.version for sg in t.ready] == [SAVE_AT - 1] * 4
+        m = grpo.run.steps(1)[0]
+    finally:
+        t.cfg.grpo.max_staleness = 1
+    assert m["stream/dropped_stale"] == 4 and m["stream/staleness_0"] == 4
+
+
+def test_checkpoint_without_ready_groups_loads(grpo):
+    """A controller state as saved before the finished groups were kept (every untrained group
+    a prompt in ``pending``): it loads, and those groups are generated again."""
+    t = grpo.run.trainer
+    restart(grpo.run, grpo.path)
+    old = {k: v for k, v in grpo.state.items() if k != "ready"}
+    old["pending"] = [r[:4] for r in grpo.state["ready"]] + grpo.state["pending"]
+    t.load_controller_state(old)
+    assert not t.ready and len(t.todo) == 4
+    m = grpo.run.steps(1)[0]
+    assert m["stream/staleness_0"] == 4  # generated again with the resumed weights
+
+
+@pytest.fixture(scope="module")
+def ppo(tmp_path_factory):
+    run = Run(tmp_path_factory.mktemp("resume_ppo"),
+              ["generation.batch_size=16", "ppo.max_staleness=1", "checkpoint.keep_last=0"],
+              config="ppo_synthetic", base=test_streaming_ppo.BASE)
+    yield Scenario(run, steps=3)  # a critic warm-up step, then 2 policy steps
+    run.trainer.close()
+
+
+def test_streaming_ppo_resume_is_exact(ppo):
+    """PPO (one critic warm-up step): the policy's and the critic's parameters."""
+    assert any(k.startswith("value/") for k in ppo.straight_weights)
+    ppo.check_exact_resume(need=8)
