@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from mcore_rl.data.example import Example
 from mcore_rl.environments.base import (ENV_ERROR, ENV_ERRORS, Environment, EpisodeState,
                                         StepResult)
+from mcore_rl.utils.pools import kill_process_pool
 
 logger = logging.getLogger("mcore_rl.environments")
 
@@ -173,13 +174,7 @@ class EnvironmentExecutor:
     def _kill_pool(self) -> None:
         """Kill the pool's processes (a hung call ignores everything else) and drop it."""
         pool, self._pool = self._pool, None
-        if pool is None:
-            return
-        # ProcessPoolExecutor has no public kill before Python 3.14 (kill_workers).
-        for proc in list((getattr(pool, "_processes", None) or {}).values()):
-            if proc.is_alive():
-                proc.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
+        kill_process_pool(pool)
 
     def _run(self, calls: List[Tuple[str, tuple]]) -> List[Tuple[Any, Optional[str]]]:
         """``(value, error)`` per call, in order: error None, or why the call failed."""

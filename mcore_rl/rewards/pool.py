@@ -32,6 +32,7 @@ import torch
 
 from mcore_rl.data.example import Example
 from mcore_rl.rewards import RewardFn, score_responses
+from mcore_rl.utils.pools import kill_process_pool
 
 logger = logging.getLogger("mcore_rl.rewards")
 
@@ -131,13 +132,7 @@ class RewardScorer:
     def _kill_pool(self) -> None:
         """Kill the pool's processes (a hung verifier ignores everything else) and drop it."""
         pool, self._pool = self._pool, None
-        if pool is None:
-            return
-        # ProcessPoolExecutor has no public kill before Python 3.14 (kill_workers).
-        for proc in list((getattr(pool, "_processes", None) or {}).values()):
-            if proc.is_alive():
-                proc.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
+        kill_process_pool(pool)
 
     def warm_up(self, background: bool = False) -> None:
         """Start the pool's processes now (spawn and imports take seconds), so the first
