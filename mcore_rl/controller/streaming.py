@@ -407,7 +407,8 @@ class StreamingLoop:
             batch = B.concat(chunks)
             # Only rows decoded by the weights being trained measure the backend: a row decoded
             # one version back differs from them by the last optimizer step, as it should.
-            on_policy = torch.nonzero(batch["trainer_version"] == self.step).flatten()
+            version = self._policy_version(self.step)  # PPO: the critic warm-up trains no policy
+            on_policy = torch.nonzero(batch["trainer_version"] == version).flatten()
             if len(on_policy):
                 self.check_logprob_budget(B.select(batch, on_policy))
         except LogprobBudgetExceeded:
