@@ -75,6 +75,31 @@ def test_pack_unpack_roundtrip_and_targets():
     assert padding_fraction(16, 15) == pytest.approx(1 / 16) and padding_fraction(0, 0) == 0.0
 
 
+def test_unpack_equals_a_per_sequence_copy():
+    """unpack's one scatter against copying each sequence on its own (the former loop), on
+    random layouts: a padding tail, spare columns, shift 0 and 1, fewer rows than sequences."""
+    def per_sequence(values, cu, width, shift, num_rows):
+        cu = cu.tolist()
+        n = len(cu) - 1 if num_rows is None else num_rows
+        out = values.new_zeros((n, width, *values.shape[1:]))
+        for i in range(n):
+            s, e = cu[i], cu[i + 1]
+            out[i, shift:e - s] = values[s:e - shift]
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        n = int(torch.randint(1, 6, (), generator=g))
+        lengths = torch.randint(1, 7, (n,), generator=g)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+        values = torch.randn(int(cu[-1]) + int(torch.randint(0, 3, (), generator=g)), 3, generator=g)
+        width = int(lengths.max()) + int(torch.randint(0, 3, (), generator=g))
+        for shift in (0, 1):
+            for rows in (None, max(1, n - 1)):
+                assert torch.equal(unpack(values[None], cu, width, shift, rows),
+                                   per_sequence(values, cu, width, shift, rows))
+
+
 class _OneRankGroup:
     def size(self):
         return 1

@@ -161,14 +161,13 @@ def unpack(values: torch.Tensor, cu_seqlens: torch.Tensor, width: int, shift: in
     # sequence j goes to column t - start_j + shift; a token shifted past its sequence's end
     # goes to a spare column `width`, dropped at the end.
     cu = cu_seqlens[:n + 1].to(device=values.device, dtype=torch.long)
-    total = int(cu_seqlens[n]) if not cu_seqlens.is_cuda else values.shape[0]
-    idx = torch.arange(min(total, values.shape[0]), device=values.device)
+    idx = torch.arange(values.shape[0], device=values.device)
     doc = torch.searchsorted(cu[1:], idx, right=True).clamp_(max=max(n - 1, 0))
     col = idx - cu[doc] + shift
     col = torch.where((col < cu[doc + 1] - cu[doc]) & (idx < cu[-1]), col, width)
     out = values.new_zeros((n, width + 1, *values.shape[1:]))
     if n:
-        out[doc, col] = values[:idx.numel()]
+        out[doc, col] = values
     return out[:, :width]
 
 
