@@ -29,7 +29,7 @@ from mcore_rl.data.batch import Batch
 from mcore_rl.data.microbatching import ROW_INDEX, gather_rows, make_microbatches, shapes_vary
 from mcore_rl.data.packing import (CU_SEQLENS, MAX_SEQLEN, PACKED_IDS, PACKED_POSITIONS,
                                    computed_tokens, make_packed_microbatches)
-from mcore_rl.megatron import parallel
+from mcore_rl.megatron import parallel, rope
 from mcore_rl.workers.checkpointing import CheckpointMixin
 from mcore_rl.workers.offload import OffloadLifecycleMixin, requires_device_state
 from mcore_rl.workers.train_step import LossOutput, TrainStepMixin
@@ -122,8 +122,6 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
             raise ValueError("sequence_packing needs pipeline_model_parallel_size=1, no virtual "
                              "stages, a dense model and layer_spec torch or transformer_engine")
         if sequence_packing:  # one RoPE pass per packed micro-batch, not one per sequence
-            from mcore_rl.megatron import rope
-
             rope.install()
         self.rank = rank
         self.device = parallel.initialize(
