@@ -12,9 +12,10 @@ work there. On top of that every sample has a hard deadline (``timeout_seconds``
 handed to an idle worker; at most ``num_workers`` samples are in flight at once, so handing over
 is starting): a sample past it scores 0 and counts an error, the pool's processes are killed
 and a new pool takes the other samples. A worker that dies (``os._exit``, a segfault, the OOM
-killer) breaks the pool; a new pool is made and the samples that were in flight are tried once
-more; a sample in flight at two breaks scores 0 and counts an error. Nothing of this stops the
-run.
+killer) breaks the pool; a new pool is made and the samples that were in flight (suspects) are
+tried once more, each alone in the pool, so a sample that breaks it again is the one that kills
+its worker: it scores 0 and counts an error, and the samples that were beside it are not charged
+a second break. Nothing of this stops the run.
 """
 
 from __future__ import annotations
@@ -198,9 +199,13 @@ class RewardScorer:
         tries = [0] * n
         todo = list(range(n - 1, -1, -1))  # a stack, popped from the end: index order
         in_flight: Dict[cf.Future, Tuple[int, float]] = {}  # future -> (sample, deadline)
+        suspects: set = set()  # in flight when a worker died: tried again alone
         pool = self._pool or self._new_pool()
         while todo or in_flight:
             while todo and len(in_flight) < self.num_workers:
+                if in_flight and (todo[-1] in suspects
+                                  or any(j in suspects for j, _ in in_flight.values())):
+                    break  # a suspect runs alone
                 i = todo.pop()
                 try:
                     fut = pool.submit(_score_one, self.fn, responses[i], examples[i])
@@ -210,6 +215,8 @@ class RewardScorer:
                     continue
                 tries[i] += 1
                 in_flight[fut] = (i, time.monotonic() + self.timeout_seconds)
+                if i in suspects:
+                    break
             wait_for = max(0.0, min(d for _, d in in_flight.values()) - time.monotonic())
             done, _ = cf.wait(in_flight, timeout=wait_for, return_when=cf.FIRST_COMPLETED)
             broken = False
@@ -222,6 +229,7 @@ class RewardScorer:
                         errors[i] = error
                 except BrokenProcessPool:
                     broken = True
+                    suspects.add(i)
                     self._retry_or_fail(i, tries, todo, errors, "its worker process died")
             now = time.monotonic()
             hung = [f for f, (_, d) in in_flight.items() if d <= now and not f.done()]
@@ -234,6 +242,7 @@ class RewardScorer:
                 # break they are suspects and spend a try, after a hang they do not.
                 for fut, (i, _) in in_flight.items():
                     if broken:
+                        suspects.add(i)
                         self._retry_or_fail(i, tries, todo, errors, "its worker process died")
                     else:
                         tries[i] -= 1
