@@ -114,14 +114,12 @@ def test_packed_rope_matches_megatron_per_sequence_rope(interleaved):
     RoPE, which rotates each sequence from position 0 on its own; a padding tail counts as a
     sequence, and a second micro-batch with other lengths does not reuse the first one's
     cached frequencies."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    from mcore_rl.megatron.rope import packed_rope
+    from mcore_rl.megatron.rope import megatron_function, packed_rope
 
     inv = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)  # Megatron's RotaryEmbedding layout
     angles = torch.outer(torch.arange(16).float(), inv)
     freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [16, 1, 1, 8]
-    original = rope_utils._apply_rotary_pos_emb_thd
+    original = megatron_function("_apply_rotary_pos_emb_thd")
     torch.manual_seed(0)
     for lengths in ([10, 4, 1, 1], [3, 7, 6]):
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -134,6 +132,43 @@ def test_packed_rope_matches_megatron_per_sequence_rope(interleaved):
         (ga,) = torch.autograd.grad(ref, t, g)
         (gb,) = torch.autograd.grad(got, t, g)
         torch.testing.assert_close(gb, ga, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot_dim,mscale", [(8, 1.0), (4, 0.7)])
+def test_rotate_equals_megatron_bshd_rope_bit_for_bit(dtype, rot_dim, mscale):
+    """mcore_rl.megatron.rope.rotate (cos/sin once per frequency tensor, 4 kernels) gives
+    Megatron-Core's _apply_rotary_pos_emb_bshd bit for bit, values and gradients: training
+    frequencies [s, 1, 1, d], decode frequencies one position per row [1, b, 1, d], a
+    non-contiguous query (a view of a fused QKV output), partial rotary dims, mscale; the
+    cached cos/sin are not reused for another frequency tensor or dtype; interleaved rotations
+    go to Megatron's function."""
+    from mcore_rl.megatron import rope
+
+    original = rope.megatron_function("_apply_rotary_pos_emb_bshd")
+    inv = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
+    g = torch.Generator().manual_seed(0)
+    for freqs_shape in ((5, 1, 1), (1, 3, 1)):
+        positions = torch.randint(0, 50, (freqs_shape[0] * freqs_shape[1],), generator=g).float()
+        angles = torch.outer(positions, inv)
+        freqs = torch.cat([angles, angles], dim=-1).view(*freqs_shape, rot_dim)
+        qkv = torch.randn(5 if freqs_shape[0] == 5 else 1, 3, 2, 3 * 8, generator=g).to(dtype)
+        qkv.requires_grad_(True)
+        t = qkv[..., 8:16]  # non-contiguous
+        if freqs_shape[0] == 1:
+            t = t[:1]
+        ref = original(t, freqs, rotary_interleaved=False, mscale=mscale)
+        got = rope.rotate(original, t, freqs, rotary_interleaved=False, mscale=mscale)
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        assert torch.equal(got, ref)
+        again = rope.rotate(original, t, freqs, mscale=mscale)  # cached cos/sin
+        assert torch.equal(again, ref)
+        w = torch.randn(ref.shape, generator=g).to(dtype)
+        (ga,) = torch.autograd.grad(ref, qkv, w)
+        (gb,) = torch.autograd.grad(got, qkv, w)
+        assert torch.equal(gb, ga)
+    inter = rope.rotate(original, t, freqs, rotary_interleaved=True, mscale=mscale)
+    assert torch.equal(inter, original(t, freqs, rotary_interleaved=True, mscale=mscale))
 
 
 def test_varlen_attention_matches_per_sequence_sdpa():

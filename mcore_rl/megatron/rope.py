@@ -16,6 +16,15 @@ tensor with Megatron's own BSHD function: the formula of Su et al. 2021 ("RoForm
 as Megatron applies it to each sequence from position 0. :func:`install` puts it in Megatron's
 place for context-parallel size 1 and per-sequence frequencies (Megatron's "CASE 2"); every
 other case (CP > 1, frequencies of the whole packed batch) goes to Megatron's function.
+
+:func:`rotate` is Megatron's BSHD rotation (``_apply_rotary_pos_emb_bshd``: the same numbers,
+bit for bit) with fewer kernels, which matters where the model is small and the step is a
+string of small launches (a decode step of SmolLM2-135M: 30 layers, ~1,500 kernels, ~20 of
+them per layer Megatron's RoPE; bench/RESULTS.md): Megatron computes ``cos`` and ``sin`` of
+the frequencies, scales and casts them for the query and again for the key of every layer
+(12 kernels per tensor); :func:`rotate` computes them once per frequency tensor (every layer of
+a forward shares it) and rotates with 4 (``cat``, two products, a sum). :func:`install` puts
+both in Megatron's place.
 """
 
 from __future__ import annotations
@@ -23,6 +32,55 @@ from __future__ import annotations
 import torch
 
 _cache: dict = {}  # one entry: (cu_seqlens, freqs, total tokens) -> packed freqs
+_trig: dict = {}  # one entry: (freqs, dtype, mscale) -> (cos, signed sin)
+
+
+def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
+    """``(cos(freqs) * mscale, sin(freqs) * mscale)`` in ``dtype`` as Megatron rounds them, the
+    sine's first half negated (the sign of ``rotate_half``); cached on the ``freqs`` object."""
+    key = (dtype, mscale, torch.is_inference_mode_enabled())
+    hit = _trig.get("entry")
+    if hit is not None and hit[0][0] is freqs and hit[0][1:] == key:
+        return hit[1]
+    cos, sin = torch.cos(freqs), torch.sin(freqs)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    _trig["entry"] = ((freqs, *key), (cos, signed))
+    return cos, signed
+
+
+def rotate(original, t: torch.Tensor, freqs: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Megatron-Core's ``_apply_rotary_pos_emb_bshd`` (RoFormer, Su et al. 2021, eq. 34,
+    non-interleaved halves) with ``cos``/``sin`` computed once per ``freqs`` tensor.
+
+    ``t * cos + rotate_half(t) * sin`` with ``rotate_half(t) = cat(-t2, t1)`` is computed as
+    ``t * cos + cat(t2, t1) * cat(-sin1, sin2)``: the same products (``(-a) b = a (-b)``
+    exactly), so the result equals Megatron's bit for bit in any dtype.
+
+    Args:
+        original: Megatron's function, called for what this one does not do (positional extra
+            arguments, interleaved or multi-latent rotations).
+        t: ``[s, b, h, d]`` (or any ``[..., d]``) queries or keys; ``freqs``: ``[s, b | 1, 1,
+            d_rot]`` float32 angles (``d_rot <= d``, even). ``mscale`` keyword as Megatron's.
+
+    Returns:
+        The rotated tensor, ``t``'s shape and dtype (the last ``d - d_rot`` channels passed
+        through).
+    """
+    if args or kwargs.get("rotary_interleaved") or kwargs.get("mla_rotary_interleaved") \
+            or kwargs.get("multi_latent_attention") \
+            or set(kwargs) - {"rotary_interleaved", "mla_rotary_interleaved", "mscale",
+                              "multi_latent_attention"}:
+        return original(t, freqs, *args, **kwargs)
+    rot_dim = freqs.shape[-1]
+    head, rest = (t, None) if rot_dim == t.shape[-1] else (t[..., :rot_dim], t[..., rot_dim:])
+    cos, signed = _cos_sin(freqs, head.dtype, float(kwargs.get("mscale", 1.0)))
+    half = rot_dim // 2
+    out = head * cos + torch.cat((head[..., half:], head[..., :half]), dim=-1) * signed
+    return out if rest is None else torch.cat((out, rest), dim=-1)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -71,16 +129,27 @@ def packed_rope(original, t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torc
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), hit[1], *args, **kwargs).squeeze(1)
 
 
+def megatron_function(name: str):
+    """Megatron-Core's own ``rope_utils.<name>`` (``"_apply_rotary_pos_emb_bshd"`` or
+    ``"_apply_rotary_pos_emb_thd"``), also after :func:`install` replaced it."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    current = getattr(rope_utils, name)
+    return current.args[0] if getattr(current, "_mcore_rl", False) else current
+
+
 def install() -> None:
-    """Put :func:`packed_rope` in Megatron-Core's place (idempotent; the worker calls it before
-    a packed forward)."""
+    """Put :func:`packed_rope` and :func:`rotate` in Megatron-Core's place (idempotent; every
+    Megatron worker calls it at start-up)."""
     import functools
 
     from megatron.core.models.common.embeddings import rope_utils
 
-    current = rope_utils._apply_rotary_pos_emb_thd
-    if getattr(current, "_mcore_rl_packed", False):
-        return
-    patched = functools.partial(packed_rope, current)
-    patched._mcore_rl_packed = True
-    rope_utils._apply_rotary_pos_emb_thd = patched
+    for name, ours in (("_apply_rotary_pos_emb_thd", packed_rope),
+                       ("_apply_rotary_pos_emb_bshd", rotate)):
+        current = getattr(rope_utils, name)
+        if getattr(current, "_mcore_rl", False):
+            continue
+        patched = functools.partial(ours, current)
+        patched._mcore_rl = True
+        setattr(rope_utils, name, patched)

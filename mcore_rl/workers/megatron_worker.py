@@ -121,8 +121,7 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
                                  or megatron.layer_spec == "local"):
             raise ValueError("sequence_packing needs pipeline_model_parallel_size=1, no virtual "
                              "stages, a dense model and layer_spec torch or transformer_engine")
-        if sequence_packing:  # one RoPE pass per packed micro-batch, not one per sequence
-            rope.install()
+        rope.install()  # RoPE in fewer kernels; packed: one pass per micro-batch (rope.py)
         self.rank = rank
         self.device = parallel.initialize(
             rank,

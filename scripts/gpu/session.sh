@@ -15,7 +15,9 @@
 #   learn       GRPO on the arithmetic chat task from the pretrained model (LRS: learning rates
 #               run side by side on the GPU) and the GSM8K eval on the first 500 test problems
 #   gsm8k       the SmolLM2 GSM8K RL step (bench/peers/mcore_rl_step.sh): GSM8K_VARIANTS of
-#               before (micro-batches of 16/32 rows), mbs64 (64/128), packed (32k tokens)
+#               before (micro-batches of 16/32 rows), mbs64 (64/128), packed (32k tokens), hf
+#               and vllm (mbs64 with those rollout backends; vllm after the vllm stage)
+#   profile     the mbs64 GSM8K step with MCORE_RL_PROFILE_DIR (a profiler table per worker call)
 #   trl         TRL 1.16 GRPOTrainer on the same step, its own generation (bench/peers)
 #   memory      the memory planner against measured peaks (scripts/gpu/memory_check.py)
 #   vllm        vLLM 0.24.0 from /tmp/parts into /tmp/site, then an engine smoke test (issue 23)
@@ -101,13 +103,25 @@ stage_gsm8k() {  # GSM8K_VARIANTS: a subset of "before mbs64 packed"
     declare -A variant_args=(
         [before]="policy.micro_batch_size=16 policy.logprob_micro_batch_size=32"
         [mbs64]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128"
-        [packed]="policy.sequence_packing=true policy.max_tokens_per_microbatch=32768")
+        [packed]="policy.sequence_packing=true policy.max_tokens_per_microbatch=32768"
+        [hf]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=hf"
+        [vllm]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=vllm cluster.colocate_generation=true")
     for v in ${GSM8K_VARIANTS:-mbs64 packed}; do
         # shellcheck disable=SC2086
         NAME=gsm8k_$v MODE="gsm8k $v" timeout 240 bash $step "$MODEL" "$DATA/train.jsonl" \
             "$DATA/test.jsonl" logging.progress=false ${variant_args[$v]} > /dev/null 2>&1 || status=1
     done
     cp "$OUT"/gsm8k_*.json "$OUT"/gsm8k_*.log "$RES/" 2>/dev/null
+}
+
+stage_profile() {  # the GSM8K step (mbs 64/128) under the torch profiler: one call per method
+    rm -rf "$RES/profile"
+    MCORE_RL_PROFILE_DIR=$RES/profile MCORE_RL_PROFILE_CALLS=4 NAME=gsm8k_profiled \
+        MODE="gsm8k profiled" STEPS=5 timeout 300 bash bench/peers/mcore_rl_step.sh "$MODEL" \
+        "$DATA/train.jsonl" "$DATA/test.jsonl" logging.progress=false \
+        policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 > /dev/null 2>&1 || status=1
+    rm -f "$OUT"/gsm8k_profiled.json
+    for f in "$RES"/profile/rank0_*.txt; do [ -f "$f" ] && head -n 1 "$f"; done
 }
 
 stage_trl() {
