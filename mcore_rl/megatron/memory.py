@@ -534,7 +534,7 @@ def format_plan(plan: MemoryPlan) -> str:
     """The plan as a table: GiB per GPU by role and item, then by phase."""
     tp, pp, dp = plan.layout
     lines = [f"layout TP={tp} PP={pp} DP={dp}; GiB per GPU (cluster.gpu_memory_gb="
-             f"{plan.gpu_bytes / GIB:g})", f"{'role':10s} {'item':46s} {'GiB':>8s}"]
+             f"{plan.gpu_bytes / GIB:g})", f"{'role':10s} {'item':50s} {'GiB':>8s}"]
     for r in plan.roles:
         items = [("parameters (millions)", r.parameters / 1e6 * GIB),
                  ("weights", r.weights), ("grads", r.grads),
@@ -547,16 +547,16 @@ def format_plan(plan: MemoryPlan) -> str:
                  (f"logprob micro-batch logits ({r.logprob_tokens} tokens)", r.logprob_logits),
                  ("logprob forward (one layer, no autograd)", r.logprob_forward)]
         for what, value in items:
-            lines.append(f"{r.name:10s} {what:46s} {_gib(value):>8s}")
+            lines.append(f"{r.name:10s} {what:50s} {_gib(value):>8s}")
     state = "offloaded for training" if plan.engine_offloaded else "resident"
     for what, value in plan.engine.items():
-        lines.append(f"{'rollout':10s} {what + ' (' + state + ')':46s} {_gib(value):>8s}")
+        lines.append(f"{'rollout':10s} {what + ' (' + state + ')':50s} {_gib(value):>8s}")
     for what, value in plan.engine_transient.items():
-        lines.append(f"{'rollout':10s} {what + ' (while generating)':46s} {_gib(value):>8s}")
+        lines.append(f"{'rollout':10s} {what + ' (while generating)':50s} {_gib(value):>8s}")
     for phase, value in plan.phases.items():
-        lines.append(f"{'peak':10s} {phase:46s} {_gib(value):>8s}")
+        lines.append(f"{'peak':10s} {phase:50s} {_gib(value):>8s}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    lines.append(f"{'peak':10s} {'max':46s} {_gib(plan.peak):>8s}  {verdict}")
+    lines.append(f"{'peak':10s} {'max':50s} {_gib(plan.peak):>8s}  {verdict}")
     return "\n".join(lines)
 
 
