@@ -1,7 +1,9 @@
 """The pre-launch memory planner (``mcore-rl plan``, :mod:`mcore_rl.megatron.memory`): its
 parameter counts per rank against the numel of real Megatron models built on CPU ranks (TP=2,
 PP=2, four families), its byte figures against their definitions, the CLI table, and ``train``
-refusing a layout predicted not to fit (exit 2, before any worker or run directory)."""
+refusing a layout predicted not to fit (exit 2, before any worker or run directory), and its
+terms against what the code allocates: the megatron decoder's KV cache and row states after a
+run's generate calls, the workers' micro-batch tokens."""
 
 from __future__ import annotations
 
@@ -135,3 +137,109 @@ def test_train_refuses_a_layout_that_does_not_fit_before_any_worker(tmp_path, mo
     assert "layouts that fit: TP=2 PP=1 DP=2 mbs<=" in err and "skip_memory_check" in err
     assert len(err.splitlines()) == 1
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- terms against the real code
+def test_decoder_constants_are_the_megatron_decoders():
+    from mcore_rl.generation import megatron as decoder
+
+    assert (memory.DECODER_MIN_ROWS, memory.DECODER_MIN_SPAN, memory.DECODER_PREFILL_TOKENS) == (
+        decoder._MIN_ROWS, decoder._MIN_SPAN, decoder._PREFILL_TOKENS)
+
+
+def _stub_decoder(arch: ModelArchConfig, dtype):
+    """A :class:`~mcore_rl.generation.megatron.MegatronDecoder` whose model is a stub: the
+    buffers it reserves (``_reserve``: KV cache, row states) are the real ones; no forward."""
+    import types
+
+    import torch
+
+    from mcore_rl.config.families import head_dim
+    from mcore_rl.generation.megatron import MegatronDecoder
+
+    d = head_dim(arch)
+    dec = MegatronDecoder.__new__(MegatronDecoder)
+    config = types.SimpleNamespace(bias_dropout_fusion=False, bias_activation_fusion=False,
+                                   params_dtype=dtype, num_moe_experts=None)
+    param = torch.nn.Parameter(torch.zeros(1))
+    dec.model = torch.nn.Module()
+    dec.gpt = types.SimpleNamespace(config=config, parameters=lambda: iter([param]),
+                                    rotary_pos_emb=lambda n: torch.zeros(n, 1, 1, d))
+    dec.megatron, dec.vocab_size, dec.device = MegatronConfig(), VOCAB, torch.device("cpu")
+    dec.attentions = [types.SimpleNamespace(layer_number=i + 1,
+                                            num_query_groups_per_partition=arch.num_query_groups,
+                                            key_hidden_size=d, val_hidden_size=d)
+                      for i in range(arch.num_layers)]
+    dec._slots = dec._cache = dec._rope = dec._pool = dec._stream = None
+    dec._graphs, dec._weights = {}, ()
+    dec._decode_chunk = lambda chunk, *args: [None] * len(chunk)
+    return dec
+
+
+@pytest.mark.parametrize("overrides,prompt", [
+    ([], 100),  # validation's 32 held-out prompts (val_num_prompts 200, the samples' test file)
+    (["generation.batch_size=16"], 100),  # chunks of 16 rows
+    (["grpo.num_prompts_per_step=20", "grpo.num_generations=3", "grpo.val_every=0",
+      "generation.logprob_budget=null"], 37),  # the rollout's 60 rows alone
+    (["generation.max_new_tokens=300", "data.max_prompt_length=400",
+      "data.max_total_length=700"], 400),  # 700 slots: 128-rounding capped by the total
+])
+def test_planned_kv_cache_is_what_the_megatron_decoder_reserves(monkeypatch, overrides, prompt):
+    """The plan's ``kv_cache`` and ``decode_row_states`` bytes against the buffers the decoder
+    allocates (sum of tensor nbytes) after the run's generate calls (rollout, validation on
+    the task's held-out prompts, the logprob canary), on CPU with a stub model."""
+    import contextlib
+
+    import torch
+
+    from mcore_rl.generation.base import response_budgets
+    from mcore_rl.megatron import attention
+
+    monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
+    cfg = load_config("grpo_gsm8k", ["cluster.use_ray=false", "policy.megatron.precision=bf16",
+                                     "generation.backend=megatron", *overrides])
+    arch = dataclasses.replace(ARCHS["qwen2_tied"], num_layers=3, num_query_groups=2)
+    dec = _stub_decoder(arch, torch.bfloat16)
+    g, data = cfg.generation, cfg.data
+    calls = memory.generation_calls(cfg)
+    assert calls.get("validation") in (None, 32)  # min(val_num_prompts, the 32 test prompts)
+    for n in calls.values():  # every prompt of the longest length: the buffers' bound
+        prompts = [[1] * prompt] * n
+        dec.generate(prompts, 0, 0, True, g, 2, 0, data.max_total_length)
+    real_kv = sum(t.nbytes for t in (*dec._cache.keys.values(), *dec._cache.values.values()))
+    s = dec._slots
+    real_states = sum(t.nbytes for t in (s.uniforms, s.out_tokens, s.out_logprobs))
+    plan = memory.plan_memory(cfg, arch, VOCAB, prompt=prompt)
+    assert plan.engine["kv_cache"] == real_kv
+    assert plan.engine["decode_row_states"] == real_states
+    assert (s.rows, s.slots) == memory.decoder_buffers(cfg, 1, prompt)
+    assert max(response_budgets([[1] * prompt], g.max_new_tokens, data.max_total_length)) > 0
+
+
+@pytest.mark.parametrize("packing,budget", [(True, 4096), (False, 4096), (True, None),
+                                            (False, None)])
+def test_planned_micro_batch_tokens_are_the_workers(packing, budget):
+    """:func:`memory.micro_batch_tokens` against the largest micro-batch the workers cut
+    (packed: the packed row's tokens; padded: rows x width) from full-length rows: the same,
+    or with a packing budget its bound (rows shorter than ``seq`` can fill it)."""
+    import torch
+
+    from mcore_rl.data.microbatching import make_microbatches
+    from mcore_rl.data.packing import make_packed_microbatches
+
+    seq, rows, mbs = 300, 40, 8
+    cfg = load_config("grpo_synthetic_gpu", [
+        f"policy.sequence_packing={str(packing).lower()}",
+        f"policy.max_tokens_per_microbatch={budget or 'null'}"])
+    batch = {"input_ids": torch.ones(rows, seq, dtype=torch.long),
+             "input_lengths": torch.full((rows,), seq)}
+    if packing:
+        parts = make_packed_microbatches(batch, budget or mbs * seq)
+        real = max(p["packed_input_ids"].numel() for p in parts)
+    else:
+        real = max(p["input_ids"].numel() for p in make_microbatches(batch, mbs, budget))
+    planned = memory.micro_batch_tokens(cfg, mbs, rows, seq)
+    if packing and budget:  # the budget bounds rows of any lengths; whole rows of seq fill
+        assert real <= planned < real + seq  # it to within one row
+    else:
+        assert planned == real

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import os
 import re
 import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, List
+from typing import Any
 
 import yaml
 from hydra import compose, initialize_config_dir
@@ -31,10 +30,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 import mcore_rl
 from mcore_rl.config import checks
 from mcore_rl.config.checks import ConfigError
-from mcore_rl.config.families import arch_errors, layout_errors, parallel_shape_errors
-from mcore_rl.config.paths import file_problem, hf_checkpoint_errors, tokenizer_dir_error
-from mcore_rl.config.registry import ADVANTAGE_ESTIMATORS, backend_errors, task_errors
-from mcore_rl.config.schema import CHAR_TOKENIZER, DataConfig, TrainConfig
+# Re-exported: callers import the streaming and algorithm checks from the loader.
+from mcore_rl.config.rules import algorithm_errors, rule_errors, streaming_errors  # noqa: F401
+from mcore_rl.config.schema import TrainConfig
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent
 DEFAULT_CONFIG_DIR = PKG_DIR.parent / "configs"
@@ -232,189 +230,21 @@ def load_config(config_name: str, overrides: Sequence[str] = (),
 
 def validate(cfg: TrainConfig) -> None:
     """Check every key's declared choices and bounds (:mod:`mcore_rl.config.checks`, the same
-    checks the components run), the files and directories the config names (data files, the
-    Hugging Face checkpoint directories and their tokenizer: :mod:`mcore_rl.config.paths`), and
-    the combinations that no run can satisfy (parallel layout vs model shape and workers (the
-    policy's and, with ``algorithm: ppo``, the critic's), device-only features, lengths, GRPO
-    and PPO batch arithmetic).
+    checks the components run), then the cross-field rules of each section and of each chosen
+    plugin, in the order of :data:`mcore_rl.config.rules.RULES`: the files and directories the
+    config names (data files through the task's check, the Hugging Face checkpoint directories
+    and their tokenizer: :mod:`mcore_rl.config.paths`), and the combinations that no run can
+    satisfy (parallel layout vs model shape and workers (the policy's and, with
+    ``algorithm: ppo``, the critic's), device-only features, the generation backend's needs,
+    lengths, streaming, GRPO and PPO batch arithmetic).
 
     Raises:
         ConfigError: naming every violation's keys: ``invalid config: <problem>`` for one,
             else one problem per line.
     """
     field_errors = checks.errors(cfg)
-    errors = list(field_errors)
-
-    def check(ok: bool, message: str) -> None:
-        if not ok:
-            errors.append(message)
-
-    arch, device = cfg.model.arch, cfg.cluster.device
-    if cfg.model.hf_path is None:  # arch_errors repeats the field checks of model.arch
-        errors += [e for e in arch_errors(arch) if e not in field_errors]
-    heads_ok = arch.num_query_groups >= 1 and arch.num_attention_heads >= 1
-    if heads_ok:
-        check(arch.num_attention_heads % arch.num_query_groups == 0,
-              f"model.arch.num_attention_heads ({arch.num_attention_heads}) must be divisible by "
-              f"model.arch.num_query_groups ({arch.num_query_groups})")
-        check(arch.head_dim is not None or arch.hidden_size % arch.num_attention_heads == 0,
-              f"model.arch.hidden_size ({arch.hidden_size}) must be divisible by "
-              f"model.arch.num_attention_heads ({arch.num_attention_heads})")
-    # The PPO critic has a Megatron layout of its own over cluster.num_workers processes.
-    for section in ("policy", "value") if cfg.algorithm == "ppo" else ("policy",):
-        mg = getattr(cfg, section).megatron
-        ddp, key = mg.ddp, f"{section}.megatron"
-        tp, pp, vpp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, \
-            mg.virtual_pipeline_model_parallel_size
-        if tp >= 1 and pp >= 1:
-            check(cfg.cluster.num_workers % (tp * pp) == 0,
-                  f"cluster.num_workers ({cfg.cluster.num_workers}) must be divisible by "
-                  f"{key}.tensor_model_parallel_size x pipeline_model_parallel_size "
-                  f"({tp} x {pp})")
-        if vpp is not None and vpp >= 1:  # < 1: the field check reports it
-            check(pp > 1, f"{key}.virtual_pipeline_model_parallel_size ({vpp}) needs "
-                          f"{key}.pipeline_model_parallel_size > 1 (got {pp})")
-        # With model.hf_path the shape is the checkpoint's: the trainer checks it when it reads
-        # config.json (model.arch is unused then).
-        if cfg.model.hf_path is None and (vpp is None or vpp >= 1):
-            errors += parallel_shape_errors(arch, mg, key)
-        if getattr(cfg, section).sequence_packing:
-            # Packed micro-batches differ in length, and the pipeline schedules need one shape
-            # per micro-batch: packing is refused with PP > 1 rather than padded to the budget.
-            check(pp == 1 and vpp is None,
-                  f"{section}.sequence_packing needs {key}.pipeline_model_parallel_size=1 and no "
-                  f"virtual stages (got PP={pp}, VPP={vpp}): packed micro-batches vary in length")
-            check(mg.layer_spec != "local",
-                  f"{section}.sequence_packing needs {key}.layer_spec torch or transformer_engine "
-                  f"(the local spec's attention has no packed-sequence (THD) path)")
-            check(arch.num_experts is None,
-                  f"{section}.sequence_packing does not support mixture-of-experts models yet "
-                  f"(model.arch.num_experts is {arch.num_experts})")
-        check(not mg.sequence_parallel or tp > 1, f"{key}.sequence_parallel needs "
-              f"{key}.tensor_model_parallel_size > 1 (got {tp})")
-        check(not mg.compile_layers or device != "cpu",
-              f"{key}.compile_layers needs a GPU: cluster.device is 'cpu'")
-        check(not ddp.overlap_param_gather or ddp.use_distributed_optimizer,
-              f"{key}.ddp.overlap_param_gather needs {key}.ddp.use_distributed_optimizer")
-        check(not ddp.average_in_collective,
-              f"{key}.ddp.average_in_collective must be false: the losses are normalized by the "
-              f"global token/sequence count (Megatron's calculate_per_token_loss), which "
-              f"Megatron's DDP refuses to combine with averaging over DP")
-        if cfg.model.hf_path is None:  # else the model's shape is read from the checkpoint
-            errors += [e for e in layout_errors(arch, mg, key, cfg.cluster.num_workers)
-                       if e not in field_errors]
-        gpu_only = [n for n in ("use_distributed_optimizer", "overlap_param_gather") if getattr(ddp, n)]
-        if gpu_only and (device == "cpu" or device == "auto" and not _cuda_available()):
-            seen = " and torch sees no GPU" if device == "auto" else ""
-            errors += [f"{key}.ddp.{n} needs a GPU: cluster.device is '{device}'{seen}"
-                       for n in gpu_only]
-
-    gen, data, grpo = cfg.generation, cfg.data, cfg.grpo
-    errors += backend_errors(cfg)
-    errors += algorithm_errors(cfg)
-    check(data.max_prompt_length + gen.max_new_tokens <= data.max_total_length,
-          f"data.max_prompt_length + generation.max_new_tokens ({data.max_prompt_length} + "
-          f"{gen.max_new_tokens}) must be <= data.max_total_length ({data.max_total_length})")
-    budget, mg = cfg.policy.max_tokens_per_microbatch, cfg.policy.megatron
-    tp = max(1, mg.tensor_model_parallel_size) if mg.sequence_parallel else 1
-    longest = -(-data.max_total_length // tp) * tp  # sequence parallelism pads widths to TP
-    check(budget is None or budget >= longest,
-          f"policy.max_tokens_per_microbatch ({budget}) must be null or >= data.max_total_length "
-          f"({data.max_total_length}{f', rounded up to a multiple of TP={tp}' if tp > 1 else ''})"
-          f": a micro-batch holds at least one whole sequence")
-    check(not cfg.logging.wandb or importlib.util.find_spec("wandb") is not None,
-          "logging.wandb=true needs the wandb package: pip install wandb")
-    errors += task_errors(data)
-    model = cfg.model
-    if model.hf_path is not None:
-        errors += hf_checkpoint_errors("model.hf_path", model.hf_path,
-                                       tokenizer=model.tokenizer is None)
-    if cfg.algorithm == "ppo" and cfg.value.hf_path is not None:
-        errors += hf_checkpoint_errors("value.hf_path", cfg.value.hf_path)
-    if model.tokenizer not in (None, CHAR_TOKENIZER):
-        errors += filter(None, [tokenizer_dir_error("model.tokenizer", model.tokenizer)])
-    errors += streaming_errors(cfg)
-    env = cfg.env
-    check(any(e.startswith("env.") for e in field_errors)  # then the field checks report it
-          or env.step_timeout_seconds > env.tool_timeout_seconds,
-          f"env.step_timeout_seconds ({env.step_timeout_seconds}) must be > "
-          f"env.tool_timeout_seconds ({env.tool_timeout_seconds}): a step waits for its tools")
-    rollouts = grpo.num_prompts_per_step * grpo.num_generations
-    check(grpo.optimizer_steps_per_rollout < 1 or rollouts % grpo.optimizer_steps_per_rollout == 0,
-          f"grpo.num_prompts_per_step x grpo.num_generations ({grpo.num_prompts_per_step} x "
-          f"{grpo.num_generations} = {rollouts}) must be divisible by "
-          f"grpo.optimizer_steps_per_rollout ({grpo.optimizer_steps_per_rollout})")
-    ppo = cfg.ppo
-    samples = ppo.num_prompts_per_step * ppo.num_generations
-    check(ppo.num_mini_batches < 1 or samples % ppo.num_mini_batches == 0,
-          f"ppo.num_prompts_per_step x ppo.num_generations ({ppo.num_prompts_per_step} x "
-          f"{ppo.num_generations} = {samples}) must be divisible by ppo.num_mini_batches "
-          f"({ppo.num_mini_batches})")
+    errors = list(field_errors) + rule_errors(cfg, field_errors)
     if len(errors) == 1:
         raise ConfigError(f"invalid config: {errors[0]}")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-
-
-def streaming_errors(cfg: TrainConfig) -> List[str]:
-    """Why the streaming loop (``<algorithm>.streaming=true``,
-    :mod:`mcore_rl.controller.streaming`) cannot run ``cfg``, one message per reason naming
-    its keys; empty when it can or when the run does not stream. The loop trains each prompt
-    group as soon as it is scored, in one optimizer step per RL step, while the rollout engine
-    generates the rest in processes of its own, so it refuses what needs the whole batch before
-    any of it trains: GRPO's batch-wide estimator (REINFORCE++), dynamic sampling and several
-    optimizer steps a rollout; PPO's advantage whitening (the batch's mean and std),
-    several epochs and several mini-batches."""
-    if not cfg.streaming:
-        return []
-    loop, name = cfg.loop, cfg.algorithm
-    on = f"{name}.streaming=true"
-    errors = []
-    one_step = "a streamed RL step is one optimizer step on rows that train as they arrive"
-    if name == "grpo":
-        if loop.optimizer_steps_per_rollout != 1:
-            errors.append(f"{on} needs grpo.optimizer_steps_per_rollout=1 (got "
-                          f"{loop.optimizer_steps_per_rollout}): {one_step}")
-        estimator = ADVANTAGE_ESTIMATORS.get(loop.advantage_estimator)
-        if estimator is not None and not estimator.per_group:
-            per_group = " or ".join(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.per_group)
-            errors.append(f"{on} needs a per-group grpo.advantage_estimator ({per_group}; got "
-                          f"{loop.advantage_estimator}): a group trains as soon as it is scored")
-        if loop.dynamic_sampling:
-            errors.append(f"{on} cannot use grpo.dynamic_sampling (it draws prompt groups in "
-                          f"rounds until the batch is full); the streaming loop trains each "
-                          f"group as it comes")
-    else:
-        for key in ("ppo_epochs", "num_mini_batches"):
-            if getattr(loop, key) != 1:
-                errors.append(f"{on} needs ppo.{key}=1 (got {getattr(loop, key)}): {one_step}")
-        if loop.whiten_advantages:
-            errors.append(f"{on} needs ppo.whiten_advantages=false: whitening takes the mean and "
-                          f"std of the whole batch's advantages, which are not known before its "
-                          f"first rows train")
-    return errors
-
-
-def algorithm_errors(cfg: TrainConfig) -> List[str]:
-    """Combinations of ``loss.*`` and ``grpo.*`` keys no run can use, one message each naming
-    its keys: a reward KL without an estimator that reads it
-    (:attr:`~mcore_rl.config.registry.Estimator.reads_reward_kl`), an overlong buffer longer
-    than the response budget."""
-    g, out = cfg.grpo, []
-    estimator = ADVANTAGE_ESTIMATORS.get(g.advantage_estimator)
-    if (cfg.algorithm == "grpo" and g.reward_kl_coef > 0 and estimator is not None
-            and not estimator.reads_reward_kl):
-        readers = " or ".join(f"grpo.advantage_estimator={n}"
-                              for n, e in ADVANTAGE_ESTIMATORS.items() if e.reads_reward_kl)
-        out.append(f"grpo.reward_kl_coef ({g.reward_kl_coef}) is read by {readers} only (got "
-                   f"{g.advantage_estimator!r}); use loss.kl_coef for a KL term in the loss")
-    if g.overlong_buffer_length > cfg.generation.max_new_tokens:
-        out.append(f"grpo.overlong_buffer_length ({g.overlong_buffer_length}) must be <= "
-                   f"generation.max_new_tokens ({cfg.generation.max_new_tokens})")
-    return out
-
-
-def _cuda_available() -> bool:
-    import torch  # deferred: only configs that ask for GPU-only features pay for the import
-
-    return torch.cuda.is_available()

@@ -5,7 +5,8 @@ verifier, an environment) is a module
 on its own floor of the package (``docs/design.md``, "Floor plan"); its entry here names it as
 ``"module:attribute"`` strings. So the config floor knows the valid names (the schema's choices,
 the error messages, ``docs/config-reference.md``) and runs each chosen plugin's load-time check
-(:func:`backend_errors`, :func:`task_errors`: from :func:`mcore_rl.config.loader.validate`)
+(:func:`backend_errors`, :func:`task_errors`: from the rules of :mod:`mcore_rl.config.rules`
+that :func:`mcore_rl.config.loader.validate` runs)
 without importing anything above it; the floors that use a plugin resolve its entry with :func:`load`
 (:mod:`mcore_rl.algorithms.registry`, :mod:`mcore_rl.generation.registry`,
 :func:`mcore_rl.data.prompts.load_task`). Adding one is its module plus one line here.
@@ -130,7 +131,7 @@ def task_errors(data: Any) -> List[str]:
     """Why ``data.task`` cannot load its prompts from the ``data`` section ``data``
     (:class:`~mcore_rl.config.schema.DataConfig`), one message per problem naming its keys:
     the task's own check (:attr:`Task.config_check`); empty for an unknown task (the choices
-    check reports it). Checked by :func:`mcore_rl.config.loader.validate` and
+    check reports it). Checked by :func:`mcore_rl.config.rules.task_rules` (config loading) and
     :func:`mcore_rl.data.prompts.load_task`."""
     task = TASKS.get(data.task)
     return [] if task is None else load(task.config_check)(data)

@@ -28,17 +28,30 @@ The model of one GPU of the policy's workers (and the critic's, colocated) in by
   pipeline's first stage keeps ``min(PP, micro-batches)`` micro-batches in flight (1F1B);
 - **logits** ``[b, s, V/t]`` in the activation dtype and their gradient (the fused logprob
   kernels of :mod:`mcore_rl.megatron.logprobs` keep no fp32 copy);
-- **kv_cache** of the ``megatron`` rollout backend: per layer keys and values of
-  ``rows x slots`` tokens (rows: the largest decode chunk per DP rank rounded up to a power of
-  two; slots: the longest row rounded up to 128 tokens, at most ``data.max_total_length``), kept
-  through training unless ``cluster.colocate_generation`` releases it; the ``vllm`` backend's
-  share ``gpu_memory_utilization x GPU`` when colocated; the ``hf`` backend's fp32 model copy
-  and cache in the controller's process when it runs on GPU 0.
+- a micro-batch's tokens (:func:`micro_batch_tokens`, as the workers cut them): ``b x s`` with
+  ``b`` rows of ``micro_batch_size`` (training) or ``logprob_micro_batch_size`` (logprobs), or,
+  with ``policy.max_tokens_per_microbatch``, the token budget (packed: at most the budget and
+  the call's tokens; padded: whole rows under it);
+- **kv_cache** of the ``megatron`` rollout backend (:func:`decoder_buffers`, what
+  ``MegatronDecoder._reserve`` allocates): per layer keys and values of ``rows x slots``
+  tokens, rows the largest chunk (``generation.batch_size`` prompts at most) of any
+  ``generate`` call on one DP rank rounded up to a power of two, at least 8: the rollout's
+  rows, validation's ``val_num_prompts`` capped by the task's held-out examples
+  (:func:`generation_calls`), the logprob canary's prompts; slots the longest prompt +
+  ``generation.max_new_tokens`` rounded up to 128, at most ``data.max_total_length``; plus the
+  row states (16 bytes a slot). Kept through training unless ``cluster.colocate_generation``
+  releases it. The ``vllm`` backend's share ``gpu_memory_utilization x GPU`` when colocated;
+  the ``hf`` backend's fp32 model copy and cache in the controller's process when it runs on
+  GPU 0.
 
 Phases (the figure reported is the largest): ``generation`` (resident state + KV cache + one
-layer's prefill intermediates and a decode step's fp32 logits), ``logprobs`` (resident + forward-only logits of a
-``logprob_micro_batch_size`` micro-batch), ``train`` (resident + activations + logits + their
-gradient + the optimizer step's transient). "Resident" is what stays on the GPU in that phase:
+layer's prefill intermediates for one prefill group of at most 16384 prompt tokens and a decode
+step's fp32 logits), ``logprobs`` (resident + forward-only logits of a logprob micro-batch and
+one layer's intermediates), ``train`` (resident + activations + logits + their gradient + the
+optimizer step's transient). Checked against the measured peaks of bench/RESULTS.md
+(SmolLM2-135M on GSM8K: -4 to -8%; the 0.85B benchmark: -2%) and, term by term, against the
+buffers the decoder and the micro-batching really allocate (tests/test_memory_plan.py).
+"Resident" is what stays on the GPU in that phase:
 with ``cluster.colocate_generation`` the policy's gradients and optimizer state leave the GPU
 for generation and the rollout engine's memory leaves it for training.
 """
@@ -46,11 +59,11 @@ for generation and the rollout engine's memory leaves it for training.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Dict, List, Optional, Tuple
 
 from mcore_rl.config.schema import MegatronConfig, ModelArchConfig, TrainConfig
 from mcore_rl.config.families import FAMILIES, head_dim
+from mcore_rl.config.registry import TASKS, load
 
 GIB = float(2**30)
 
@@ -158,8 +171,11 @@ class RoleMemory:
     activations: int
     logits: int
     logprob_logits: int
+    logprob_forward: int  # one layer's intermediates of the forward-only pass (no autograd)
     micro_batch_size: int
     seq: int
+    tokens: int = 0  # of the largest training micro-batch (micro_batch_tokens)
+    logprob_tokens: int = 0  # of the largest logprob (or values) micro-batch
 
     @property
     def static(self) -> int:
@@ -229,7 +245,12 @@ def role_memory(name: str, cfg: TrainConfig, arch: ModelArchConfig, vocab_size: 
         steps = getattr(getattr(cfg, cfg.algorithm), "optimizer_steps_per_rollout", 1)
         train_rows = max(1, _ceil_div(rollout_rows(cfg), dp * steps))
     b = max(1, min(micro_batch_size, train_rows))
-    b_lp = max(1, min(logprob_micro_batch_size, _ceil_div(rollout_rows(cfg), dp)))
+    lp_rows = _ceil_div(rollout_rows(cfg), dp)
+    b_lp = max(1, min(logprob_micro_batch_size, lp_rows))
+    # The rows of one micro-batch, in units of rows of ``seq`` tokens (micro_batch_tokens).
+    tokens = micro_batch_tokens(cfg, b, train_rows, seq)
+    lp_tokens = micro_batch_tokens(cfg, b_lp, lp_rows, seq)
+    t_rows, t_lp = tokens / seq, lp_tokens / seq
     p = rank_parameters(arch, vocab_size, megatron, value_head)
     bf16 = megatron.precision == "bf16"
     e = 2 if bf16 else 4
@@ -240,7 +261,7 @@ def role_memory(name: str, cfg: TrainConfig, arch: ModelArchConfig, vocab_size: 
     micro_batches = _ceil_div(train_rows, b)
     in_flight = min(pp, micro_batches)
     acts = (_ceil_div(arch.num_layers, pp) * in_flight
-            * activation_bytes_per_layer(arch, megatron, b, seq))
+            * activation_bytes_per_layer(arch, megatron, t_rows, seq))
     vocab_cols = 1 if value_head else padded_vocab(vocab_size, tp) // tp
     return RoleMemory(
         name=name, parameters=p, weights=p * e, grads=p * grad_bytes,
@@ -249,45 +270,145 @@ def role_memory(name: str, cfg: TrainConfig, arch: ModelArchConfig, vocab_size: 
         optimizer_step_transient=p * 4 if grad_bytes == 2 else 0,
         reference=p * e if reference else 0,
         activations=acts,
-        logits=2 * b * seq * vocab_cols * e,
-        logprob_logits=b_lp * seq * vocab_cols * e,
-        micro_batch_size=b, seq=seq)
+        logits=int(2 * t_rows * seq * vocab_cols * e),
+        logprob_logits=int(t_lp * seq * vocab_cols * e),
+        logprob_forward=int(lp_tokens * forward_elements_per_token(arch, megatron) * e),
+        micro_batch_size=b, seq=seq, tokens=tokens, logprob_tokens=lp_tokens)
+
+
+def forward_elements_per_token(arch: ModelArchConfig, megatron: MegatronConfig) -> float:
+    """The largest intermediates of one decoder layer's forward without autograd, elements a
+    token on one rank: the residual stream and its norm ``2 h``, then SwiGLU's input and output
+    ``3 f / t`` or q, k, v and the attention output ``(2 a d + 2 g d) / t`` (a forward-only
+    pass frees each layer's tensors before the next: the logprob pass and the rollout's
+    prefill)."""
+    tp = megatron.tensor_model_parallel_size
+    a, g, d = arch.num_attention_heads, arch.num_query_groups, head_dim(arch)
+    f = arch.ffn_hidden_size if arch.num_experts is None else (
+        (arch.moe_ffn_hidden_size or arch.ffn_hidden_size) * arch.moe_router_topk
+        + (arch.moe_shared_expert_ffn_hidden_size or 0))
+    return 2 * arch.hidden_size + max(3 * f, 2 * a * d + 2 * g * d) / tp
+
+
+def micro_batch_tokens(cfg: TrainConfig, rows: int, total_rows: int, seq: int) -> int:
+    """Tokens (padded, the width the model runs at) of the largest micro-batch of a call over
+    ``total_rows`` rows of at most ``seq`` tokens with micro-batches of ``rows`` rows, as the
+    workers cut them (:func:`mcore_rl.data.microbatching.make_microbatches`,
+    :func:`mcore_rl.data.packing.make_packed_microbatches`): with
+    ``policy.max_tokens_per_microbatch`` the budget (a micro-batch holds at most that many
+    tokens, and never more than the call's rows; without packing whole rows of ``seq`` under
+    it), else ``rows x seq`` (a packed micro-batch's budget is then ``rows`` x the longest row).
+    """
+    budget = cfg.policy.max_tokens_per_microbatch
+    if budget is None:
+        return rows * seq
+    if cfg.policy.sequence_packing:
+        return min(budget, total_rows * seq)
+    return min(max(1, budget // seq), total_rows) * seq
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# The megatron rollout decoder's constants (mcore_rl/generation/megatron.py, a floor above:
+# tests/test_memory_plan.py checks they agree): the smallest row bucket and attended span, and
+# the padded prompt tokens of one prefill forward.
+DECODER_MIN_ROWS, DECODER_MIN_SPAN, DECODER_PREFILL_TOKENS = 8, 128, 16384
+
+
+def _bucket(n: int, floor: int) -> int:
+    """The smallest power of two ``>= max(n, floor)`` (the decoder's ``_bucket``)."""
+    return max(floor, _pow2(n))
+
+
+_HELD_OUT: Dict[Tuple[str, int], Optional[int]] = {}
+
+
+def _held_out_examples(cfg: TrainConfig) -> Optional[int]:
+    """The task's held-out examples (None: unknown task or unreadable data), once per data
+    section (the planner calls this for every layout it tries)."""
+    key = (repr(cfg.data), cfg.run.seed)
+    if key not in _HELD_OUT:
+        try:
+            _, test = load(TASKS[cfg.data.task].examples)(cfg.data, cfg.run.seed)
+            _HELD_OUT[key] = len(test)
+        except Exception:  # noqa: BLE001 - the config loader reports bad data; here: unknown
+            _HELD_OUT[key] = None
+    return _HELD_OUT[key]
+
+
+def generation_calls(cfg: TrainConfig) -> Dict[str, int]:
+    """Prompts of each kind of ``generate`` call a run makes (what sizes the rollout engine's
+    buffers): ``rollout`` (prompts x generations of an RL step), ``validation`` (with
+    validation on: ``<algorithm>.val_num_prompts``, at most the task's held-out examples, read
+    through the task's plugin entry (:data:`mcore_rl.config.registry.TASKS`); as the trainer's
+    ``validate``) and ``canary`` (``generation.logprob_canary_prompts`` with
+    ``generation.logprob_budget``)."""
+    loop, g = getattr(cfg, cfg.algorithm), cfg.generation
+    calls = {"rollout": rollout_rows(cfg)}
+    if loop.val_every > 0 or loop.val_at_start:
+        held_out = _held_out_examples(cfg) if cfg.data.task in TASKS else None
+        n = loop.val_num_prompts if held_out is None else min(loop.val_num_prompts, held_out)
+        if n > 0:
+            calls["validation"] = n
+    if g.logprob_budget is not None and g.logprob_canary_prompts > 0:
+        calls["canary"] = g.logprob_canary_prompts
+    return calls
+
+
+def decoder_buffers(cfg: TrainConfig, dp: int, prompt: int) -> Tuple[int, int]:
+    """``(rows, slots)`` of the ``megatron`` decoder's KV cache after a run's calls
+    (``MegatronDecoder._reserve``): rows, the largest chunk of a call on one DP rank
+    (``generation.batch_size`` prompts at most) rounded up to a power of two, at least 8; slots,
+    the longest prompt (``prompt`` tokens) plus ``generation.max_new_tokens`` rounded up to 128,
+    at most ``data.max_total_length``. The buffers only grow, so the largest call sizes them."""
+    g = cfg.generation
+    rows = max(_bucket(min(g.batch_size, _ceil_div(c, dp)), DECODER_MIN_ROWS)
+               for c in generation_calls(cfg).values())
+    width = min(prompt + g.max_new_tokens, cfg.data.max_total_length)
+    slots = min(_ceil_div(width, DECODER_MIN_SPAN) * DECODER_MIN_SPAN, cfg.data.max_total_length)
+    return rows, slots
+
+
+def kv_cache_bytes(arch: ModelArchConfig, megatron: MegatronConfig, rows: int, slots: int) -> int:
+    """Bytes of the decoder's :class:`~mcore_rl.megatron.attention.KVCache` on one rank: keys
+    and values ``[rows, g / TP, slots, d]`` per layer of its stage, in the parameters' dtype."""
+    e = 2 if megatron.precision == "bf16" else 4
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    groups = max(1, arch.num_query_groups // tp)
+    return _ceil_div(arch.num_layers, pp) * 2 * rows * groups * slots * head_dim(arch) * e
+
+
 def engine_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: int,
-                  seq: Optional[int] = None) -> Tuple[Dict[str, int], Dict[str, int]]:
+                  seq: Optional[int] = None, prompt: Optional[int] = None
+                  ) -> Tuple[Dict[str, int], Dict[str, int]]:
     """The rollout engine's bytes on one policy GPU, by item (module docstring): what it keeps
-    between calls, and what a call adds while it runs (the ``megatron`` backend: the largest
-    intermediates of one layer's prefill forward for a chunk of prompts, no autograd: ``rows x
-    prompt x (2 h + max(3 f, 2 a d + 2 g d) / t)`` elements (the residual stream and its norm,
-    then SwiGLU's input and output or q, k, v and the attention output), and the fp32 logits
-    of a decode step)."""
+    between calls, and what a call adds while it runs. The ``megatron`` backend keeps its KV
+    cache (:func:`decoder_buffers`, :func:`kv_cache_bytes`) and the row states (``[rows,
+    slots]`` random streams, tokens and logprobs: 16 bytes a slot); a call adds the largest
+    intermediates of one layer's prefill forward, no autograd, for one prefill group of at most
+    16384 padded prompt tokens (``tokens x (2 h + max(3 f, 2 a d + 2 g d) / t)`` elements: the
+    residual stream and its norm, then SwiGLU's input and output or q, k, v and the attention
+    output), and the fp32 logits of a decode step. ``prompt``: the longest prompt (default
+    ``data.max_prompt_length``, at most ``seq``)."""
     g, m = cfg.generation, cfg.policy.megatron
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    tp = m.tensor_model_parallel_size
     e = 2 if m.precision == "bf16" else 4
     seq = seq or cfg.data.max_total_length
+    prompt = prompt or min(cfg.data.max_prompt_length, seq)
     dp = _dp(cfg, m)
-    loop = getattr(cfg, cfg.algorithm)
-    calls = [rollout_rows(cfg)]
-    if loop.val_every > 0 or loop.val_at_start:
-        calls.append(loop.val_num_prompts)
-    if g.logprob_budget is not None:
-        calls.append(g.logprob_canary_prompts)
+    if g.backend == "megatron":
+        rows, slots = decoder_buffers(cfg, dp, prompt)
+        kv = kv_cache_bytes(arch, m, rows, slots)
+        per_token = forward_elements_per_token(arch, m)
+        chunk = max(min(g.batch_size, _ceil_div(c, dp)) for c in generation_calls(cfg).values())
+        group = min(chunk, max(1, DECODER_PREFILL_TOKENS // prompt))
+        prefill = int(group * prompt * per_token * e)
+        return ({"kv_cache": kv, "decode_row_states": rows * slots * 16},
+                {"prefill": prefill, "decode_logits": rows * padded_vocab(vocab_size, tp) * 4})
+    calls = generation_calls(cfg).values()
     rows = _pow2(max(min(g.batch_size, _ceil_div(c, dp)) for c in calls))
-    kv_per_token = 2 * arch.num_query_groups * head_dim(arch) // min(tp, arch.num_query_groups)
-    if g.backend == "megatron":  # slots: the longest row rounded up to 128, capped
-        slots = min(_ceil_div(seq, 128) * 128, cfg.data.max_total_length)
-        kv = _ceil_div(arch.num_layers, pp) * kv_per_token * rows * slots * e
-        prompt = min(cfg.data.max_prompt_length, seq)
-        a, d, f = arch.num_attention_heads, head_dim(arch), arch.ffn_hidden_size
-        per_token = 2 * arch.hidden_size + max(3 * f, 2 * a * d + 2 * arch.num_query_groups * d) / tp
-        prefill = int(rows * prompt * per_token * e)
-        return {"kv_cache": kv}, {"prefill": prefill,
-                                  "decode_logits": rows * padded_vocab(vocab_size, tp) * 4}
     if g.backend == "vllm":
         if not cfg.cluster.colocate_generation:
             return {}, {}
@@ -301,10 +422,13 @@ def engine_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: int,
 
 def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[int] = None,
                 megatron: Optional[MegatronConfig] = None, micro_batch_size: Optional[int] = None,
-                seq: Optional[int] = None, train_rows: Optional[int] = None) -> MemoryPlan:
+                seq: Optional[int] = None, train_rows: Optional[int] = None,
+                prompt: Optional[int] = None) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``cfg`` (or of its policy layout replaced by ``megatron``
     and micro-batch ``micro_batch_size``; the critic keeps its own layout). ``seq`` (tokens a
-    row) defaults to ``data.max_total_length``."""
+    row) defaults to ``data.max_total_length``, ``prompt`` (the longest prompt, which sizes
+    the rollout engine's buffers with ``generation.max_new_tokens``) to
+    ``data.max_prompt_length``."""
     vocab_size = vocab_size or arch.vocab_size
     pm = megatron or cfg.policy.megatron
     kl = cfg.loss.kl_coef > 0 or getattr(getattr(cfg, cfg.algorithm), "reward_kl_coef", 0) > 0
@@ -321,7 +445,7 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
         if v.megatron.ddp.use_distributed_optimizer:
             critic.optimizer = critic.optimizer_distributed
         roles.append(critic)
-    eng, eng_transient = engine_memory(cfg, arch, vocab_size, seq)
+    eng, eng_transient = engine_memory(cfg, arch, vocab_size, seq, prompt)
     engine = sum(eng.values())
     # Streaming generates while it trains: nothing is offloaded there.
     offloaded = cfg.cluster.colocate_generation and not getattr(
@@ -335,7 +459,8 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
     resident_train = static + (0 if offloaded else engine)
     policy = roles[0]
     # Colocated, the training state stays off the GPU for logprobs (only the weights return).
-    logprobs = (weights if offloaded else resident_train) + policy.logprob_logits
+    logprobs = ((weights if offloaded else resident_train) + policy.logprob_logits
+                + policy.logprob_forward)
     train = resident_train + max(r.train_transient for r in roles)
     tp, pp = pm.tensor_model_parallel_size, pm.pipeline_model_parallel_size
     return MemoryPlan(roles=roles, engine=eng, engine_transient=eng_transient,
@@ -409,7 +534,7 @@ def format_plan(plan: MemoryPlan) -> str:
     """The plan as a table: GiB per GPU by role and item, then by phase."""
     tp, pp, dp = plan.layout
     lines = [f"layout TP={tp} PP={pp} DP={dp}; GiB per GPU (cluster.gpu_memory_gb="
-             f"{plan.gpu_bytes / GIB:g})", f"{'role':10s} {'item':46s} {'GiB':>8s}"]
+             f"{plan.gpu_bytes / GIB:g})", f"{'role':10s} {'item':50s} {'GiB':>8s}"]
     for r in plan.roles:
         items = [("parameters (millions)", r.parameters / 1e6 * GIB),
                  ("weights", r.weights), ("grads", r.grads),
@@ -417,20 +542,21 @@ def format_plan(plan: MemoryPlan) -> str:
                  (f"  with the distributed optimizer (DP={dp})", r.optimizer_distributed),
                  ("optimizer step transient (fp32 grads)", r.optimizer_step_transient),
                  ("reference weights", r.reference),
-                 (f"activations (mbs {r.micro_batch_size}, seq {r.seq})", r.activations),
+                 (f"activations ({r.tokens} tokens a micro-batch, seq {r.seq})", r.activations),
                  ("logits and their grad", r.logits),
-                 ("logprob micro-batch logits", r.logprob_logits)]
+                 (f"logprob micro-batch logits ({r.logprob_tokens} tokens)", r.logprob_logits),
+                 ("logprob forward (one layer, no autograd)", r.logprob_forward)]
         for what, value in items:
-            lines.append(f"{r.name:10s} {what:46s} {_gib(value):>8s}")
+            lines.append(f"{r.name:10s} {what:50s} {_gib(value):>8s}")
     state = "offloaded for training" if plan.engine_offloaded else "resident"
     for what, value in plan.engine.items():
-        lines.append(f"{'rollout':10s} {what + ' (' + state + ')':46s} {_gib(value):>8s}")
+        lines.append(f"{'rollout':10s} {what + ' (' + state + ')':50s} {_gib(value):>8s}")
     for what, value in plan.engine_transient.items():
-        lines.append(f"{'rollout':10s} {what + ' (while generating)':46s} {_gib(value):>8s}")
+        lines.append(f"{'rollout':10s} {what + ' (while generating)':50s} {_gib(value):>8s}")
     for phase, value in plan.phases.items():
-        lines.append(f"{'peak':10s} {phase:46s} {_gib(value):>8s}")
+        lines.append(f"{'peak':10s} {phase:50s} {_gib(value):>8s}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    lines.append(f"{'peak':10s} {'max':46s} {_gib(plan.peak):>8s}  {verdict}")
+    lines.append(f"{'peak':10s} {'max':50s} {_gib(plan.peak):>8s}  {verdict}")
     return "\n".join(lines)
 
 

@@ -9,15 +9,21 @@ phase; the largest over the phase's calls and ranks):
 1. ``synthetic_0.36B``: ``configs/grpo_synthetic_gpu.yaml`` (Qwen2-0.5B shape, char vocab,
    megatron rollouts, bf16), ``sft.steps=2`` then 2 RL steps (validation at start and end).
 2. ``smollm2_135m``: ``grpo_gsm8k`` with ``model.hf_path=$MODEL_DIR`` (SmolLM2-135M), cuda,
-   bf16, torch spec, megatron rollouts; 2 RL steps. Skipped without ``$MODEL_DIR``.
-3. ``bench_0.85B``: the shape of ``bench/train_step.py`` (Llama, 16 layers, hidden 2048, GQA 16/4,
+   bf16, torch spec, megatron rollouts; 2 RL steps (the row of bench/RESULTS.md's first
+   measurement). Skipped without ``$MODEL_DIR``.
+3. ``smollm2_gsm8k``: ``configs/grpo_smollm2_gsm8k.yaml`` (SmolLM2-135M, 32 x 8 rows, micro-batches
+   of 64 and 128-row logprob micro-batches, validation on up to 500 test problems) with
+   ``model.hf_path=$MODEL_DIR`` and, when ``$DATA_DIR`` holds ``train.jsonl`` and ``test.jsonl``,
+   the full GSM8K (else the package's samples); 2 RL steps. Skipped without ``$MODEL_DIR``.
+4. ``bench_0.85B``: the shape of ``bench/train_step.py`` (Llama, 16 layers, hidden 2048, GQA 16/4,
    SwiGLU 5632, vocab 32000 untied, 2048 tokens a row): the trainer built, then two train steps
-   of 16 full-length rows (micro-batches of 4) and their logprobs (no generation: the benchmark
-   has none, so its prediction leaves out the rollout engine).
+   of 16 full-length rows (padded micro-batches of 4: packing off) and their logprobs (no
+   generation: the benchmark has none, so its prediction leaves out the rollout engine).
 
 Predictions: the plan at ``data.max_total_length`` (what ``mcore-rl plan`` prints: the bound)
-and at the longest row the run saw (the planner's arithmetic with the true length); the error
-column compares the latter with max_memory_allocated.
+and at the longest row and prompt the run saw (the planner's arithmetic with the true lengths:
+rows of ``seq`` tokens, the KV cache sized by the longest prompt + ``generation.max_new_tokens``);
+the error column compares the latter with max_memory_allocated.
 
 Usage (one device call; carry the wheels as scripts/gpu/env.sh expects):
     MODEL_DIR=/path/to/SmolLM2-135M-Instruct bash -c 'source scripts/gpu/env.sh && python3 scripts/gpu/memory_check.py'
@@ -58,18 +64,20 @@ BENCH = ["model.arch.family=llama", "model.arch.num_layers=16", "model.arch.hidd
          "model.arch.vocab_size=32000", "data.max_prompt_length=8", "data.max_total_length=2048",
          "policy.micro_batch_size=4", "policy.logprob_micro_batch_size=4",
          "grpo.num_prompts_per_step=8", "grpo.num_generations=2", "sft.steps=0",
-         "grpo.val_at_start=false", "grpo.val_every=0", "generation.logprob_budget=null"]
+         "grpo.val_at_start=false", "grpo.val_every=0", "generation.logprob_budget=null",
+         "policy.sequence_packing=false", "policy.max_tokens_per_microbatch=null"]
 BENCH_ROWS, BENCH_SEQ = 16, 2048
 
 
 class Recorder:
     """Wraps the trainer's phase calls: resets the workers' peaks before each, reads them after;
-    keeps the largest peak by phase and the longest row seen."""
+    keeps the largest peak by phase and the longest row and prompt seen."""
 
     def __init__(self, trainer: GRPOTrainer):
         self.trainer = trainer
         self.peaks: Dict[str, Dict[str, int]] = {}
         self.longest = 0
+        self.longest_prompt = 0
         t = trainer
         t.generation.generate = self._wrap("generation", t.generation.generate, result_rows=True)
         t._logprobs = self._wrap("logprobs", t._logprobs)
@@ -89,6 +97,8 @@ class Recorder:
             batch = out if result_rows else (args[0] if args else None)
             if isinstance(batch, dict) and "input_lengths" in batch:
                 self.longest = max(self.longest, int(batch["input_lengths"].max()))
+            if result_rows and isinstance(batch, dict) and "prompt_lengths" in batch:
+                self.longest_prompt = max(self.longest_prompt, int(batch["prompt_lengths"].max()))
             return out
 
         return wrapped
@@ -128,9 +138,11 @@ def measure(name: str, config: str, overrides: List[str], bench: bool = False) -
     seconds = time.perf_counter() - start
     bound = memory.plan_memory(cfg, arch, vocab)
     seen = memory.plan_memory(cfg, arch, vocab, seq=rec.longest or None,
-                              train_rows=BENCH_ROWS if bench else None)
+                              train_rows=BENCH_ROWS if bench else None,
+                              prompt=rec.longest_prompt or None)
     print(f"\n== {name}: {memory.model_parameters(arch, vocab) / 1e6:.1f}M parameters, longest "
-          f"row {rec.longest} tokens, {seconds:.0f} s\n{memory.format_plan(seen)}", flush=True)
+          f"row {rec.longest} tokens, longest prompt {rec.longest_prompt}, {seconds:.0f} s\n"
+          f"{memory.format_plan(seen)}", flush=True)
     rows = []
     for phase in PHASES:
         if phase not in rec.peaks:
@@ -157,8 +169,16 @@ def main() -> int:
             f"model.hf_path={model_dir}", "policy.megatron.precision=bf16",
             "policy.megatron.layer_spec=torch", "generation.backend=megatron",
             "grpo.max_steps=2"], False))
+        data_dir = os.environ.get("DATA_DIR")
+        data = []
+        if data_dir and all(os.path.isfile(os.path.join(data_dir, f))
+                            for f in ("train.jsonl", "test.jsonl")):
+            data = [f"data.train_path={data_dir}/train.jsonl",
+                    f"data.test_path={data_dir}/test.jsonl"]
+        jobs.append(("smollm2_gsm8k", "grpo_smollm2_gsm8k", [
+            f"model.hf_path={model_dir}", "grpo.max_steps=2", *data], False))
     else:
-        print("MODEL_DIR unset: smollm2_135m skipped", flush=True)
+        print("MODEL_DIR unset: smollm2_135m and smollm2_gsm8k skipped", flush=True)
     jobs.append(("bench_0.85B", "grpo_synthetic_gpu", BENCH, True))
     table, status = [], 0
     for name, config, overrides, bench in jobs:

@@ -19,7 +19,9 @@
 #               and vllm (mbs64 with those rollout backends; vllm after the vllm stage)
 #   profile     the mbs64 GSM8K step with MCORE_RL_PROFILE_DIR (a profiler table per worker call)
 #   trl         TRL 1.16 GRPOTrainer on the same step, its own generation (bench/peers)
-#   memory      the memory planner against measured peaks (scripts/gpu/memory_check.py)
+#   memory      the memory planner against measured peaks (scripts/gpu/memory_check.py):
+#               predicted vs measured per phase for grpo_synthetic_gpu, SmolLM2 (grpo_gsm8k and
+#               grpo_smollm2_gsm8k, on $DATA's GSM8K when there) and the 0.85B benchmark
 #   vllm        vLLM 0.24.0 from /tmp/parts into /tmp/site, then an engine smoke test (issue 23)
 #   vllm_runs   grpo_smollm2_arith (learning curve) and grpo_synthetic_gpu with
 #               generation.backend=vllm, colocated (CUDA-IPC refit, sleep/wake); TRL_MODES=vllm
@@ -135,9 +137,10 @@ stage_trl() {
 }
 
 stage_memory() {
-    MODEL_DIR=$MODEL timeout 400 python3 scripts/gpu/memory_check.py > "$RES/memory_check.log" 2>&1 \
-        || status=1
-    tail -n 14 "$RES/memory_check.log"
+    MODEL_DIR=$MODEL DATA_DIR=$DATA timeout 540 python3 scripts/gpu/memory_check.py \
+        > "$RES/memory_check.log" 2>&1 || status=1
+    grep -E "^(GPU|Traceback)|Error" "$RES/memory_check.log" | head -n 8
+    tail -n 16 "$RES/memory_check.log"
 }
 
 stage_vllm() {

@@ -1,0 +1,312 @@
+"""The cross-field rules of a config: combinations of keys that no run can satisfy, one small
+function per schema section (or per plugin, through its entry in
+:mod:`mcore_rl.config.registry`), run in order by :func:`mcore_rl.config.loader.validate`
+(:data:`RULES`).
+
+A rule maps ``(cfg, field_errors)`` to its messages, each naming the keys it is about:
+``cfg`` is the :class:`~mcore_rl.config.schema.TrainConfig`, ``field_errors`` what the field
+checks (:func:`mcore_rl.config.checks.errors`: each key's declared choices and bounds) already
+report, so a rule does not repeat them. The single-key checks stay on the schema's fields
+(:mod:`mcore_rl.config.fields`); a plugin's load-time check stays in the plugin's torch-free
+module (a generation backend's :attr:`~mcore_rl.config.registry.BackendEntry.config_check`, a
+task's :attr:`~mcore_rl.config.registry.Task.config_check`); the model family's shape and MoE
+layout checks in :mod:`mcore_rl.config.families`; the file checks in
+:mod:`mcore_rl.config.paths`.
+
+Adding a rule: a function here (or, for a plugin, in its check), one entry in :data:`RULES`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable, List, Sequence, Tuple
+
+from mcore_rl.config.families import arch_errors, layout_errors, parallel_shape_errors
+from mcore_rl.config.paths import hf_checkpoint_errors, tokenizer_dir_error
+from mcore_rl.config.registry import ADVANTAGE_ESTIMATORS, backend_errors, task_errors
+from mcore_rl.config.schema import CHAR_TOKENIZER, TrainConfig
+
+Rule = Callable[[TrainConfig, Sequence[str]], List[str]]
+
+# The algorithm whose critic (the ``value`` section) has a Megatron layout of its own.
+CRITIC_ALGORITHM = "ppo"
+
+
+def _megatron_sections(cfg: TrainConfig) -> Tuple[str, ...]:
+    """The sections with a Megatron layout: ``policy``, and ``value`` with a critic."""
+    return ("policy", "value") if cfg.algorithm == CRITIC_ALGORITHM else ("policy",)
+
+
+def model_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """``model.arch``: the family's shape checks (:func:`~mcore_rl.config.families.arch_errors`;
+    only without ``model.hf_path``, whose checkpoint fixes the shape) and the head counts'
+    divisibility."""
+    arch, errors = cfg.model.arch, []
+    if cfg.model.hf_path is None:  # arch_errors repeats the field checks of model.arch
+        errors += [e for e in arch_errors(arch) if e not in field_errors]
+    if arch.num_query_groups >= 1 and arch.num_attention_heads >= 1:
+        if arch.num_attention_heads % arch.num_query_groups != 0:
+            errors.append(f"model.arch.num_attention_heads ({arch.num_attention_heads}) must be "
+                          f"divisible by model.arch.num_query_groups ({arch.num_query_groups})")
+        if arch.head_dim is None and arch.hidden_size % arch.num_attention_heads != 0:
+            errors.append(f"model.arch.hidden_size ({arch.hidden_size}) must be divisible by "
+                          f"model.arch.num_attention_heads ({arch.num_attention_heads})")
+    return errors
+
+
+def megatron_section_rules(cfg: TrainConfig, section: str,
+                           field_errors: Sequence[str]) -> List[str]:
+    """``<section>.megatron`` (``policy`` or ``value``) against the worker count, the model
+    shape, ``<section>.sequence_packing`` and the device: the TP x PP split of
+    ``cluster.num_workers``, virtual stages, the shape over TP/PP/VPP and the MoE layout
+    (without ``model.hf_path``: the trainer checks the checkpoint's shape when it reads its
+    config.json), sequence parallelism, compiled layers and the DDP options."""
+    arch, device = cfg.model.arch, cfg.cluster.device
+    mg = getattr(cfg, section).megatron
+    ddp, key = mg.ddp, f"{section}.megatron"
+    tp, pp, vpp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, \
+        mg.virtual_pipeline_model_parallel_size
+    errors = []
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            errors.append(message)
+
+    if tp >= 1 and pp >= 1:
+        check(cfg.cluster.num_workers % (tp * pp) == 0,
+              f"cluster.num_workers ({cfg.cluster.num_workers}) must be divisible by "
+              f"{key}.tensor_model_parallel_size x pipeline_model_parallel_size "
+              f"({tp} x {pp})")
+    if vpp is not None and vpp >= 1:  # < 1: the field check reports it
+        check(pp > 1, f"{key}.virtual_pipeline_model_parallel_size ({vpp}) needs "
+                      f"{key}.pipeline_model_parallel_size > 1 (got {pp})")
+    if cfg.model.hf_path is None and (vpp is None or vpp >= 1):
+        errors += parallel_shape_errors(arch, mg, key)
+    if getattr(cfg, section).sequence_packing:
+        # Packed micro-batches differ in length, and the pipeline schedules need one shape
+        # per micro-batch: packing is refused with PP > 1 rather than padded to the budget.
+        check(pp == 1 and vpp is None,
+              f"{section}.sequence_packing needs {key}.pipeline_model_parallel_size=1 and no "
+              f"virtual stages (got PP={pp}, VPP={vpp}): packed micro-batches vary in length")
+        check(mg.layer_spec != "local",
+              f"{section}.sequence_packing needs {key}.layer_spec torch or transformer_engine "
+              f"(the local spec's attention has no packed-sequence (THD) path)")
+        check(arch.num_experts is None,
+              f"{section}.sequence_packing does not support mixture-of-experts models yet "
+              f"(model.arch.num_experts is {arch.num_experts})")
+    check(not mg.sequence_parallel or tp > 1, f"{key}.sequence_parallel needs "
+          f"{key}.tensor_model_parallel_size > 1 (got {tp})")
+    check(not mg.compile_layers or device != "cpu",
+          f"{key}.compile_layers needs a GPU: cluster.device is 'cpu'")
+    check(not ddp.overlap_param_gather or ddp.use_distributed_optimizer,
+          f"{key}.ddp.overlap_param_gather needs {key}.ddp.use_distributed_optimizer")
+    check(not ddp.average_in_collective,
+          f"{key}.ddp.average_in_collective must be false: the losses are normalized by the "
+          f"global token/sequence count (Megatron's calculate_per_token_loss), which "
+          f"Megatron's DDP refuses to combine with averaging over DP")
+    if cfg.model.hf_path is None:  # else the model's shape is read from the checkpoint
+        errors += [e for e in layout_errors(arch, mg, key, cfg.cluster.num_workers)
+                   if e not in field_errors]
+    gpu_only = [n for n in ("use_distributed_optimizer", "overlap_param_gather") if getattr(ddp, n)]
+    if gpu_only and (device == "cpu" or device == "auto" and not _cuda_available()):
+        seen = " and torch sees no GPU" if device == "auto" else ""
+        errors += [f"{key}.ddp.{n} needs a GPU: cluster.device is '{device}'{seen}"
+                   for n in gpu_only]
+    return errors
+
+
+def megatron_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """:func:`megatron_section_rules` of the policy and, with a critic (``algorithm: ppo``), of
+    the ``value`` section (the critic has a Megatron layout of its own over
+    ``cluster.num_workers`` processes)."""
+    return [e for section in _megatron_sections(cfg)
+            for e in megatron_section_rules(cfg, section, field_errors)]
+
+
+def generation_backend_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """``generation.backend``: the chosen backend's own check, through its plugin entry
+    (:func:`~mcore_rl.config.registry.backend_errors`)."""
+    return backend_errors(cfg)
+
+
+def algorithm_errors(cfg: TrainConfig) -> List[str]:
+    """Combinations of ``loss.*`` and ``grpo.*`` keys no run can use, one message each naming
+    its keys: a reward KL without an estimator that reads it
+    (:attr:`~mcore_rl.config.registry.Estimator.reads_reward_kl`), an overlong buffer longer
+    than the response budget."""
+    g, out = cfg.grpo, []
+    estimator = ADVANTAGE_ESTIMATORS.get(g.advantage_estimator)
+    if (cfg.algorithm == "grpo" and g.reward_kl_coef > 0 and estimator is not None
+            and not estimator.reads_reward_kl):
+        readers = " or ".join(f"grpo.advantage_estimator={n}"
+                              for n, e in ADVANTAGE_ESTIMATORS.items() if e.reads_reward_kl)
+        out.append(f"grpo.reward_kl_coef ({g.reward_kl_coef}) is read by {readers} only (got "
+                   f"{g.advantage_estimator!r}); use loss.kl_coef for a KL term in the loss")
+    if g.overlong_buffer_length > cfg.generation.max_new_tokens:
+        out.append(f"grpo.overlong_buffer_length ({g.overlong_buffer_length}) must be <= "
+                   f"generation.max_new_tokens ({cfg.generation.max_new_tokens})")
+    return out
+
+
+def algorithm_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """:func:`algorithm_errors`."""
+    return algorithm_errors(cfg)
+
+
+def length_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """``data.max_prompt_length + generation.max_new_tokens <= data.max_total_length``."""
+    data, gen = cfg.data, cfg.generation
+    if data.max_prompt_length + gen.max_new_tokens <= data.max_total_length:
+        return []
+    return [f"data.max_prompt_length + generation.max_new_tokens ({data.max_prompt_length} + "
+            f"{gen.max_new_tokens}) must be <= data.max_total_length ({data.max_total_length})"]
+
+
+def policy_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """``policy.max_tokens_per_microbatch`` holds the longest row (``data.max_total_length``,
+    rounded up to TP with sequence parallelism)."""
+    budget, mg = cfg.policy.max_tokens_per_microbatch, cfg.policy.megatron
+    tp = max(1, mg.tensor_model_parallel_size) if mg.sequence_parallel else 1
+    longest = -(-cfg.data.max_total_length // tp) * tp  # sequence parallelism pads widths to TP
+    if budget is None or budget >= longest:
+        return []
+    return [f"policy.max_tokens_per_microbatch ({budget}) must be null or >= "
+            f"data.max_total_length ({cfg.data.max_total_length}"
+            f"{f', rounded up to a multiple of TP={tp}' if tp > 1 else ''})"
+            f": a micro-batch holds at least one whole sequence"]
+
+
+def logging_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """``logging.wandb`` needs the wandb package."""
+    if not cfg.logging.wandb or importlib.util.find_spec("wandb") is not None:
+        return []
+    return ["logging.wandb=true needs the wandb package: pip install wandb"]
+
+
+def task_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """``data.task``: the chosen task's own check of the ``data`` section, through its plugin
+    entry (:func:`~mcore_rl.config.registry.task_errors`)."""
+    return task_errors(cfg.data)
+
+
+def checkpoint_path_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """The model directories the config names (:mod:`mcore_rl.config.paths`):
+    ``model.hf_path`` (with its tokenizer unless ``model.tokenizer`` is set), the critic's
+    ``value.hf_path``, and a ``model.tokenizer`` directory."""
+    model, errors = cfg.model, []
+    if model.hf_path is not None:
+        errors += hf_checkpoint_errors("model.hf_path", model.hf_path,
+                                       tokenizer=model.tokenizer is None)
+    if cfg.algorithm == CRITIC_ALGORITHM and cfg.value.hf_path is not None:
+        errors += hf_checkpoint_errors("value.hf_path", cfg.value.hf_path)
+    if model.tokenizer not in (None, CHAR_TOKENIZER):
+        errors += filter(None, [tokenizer_dir_error("model.tokenizer", model.tokenizer)])
+    return errors
+
+
+def streaming_errors(cfg: TrainConfig) -> List[str]:
+    """Why the streaming loop (``<algorithm>.streaming=true``,
+    :mod:`mcore_rl.controller.streaming`) cannot run ``cfg``, one message per reason naming
+    its keys; empty when it can or when the run does not stream. The loop trains each prompt
+    group as soon as it is scored, in one optimizer step per RL step, while the rollout engine
+    generates the rest in processes of its own, so it refuses what needs the whole batch before
+    any of it trains: GRPO's batch-wide estimator (REINFORCE++), dynamic sampling and several
+    optimizer steps a rollout; PPO's advantage whitening (the batch's mean and std),
+    several epochs and several mini-batches."""
+    if not cfg.streaming:
+        return []
+    loop, name = cfg.loop, cfg.algorithm
+    on = f"{name}.streaming=true"
+    errors = []
+    one_step = "a streamed RL step is one optimizer step on rows that train as they arrive"
+    if name == "grpo":
+        if loop.optimizer_steps_per_rollout != 1:
+            errors.append(f"{on} needs grpo.optimizer_steps_per_rollout=1 (got "
+                          f"{loop.optimizer_steps_per_rollout}): {one_step}")
+        estimator = ADVANTAGE_ESTIMATORS.get(loop.advantage_estimator)
+        if estimator is not None and not estimator.per_group:
+            per_group = " or ".join(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.per_group)
+            errors.append(f"{on} needs a per-group grpo.advantage_estimator ({per_group}; got "
+                          f"{loop.advantage_estimator}): a group trains as soon as it is scored")
+        if loop.dynamic_sampling:
+            errors.append(f"{on} cannot use grpo.dynamic_sampling (it draws prompt groups in "
+                          f"rounds until the batch is full); the streaming loop trains each "
+                          f"group as it comes")
+    else:
+        for key in ("ppo_epochs", "num_mini_batches"):
+            if getattr(loop, key) != 1:
+                errors.append(f"{on} needs ppo.{key}=1 (got {getattr(loop, key)}): {one_step}")
+        if loop.whiten_advantages:
+            errors.append(f"{on} needs ppo.whiten_advantages=false: whitening takes the mean and "
+                          f"std of the whole batch's advantages, which are not known before its "
+                          f"first rows train")
+    return errors
+
+
+def streaming_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """:func:`streaming_errors`."""
+    return streaming_errors(cfg)
+
+
+def env_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """``env.step_timeout_seconds > env.tool_timeout_seconds`` (unless a field check of the
+    ``env`` section already failed)."""
+    env = cfg.env
+    if (any(e.startswith("env.") for e in field_errors)  # then the field checks report it
+            or env.step_timeout_seconds > env.tool_timeout_seconds):
+        return []
+    return [f"env.step_timeout_seconds ({env.step_timeout_seconds}) must be > "
+            f"env.tool_timeout_seconds ({env.tool_timeout_seconds}): a step waits for its tools"]
+
+
+def grpo_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """The GRPO batch arithmetic: a rollout's rows split evenly over
+    ``grpo.optimizer_steps_per_rollout``."""
+    grpo = cfg.grpo
+    rollouts = grpo.num_prompts_per_step * grpo.num_generations
+    steps = grpo.optimizer_steps_per_rollout
+    if steps < 1 or rollouts % steps == 0:
+        return []
+    return [f"grpo.num_prompts_per_step x grpo.num_generations ({grpo.num_prompts_per_step} x "
+            f"{grpo.num_generations} = {rollouts}) must be divisible by "
+            f"grpo.optimizer_steps_per_rollout ({steps})"]
+
+
+def ppo_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """The PPO batch arithmetic: a rollout's samples split evenly into ``ppo.num_mini_batches``."""
+    ppo = cfg.ppo
+    samples = ppo.num_prompts_per_step * ppo.num_generations
+    if ppo.num_mini_batches < 1 or samples % ppo.num_mini_batches == 0:
+        return []
+    return [f"ppo.num_prompts_per_step x ppo.num_generations ({ppo.num_prompts_per_step} x "
+            f"{ppo.num_generations} = {samples}) must be divisible by ppo.num_mini_batches "
+            f"({ppo.num_mini_batches})"]
+
+
+# What validate runs after the field checks, in this order (the order of the messages).
+RULES: Tuple[Rule, ...] = (
+    model_rules,
+    megatron_rules,
+    generation_backend_rules,
+    algorithm_rules,
+    length_rules,
+    policy_rules,
+    logging_rules,
+    task_rules,
+    checkpoint_path_rules,
+    streaming_rules,
+    env_rules,
+    grpo_rules,
+    ppo_rules,
+)
+
+
+def rule_errors(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """Every message of :data:`RULES` for ``cfg``, in order."""
+    return [e for rule in RULES for e in rule(cfg, field_errors)]
+
+
+def _cuda_available() -> bool:
+    import torch  # deferred: only configs that ask for GPU-only features pay for the import
+
+    return torch.cuda.is_available()
