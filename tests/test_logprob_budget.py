@@ -151,3 +151,102 @@ def test_ppo_step_over_budget_trains_neither_policy_nor_critic(tmp_path):
         assert all(torch.equal(before[k], after[k]) for k in before)
     finally:
         trainer.close()
+
+
+def test_train_forward_loss_equals_recompute_with_detached_logprobs():
+    """loss.prev_logprobs=train_forward: the loss and its gradient are those of the recompute
+    path given prev_logprobs = the logprobs detached (ratio 1), and the loss's mismatch
+    metrics are mismatch_figures' numbers on the same batch (with a padded row and a masked
+    token)."""
+    from mcore_rl.algorithms.losses import ClippedPGLoss
+    from mcore_rl.config.schema import LossConfig
+    from mcore_rl.controller.logprob_budget import MISMATCH_KEYS, mismatch_figures
+
+    g = torch.Generator().manual_seed(0)
+    b, s = 3, 7
+    mask = torch.ones(b, s)
+    mask[:, 0] = 0
+    mask[1, 5:] = 0
+    batch = {"token_mask": mask, "sample_mask": torch.ones(b),
+             "advantages": torch.randn(b, s, generator=g) * mask,
+             "generation_logprobs": -torch.rand(b, s, generator=g) * mask}
+    base = torch.randn(b, s, generator=g) * mask - 1.0
+
+    def run(loss, extra):
+        lp = base.clone().requires_grad_(True)
+        total, count, metrics = loss(lp, {**batch, **extra(lp)})
+        (grad,) = torch.autograd.grad(total, lp)
+        return total.detach(), grad, metrics
+
+    ref_total, ref_grad, _ = run(ClippedPGLoss(LossConfig()),
+                                 lambda lp: {"prev_logprobs": lp.detach().clone()})
+    total, grad, metrics = run(ClippedPGLoss(LossConfig(prev_logprobs="train_forward")),
+                               lambda lp: {})
+    assert torch.equal(total, ref_total) and torch.equal(grad, ref_grad)
+    figures = mismatch_figures({**batch, "prev_logprobs": base})
+    tokens = float(metrics["num_valid_tokens"])
+    assert float(metrics["token_mult_prob_error"]) / tokens == pytest.approx(
+        figures["train/token_mult_prob_error"], rel=1e-6)
+    assert float(metrics["logprob_mismatch_mean"]) / tokens == pytest.approx(
+        figures["train/logprob_mismatch_mean"], rel=1e-6)
+    assert float(metrics["logprob_mismatch_max"]) == pytest.approx(
+        figures["train/logprob_mismatch_max"], rel=1e-6)
+    assert set(MISMATCH_KEYS) <= set(ClippedPGLoss(LossConfig(prev_logprobs="train_forward")).metric_kinds)
+    assert not set(MISMATCH_KEYS) & set(ClippedPGLoss(LossConfig()).metric_kinds)
+
+
+def test_train_forward_same_update_as_recompute_and_budget_stops_after_the_step(tmp_path):
+    """Two RL steps with loss.prev_logprobs=train_forward give the parameters of the recompute
+    path (fp32; the recomputed logprobs differ from the training forward's only by summation
+    order) and the same mismatch figures; a drift from step 2 with k = 2 stops the run at step
+    3 after its optimizer step (the error says so), saving nothing of step 3."""
+    import json
+
+    finals, figures = {}, {}
+    for mode in ("recompute", "train_forward"):
+        cfg = load_config("grpo_synthetic", SMALL + [
+            "grpo.max_steps=2", "checkpoint.every=0", "checkpoint.save_final=false",
+            f"loss.prev_logprobs={mode}", f"run.output_dir={tmp_path / mode}"])
+        trainer = GRPOTrainer(cfg)
+        try:
+            trainer.fit()
+            trainer.refit()  # the policy's weights into the hf rollout model
+            finals[mode] = {k: v.clone() for k, v in trainer.generation.model.state_dict().items()}
+        finally:
+            trainer.close()
+        rows = [json.loads(line) for line in open(tmp_path / mode / "metrics.jsonl")]
+        figures[mode] = [r["train/token_mult_prob_error"] for r in rows
+                         if "train/token_mult_prob_error" in r]
+    assert len(figures["train_forward"]) == 2
+    assert figures["train_forward"] == pytest.approx(figures["recompute"], rel=1e-5)
+    for k, v in finals["recompute"].items():
+        torch.testing.assert_close(finals["train_forward"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    cfg = load_config("grpo_synthetic", SMALL + [
+        "grpo.max_steps=5", "checkpoint.every=1", "checkpoint.save_final=false",
+        "loss.prev_logprobs=train_forward", "generation.logprob_budget_steps=2",
+        f"run.output_dir={tmp_path / 'run'}"])
+    trainer = GRPOTrainer(cfg)
+    trainer.generation.generate = _drifting(trainer.generation.generate,
+                                            lambda: trainer.step + 1 >= 2)
+    try:
+        with pytest.raises(LogprobBudgetExceeded) as stop:
+            trainer.fit()
+        assert stop.value.step == 3 and "in memory only" in stop.value.message
+        assert stop.value.figures["train/token_mult_prob_error"] == pytest.approx(
+            float(torch.tensor(SHIFT).exp()), rel=1e-4)
+        checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+        assert checkpoints == ["step_1", "step_2"]
+    finally:
+        trainer.close()
+
+
+def test_train_forward_refused_where_the_old_policy_is_not_the_trained_one():
+    from mcore_rl.config.checks import ConfigError
+
+    for bad, key in (("grpo.optimizer_steps_per_rollout=2", "grpo.optimizer_steps_per_rollout=2"),
+                     ("grpo.reward_kl_coef=0.1", "grpo.reward_kl_coef=0.1")):
+        with pytest.raises(ConfigError, match="loss.prev_logprobs=train_forward") as err:
+            load_config("grpo_synthetic", ["loss.prev_logprobs=train_forward", bad])
+        assert key in str(err.value)
+    with pytest.raises(ConfigError, match="algorithm=ppo"):
+        load_config("ppo_synthetic", ["loss.prev_logprobs=train_forward"])

@@ -121,6 +121,14 @@ class ClippedPGLoss:
             "num_valid_tokens": "none",
             "num_valid_sequences": "none",
         }
+        # loss.prev_logprobs=train_forward: no logprob forward before training measured the
+        # trainer/rollout mismatch; this forward does (mcore_rl.controller.logprob_budget's
+        # figures, under the same names).
+        self.train_forward = config.prev_logprobs == "train_forward"
+        if self.train_forward:
+            self.metric_kinds.update({"token_mult_prob_error": "tokens",
+                                      "logprob_mismatch_mean": "tokens",
+                                      "logprob_mismatch_max": "max"})
 
     def log_ratio(self, logp: torch.Tensor, old: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """``log(pi / pi_old)`` per token: ``logp - old`` (``[B, S-1]`` float32, 0 off the valid
@@ -135,7 +143,10 @@ class ClippedPGLoss:
             logprobs: ``[B, S]`` float32 ``log pi(x_t | x_<t)`` of the policy being trained
                 (differentiable), ``logprobs[:, 0] = 0``.
             batch: ``token_mask [B, S]``, ``sample_mask [B]``, ``advantages [B, S]``,
-                ``prev_logprobs [B, S]`` (old policy); ``reference_logprobs [B, S]`` when
+                ``prev_logprobs [B, S]`` (old policy; with ``loss.prev_logprobs=train_forward``
+                ``logprobs`` detached instead, and the mismatch metrics
+                ``token_mult_prob_error``, ``logprob_mismatch_mean`` / ``_max`` of
+                ``generation_logprobs``); ``reference_logprobs [B, S]`` when
                 ``kl_coef > 0`` (also used for the ``kl`` metric when present);
                 ``generation_logprobs [B, S]`` when ``importance_ratio_cap`` or
                 ``importance_mask`` is set (also used for the ``is_*`` metrics when present).
@@ -159,7 +170,8 @@ class ClippedPGLoss:
         cfg = self.config
         mask = valid_token_mask(batch)
         tensors = {"advantages": _require(batch, "advantages", "policy-gradient loss"),
-                   "prev_logprobs": _require(batch, "prev_logprobs", "old policy of the ratio")}
+                   "prev_logprobs": logprobs.detach() if self.train_forward else
+                   _require(batch, "prev_logprobs", "old policy of the ratio")}
         if cfg.kl_coef > 0:
             tensors["reference_logprobs"] = _require(batch, "reference_logprobs", "loss.kl_coef > 0")
         elif "reference_logprobs" in batch:
@@ -239,6 +251,11 @@ class ClippedPGLoss:
         }
         if kl is not None:
             metrics["kl"] = _token_sum(kl, m)
+        if self.train_forward and "generation_logprobs" in tensors:
+            gap = (old - masked(tensors["generation_logprobs"])).abs()  # 0 off the valid tokens
+            metrics.update(token_mult_prob_error=_token_sum(torch.exp(gap), m),
+                           logprob_mismatch_mean=_token_sum(gap, m),
+                           logprob_mismatch_max=gap.max().detach() if gap.numel() else gap.sum())
         return loss_sum, count.detach(), metrics
 
     def _importance_weighting(self, pg: torch.Tensor, log_weight: torch.Tensor, m: torch.Tensor

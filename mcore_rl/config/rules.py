@@ -272,6 +272,27 @@ def grpo_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
             f"grpo.optimizer_steps_per_rollout ({steps})"]
 
 
+def loss_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """``loss.prev_logprobs=train_forward`` only where the training forward's weights are the
+    ones that decoded the rollout (the schema's comment says why)."""
+    if cfg.loss.prev_logprobs != "train_forward":
+        return []
+    grpo = cfg.grpo
+    wrong = [f"{k}={v}" for k, v, ok in (
+        ("algorithm", cfg.algorithm, cfg.algorithm == "grpo"),
+        ("grpo.optimizer_steps_per_rollout", grpo.optimizer_steps_per_rollout,
+         grpo.optimizer_steps_per_rollout == 1),
+        ("grpo.streaming", grpo.streaming, not grpo.streaming),
+        ("grpo.reward_kl_coef", grpo.reward_kl_coef, grpo.reward_kl_coef == 0))
+        if not ok]
+    if not wrong:
+        return []
+    return [f"loss.prev_logprobs=train_forward needs algorithm=grpo, "
+            f"grpo.optimizer_steps_per_rollout=1, grpo.streaming=false and grpo.reward_kl_coef=0 "
+            f"(the old policy must be the one being trained); got {', '.join(wrong)}: set "
+            f"loss.prev_logprobs=recompute"]
+
+
 def ppo_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
     """The PPO batch arithmetic: a rollout's samples split evenly into ``ppo.num_mini_batches``."""
     ppo = cfg.ppo
@@ -297,6 +318,7 @@ RULES: Tuple[Rule, ...] = (
     streaming_rules,
     env_rules,
     grpo_rules,
+    loss_rules,
     ppo_rules,
 )
 

@@ -445,6 +445,16 @@ class LossConfig:
     importance_mask_low: float = bounded(0.5, ge=0, le=1)
     # Upper bound of the weights MIS keeps (at least 1).
     importance_mask_high: float = bounded(2.0, ge=1)
+    # The old policy's logprobs of the ratio: "recompute" (a forward of the policy over the
+    # rollout before training; NeMo RL's and verl's way), or "train_forward": the training
+    # forward's own logprobs, detached (TRL's way with one iteration per generation): the ratio
+    # is exactly 1 and the gradient the same, one forward of the policy less per RL step. Only
+    # where the weights that train are the ones that decoded: algorithm grpo with
+    # grpo.optimizer_steps_per_rollout=1, no streaming, grpo.reward_kl_coef=0. The
+    # trainer/rollout mismatch (train/token_mult_prob_error, generation.logprob_budget) is then
+    # measured in the training forward, after that step's optimizer step; a run the budget
+    # stops saves nothing of that step.
+    prev_logprobs: str = one_of("recompute", ("recompute", "train_forward"))
 
 
 @dataclass

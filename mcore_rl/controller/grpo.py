@@ -20,6 +20,7 @@ from typing import Any, Dict, Tuple
 from mcore_rl.algorithms import dapo
 from mcore_rl.algorithms.registry import advantage_estimator, build_policy_loss
 from mcore_rl.config.schema import TrainConfig
+from mcore_rl.controller.logprob_budget import MISMATCH_KEYS
 from mcore_rl.controller.streaming import StreamingLoop
 from mcore_rl.controller.trainer import RLTrainer, run_eval, run_trainer
 from mcore_rl.data import batch as B
@@ -83,18 +84,26 @@ class GRPOTrainer(RLTrainer):
                     g.dynamic_sampling_max_tries)
             else:  # scored in the reward pool while the policy computes the logprobs
                 rollout, pending = self.generate_and_submit(g.num_generations)
+            # loss.prev_logprobs=train_forward: the training forward's logprobs are the old ones
+            recompute = self.cfg.loss.prev_logprobs == "recompute"
             with t.phase("logprobs"):
-                rollout["prev_logprobs"] = self._logprobs(rollout)
+                if recompute:
+                    rollout["prev_logprobs"] = self._logprobs(rollout)
                 if self.use_reference:
                     rollout["reference_logprobs"] = self._logprobs(rollout, "get_reference_logprobs")
             if pending is not None:
                 self._reward_errors = self.collect_rewards(rollout, pending)
                 self._shape_rewards(rollout)
-            self.check_logprob_budget(rollout)  # before the optimizer step: may stop the run
+            if recompute:
+                self.check_logprob_budget(rollout)  # before the optimizer step: may stop the run
             self._set_advantages(rollout)
             with t.phase("train"):
                 train_metrics = [self._train(part, self.loss_fn)
                                  for part in B.shard(rollout, g.optimizer_steps_per_rollout)]
+            if not recompute:  # measured by the training forward (one shard: load-time check)
+                self.logprob_budget.observe(
+                    self.step + 1, {f"train/{k}": train_metrics[0][k] for k in MISMATCH_KEYS},
+                    trained=True)
             with t.phase("refit"):
                 refit = self.refit()
         metrics = self.rollout_metrics(rollout, self._reward_errors,

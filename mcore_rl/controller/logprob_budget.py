@@ -50,6 +50,11 @@ class LogprobBudgetExceeded(SystemExit):
         return self.message
 
 
+# The figures' names without their "train/" prefix (the loss's metrics with
+# loss.prev_logprobs=train_forward).
+MISMATCH_KEYS = ("token_mult_prob_error", "logprob_mismatch_mean", "logprob_mismatch_max")
+
+
 def mismatch_figures(rollout: Dict[str, torch.Tensor]) -> Dict[str, float]:
     """Trainer/rollout logprob gap over the response tokens of ``rollout``.
 
@@ -123,9 +128,11 @@ class LogprobBudget:
                 f"distribution the trainer scores (see docs/logprob-contract.md; raise "
                 f"generation.logprob_budget or set it to null to train anyway)", figures, 0)
 
-    def observe(self, step: int, figures: Dict[str, float]) -> None:
+    def observe(self, step: int, figures: Dict[str, float], trained: bool = False) -> None:
         """Count RL step ``step`` (1-based), whose trainer logprobs are in, before its optimizer
-        step: over budget extends the run of consecutive over-budget steps, within resets it.
+        step (``trained``: after it, the figures measured by the training forward with
+        ``loss.prev_logprobs=train_forward``): over budget extends the run of consecutive
+        over-budget steps, within resets it.
 
         Raises:
             LogprobBudgetExceeded: the ``steps``-th consecutive step over budget; the caller
@@ -140,6 +147,10 @@ class LogprobBudget:
                 f"logprob budget exceeded for {self.over} consecutive RL steps "
                 f"(generation.logprob_budget_steps={self.steps}): RL step {step} has "
                 f"{_figures_text(figures)} > generation.logprob_budget={self.budget:g} with "
-                f"{self.setup}; step {step} was aborted before its optimizer step (the "
-                f"parameters are those after RL step {step - 1}; nothing of step {step} was "
-                f"saved)", figures, step)
+                f"{self.setup}; " + (
+                    f"step {step}'s update (loss.prev_logprobs=train_forward measures in the "
+                    f"training forward) is in memory only: nothing of step {step} was saved"
+                    if trained else
+                    f"step {step} was aborted before its optimizer step (the parameters are "
+                    f"those after RL step {step - 1}; nothing of step {step} was saved)"),
+                figures, step)

@@ -320,7 +320,8 @@ class RLTrainer:
         in a streamed step whose groups were all decoded before it)."""
         rewards = rollout["rewards"]
         out = {
-            **mismatch_figures(rollout),
+            # without prev_logprobs (loss.prev_logprobs=train_forward) the loss measures them
+            **(mismatch_figures(rollout) if "prev_logprobs" in rollout else {}),
             "train/reward_mean": float(rewards.mean()),
             "train/reward_std": float(rewards.std()),
             "train/reward_errors": float(reward_errors),
