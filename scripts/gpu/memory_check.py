@@ -25,6 +25,8 @@ and at the longest row and prompt the run saw (the planner's arithmetic with the
 rows of ``seq`` tokens, the KV cache sized by the longest prompt + ``generation.max_new_tokens``);
 the error column compares the latter with max_memory_allocated.
 
+``MEMORY_JOBS`` (comma-separated names of the list above) runs a subset.
+
 Usage (one device call; carry the wheels as scripts/gpu/env.sh expects):
     MODEL_DIR=/path/to/SmolLM2-135M-Instruct bash -c 'source scripts/gpu/env.sh && python3 scripts/gpu/memory_check.py'
 """
@@ -180,6 +182,9 @@ def main() -> int:
     else:
         print("MODEL_DIR unset: smollm2_135m and smollm2_gsm8k skipped", flush=True)
     jobs.append(("bench_0.85B", "grpo_synthetic_gpu", BENCH, True))
+    wanted = [j for j in os.environ.get("MEMORY_JOBS", "").split(",") if j]
+    if wanted:  # a subset by name (MEMORY_JOBS=synthetic_0.36B,bench_0.85B), in the order above
+        jobs = [j for j in jobs if j[0] in wanted]
     table, status = [], 0
     for name, config, overrides, bench in jobs:
         try:

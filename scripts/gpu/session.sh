@@ -27,6 +27,8 @@
 #   vllm_runs   grpo_smollm2_arith (learning curve) and grpo_synthetic_gpu with
 #               generation.backend=vllm, colocated (CUDA-IPC refit, sleep/wake); TRL_MODES=vllm
 #               with the trl stage runs TRL's vLLM-colocate mode
+#   tools       grpo_smollm2_arith_tools (calculator, multi-turn) and grpo_smollm2_arith side by
+#               side (TOOLS_STEPS, default 100): held-out accuracy and tool use (issue 24)
 #   table       the tables of every result under $OUT so far
 #
 # Results: $OUT/<name>.json and logs (they come back with the call); tables printed last.
@@ -101,6 +103,23 @@ stage_learn() {
     done
 }
 
+stage_tools() {  # issue 24: SmolLM2 on the arithmetic chat task with the calculator and without
+    local pids=() name config
+    declare -A configs=([tools]=grpo_smollm2_arith_tools [notools]=grpo_smollm2_arith)
+    for name in tools notools; do
+        config=${configs[$name]}
+        timeout "${TOOLS_TIMEOUT:-420}" python3 -m mcore_rl train --config-name "$config" \
+            "${common[@]}" model.hf_path="$MODEL" run.output_dir="/tmp/runs/arith_$name" \
+            grpo.max_steps="${TOOLS_STEPS:-100}" grpo.val_every=20 > "$RES/arith_$name.log" 2>&1 &
+        pids+=($!)
+    done
+    wait "${pids[@]}" || true
+    for name in tools notools; do
+        cp "/tmp/runs/arith_$name/metrics.jsonl" "$RES/arith_$name.metrics.jsonl" 2>/dev/null \
+            || { status=1; quiet < "$RES/arith_$name.log" | tail -n 8; }
+    done
+}
+
 stage_gsm8k() {  # GSM8K_VARIANTS: a subset of "before mbs64 packed"
     local step=bench/peers/mcore_rl_step.sh v
     declare -A variant_args=(
@@ -138,11 +157,12 @@ stage_trl() {
     done
 }
 
-stage_memory() {
+stage_memory() {  # MEMORY_JOBS: a subset of scripts/gpu/memory_check.py's configurations
+    local log=$RES/memory_check${MEMORY_JOBS:+_${MEMORY_JOBS//,/_}}.log
     MODEL_DIR=$MODEL DATA_DIR=$DATA timeout 540 python3 scripts/gpu/memory_check.py \
-        > "$RES/memory_check.log" 2>&1 || status=1
-    grep -E "^(GPU|Traceback)|Error" "$RES/memory_check.log" | head -n 8
-    tail -n 16 "$RES/memory_check.log"
+        > "$log" 2>&1 || status=1
+    grep -E "^(GPU|Traceback)|Error" "$log" | head -n 8
+    tail -n 16 "$log"
 }
 
 stage_vllm() {
@@ -178,6 +198,11 @@ stage_table() {
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 print("  " + "  ".join(f"{r['step']}:{r['val/accuracy']:.3f}" for r in rows if "val/accuracy" in r))
+for key in ("val/env/tool_use_rate", "env/tool_use_rate", "env/turns", "env/tool_errors"):
+    seen = [(r["step"], r[key]) for r in rows if key in r]
+    if seen:
+        picks = seen[::max(1, len(seen) // 8)] + ([seen[-1]] if len(seen) > 1 else [])
+        print(f"  {key}: " + "  ".join(f"{s}:{v:.3f}" for s, v in picks))
 t = [r for r in rows if "timing/step_s" in r]
 if t:
     print(f"  {len(t)} steps, median {sorted(r['timing/step_s'] for r in t)[len(t) // 2]:.2f} s/step, "
