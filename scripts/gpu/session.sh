@@ -16,7 +16,8 @@
 #               run side by side on the GPU) and the GSM8K eval on the first 500 test problems
 #   gsm8k       the SmolLM2 GSM8K RL step (bench/peers/mcore_rl_step.sh): GSM8K_VARIANTS of
 #               before (micro-batches of 16/32 rows), mbs64 (64/128), packed (32k tokens), fwd
-#               (mbs64 with loss.prev_logprobs=train_forward: no logprob forward), hf
+#               (mbs64 with loss.prev_logprobs=train_forward: no logprob forward), fwdpk (the
+#               same, packed in 64k-token micro-batches), hf
 #               and vllm (mbs64 with those rollout backends; vllm after the vllm stage)
 #   profile     the mbs64 GSM8K step with MCORE_RL_PROFILE_DIR (a profiler table per worker call)
 #   trl         TRL 1.16 GRPOTrainer on the same step, its own generation (bench/peers)
@@ -127,6 +128,7 @@ stage_gsm8k() {  # GSM8K_VARIANTS: a subset of "before mbs64 packed"
         [mbs64]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128"
         [packed]="policy.sequence_packing=true policy.max_tokens_per_microbatch=32768"
         [fwd]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward"
+        [fwdpk]="policy.sequence_packing=true policy.max_tokens_per_microbatch=65536 loss.prev_logprobs=train_forward"
         [hf]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=hf"
         [vllm]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=vllm cluster.colocate_generation=true")
     for v in ${GSM8K_VARIANTS:-mbs64 packed}; do
