@@ -33,7 +33,8 @@ from mcore_rl.config import checks
 from mcore_rl.config.checks import ConfigError
 from mcore_rl.config.families import arch_errors, layout_errors, parallel_shape_errors
 from mcore_rl.config.paths import file_problem, hf_checkpoint_errors, tokenizer_dir_error
-from mcore_rl.config.registry import ADVANTAGE_ESTIMATORS, backend_errors, task_errors
+from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, ENVIRONMENTS, backend_errors,
+                                      task_errors)
 from mcore_rl.config.schema import CHAR_TOKENIZER, DataConfig, TrainConfig
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent
@@ -334,6 +335,7 @@ def validate(cfg: TrainConfig) -> None:
     if model.tokenizer not in (None, CHAR_TOKENIZER):
         errors += filter(None, [tokenizer_dir_error("model.tokenizer", model.tokenizer)])
     errors += streaming_errors(cfg)
+    errors += env_errors(cfg)
     env = cfg.env
     check(any(e.startswith("env.") for e in field_errors)  # then the field checks report it
           or env.step_timeout_seconds > env.tool_timeout_seconds,
@@ -392,6 +394,32 @@ def streaming_errors(cfg: TrainConfig) -> List[str]:
             errors.append(f"{on} needs ppo.whiten_advantages=false: whitening takes the mean and "
                           f"std of the whole batch's advantages, which are not known before its "
                           f"first rows train")
+    return errors
+
+
+def env_errors(cfg: TrainConfig) -> List[str]:
+    """Why the multi-turn rollout loop (``env.name`` other than ``single_turn``,
+    :mod:`mcore_rl.rollout.multi_turn`) cannot run ``cfg``, one message each naming its keys;
+    empty for ``single_turn`` (today's one-turn path). A multi-turn environment needs the
+    synchronous loop (the streaming loop decodes one turn per prompt group), and with a
+    tokenizer of a pretrained model (``model.hf_path`` or ``model.tokenizer``) the chat
+    template (``data.use_chat_template=true``: tool results are chat messages); the built-in
+    character tokenizer renders turns as plain text."""
+    env = cfg.env
+    if env.name == "single_turn" or env.name not in ENVIRONMENTS:
+        return []  # an unknown name is the field check's
+    errors = []
+    if cfg.streaming:
+        errors.append(f"env.name={env.name} (a multi-turn environment) cannot run with "
+                      f"{cfg.algorithm}.streaming=true: the streaming loop decodes one turn per "
+                      f"prompt group; set {cfg.algorithm}.streaming=false or env.name=single_turn")
+    m = cfg.model
+    pretrained = m.tokenizer not in (None, CHAR_TOKENIZER) or (m.tokenizer is None
+                                                               and m.hf_path is not None)
+    if pretrained and not cfg.data.use_chat_template:
+        errors.append(f"env.name={env.name} with a pretrained tokenizer (model.hf_path / "
+                      f"model.tokenizer) needs data.use_chat_template=true: the episode's tool "
+                      f"results and turns are rendered by the chat template")
     return errors
 
 

@@ -377,9 +377,9 @@ class RewardConfig:
 @dataclass
 class EnvConfig:
     """The environment an episode runs in (mcore_rl/environments/): reset on a data example,
-    stepped one model turn at a time. Not read by today's RL loops (one turn, scored by
-    reward.name's verifier: what env.name=single_turn does); the multi-turn rollout loop will
-    use it."""
+    stepped one model turn at a time. env.name=single_turn is the one-turn path (the response
+    scored by reward.name's verifier in the reward pool); any other runs the multi-turn rollout
+    loop (mcore_rl/rollout/multi_turn.py) in the synchronous RL loops (not with streaming)."""
 
     # Environment (mcore_rl/config/registry.py ENVIRONMENTS): "single_turn" (reward.name's
     # verifier scores the one model turn) or "tool_use" (the model may call a calculator and a
