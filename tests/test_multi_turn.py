@@ -237,7 +237,14 @@ class EchoEnvironment:
     def step(self, state: EpisodeState, text: str) -> StepResult:
         if state.turn >= 2:
             return StepResult(None, 1.0, True, dict(state.metadata))
-        return StepResult(f"obs{state.turn}", 0.0, False, dict(state.metadata))
+        return StepResult(f"90{state.turn}", 0.0, False, dict(state.metadata))
+
+
+class DigitFormat(ChatFormat):
+    """Observations as their character ids alone (digits: inside the layout tests' vocabulary)."""
+
+    def observation_ids(self, observation, last_token):
+        return ids(self.tokenizer, observation)
 
 
 @pytest.fixture(scope="module")
@@ -255,13 +262,12 @@ def multi_turn_rollout():
     backend = HFGenerationBackend(hf_config, GenerationConfig(max_new_tokens=6, batch_size=8),
                                   eos_token_id=1, pad_token_id=0, max_total_length=60)
     backend.update_weights(initial_hf_state_dict(hf_config, SEED).items())
-    fmt = ChatFormat(tok, False)
+    fmt = DigitFormat(tok, False)
     prompts = [[5 + i, 6, 7 + i] for i in range(6)]
     examples = [Example(f"p{i}", "0", "0", f"t:{i}") for i in range(6)]
     with EnvironmentExecutor(EchoEnvironment(), num_workers=0) as ex:
         batch, _ = run_episodes(backend, ex, fmt, examples, prompts, seed=5, max_turns=3,
                                 max_total_length=60)
-    # observation ids of the character tokenizer stay below VOCAB: "obs0\n" is letters/digits
     assert int(batch["input_ids"].max()) < VOCAB
     assert (batch["token_mask"].sum(1) < batch["input_lengths"] - 3).all()  # observations present
     return batch, hf_config
