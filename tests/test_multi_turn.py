@@ -6,6 +6,7 @@ concatenated tokens, in one process, TP=2 and PP=2."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -207,6 +208,7 @@ def test_hf_backend_stops_at_per_call_stop_tokens():
      "env.name=tool_use (a multi-turn environment) cannot run with grpo.streaming=true"),
     (["env.name=nope"], "env.name"),
     (["env.max_turns=0"], "env.max_turns"),
+    (["data.synthetic.tool_solutions=0.5"], "data.synthetic.tool_solutions=0.5 writes"),
     (["env.name=tool_use", "env.step_timeout_seconds=1", "env.tool_timeout_seconds=5"],
      "env.step_timeout_seconds"),
 ])
@@ -317,3 +319,28 @@ def test_trainer_logprobs_of_multi_turn_episodes_equal_one_forward(multi_turn_ro
     for i, n in enumerate(batch["input_lengths"].tolist()):
         valid[i, 1:n] = True
     assert torch.allclose(got[valid], ref[valid], atol=2e-5), name
+
+
+def test_calculator_warm_start_solution_is_the_loops_episode():
+    """data.synthetic.tool_solutions' reference episode tokenizes to what the loop builds from
+    the same turns (so the warm start teaches the loop's own format)."""
+    from mcore_rl.config.schema import SyntheticTaskConfig
+    from mcore_rl.data.synthetic import calculator_solution, make_synthetic_examples
+
+    tok = build_char_tokenizer()
+    env = ToolUseEnvironment(exact_match_reward, (Calculator(),), max_turns=3)
+    fmt = ChatFormat(tok, False, env.tool_schemas())
+    prompt = ids(tok, EXAMPLE.prompt)
+    backend = ScriptedBackend(tok, [[CALL], ["1035"]])
+    with EnvironmentExecutor(env, num_workers=0) as ex:
+        batch, _ = run_episodes(backend, ex, fmt, [EXAMPLE], [prompt], seed=0, max_turns=3,
+                                max_total_length=400)
+    sft = prompt + ids(tok, calculator_solution(EXAMPLE)) + [tok.eos_token_id]
+    assert batch["input_ids"][0].tolist() == sft and batch["rewards"].tolist() == [1.0]
+    cfg = SyntheticTaskConfig(operations="*", min_value=10, max_value=99, num_train=200,
+                              num_test=20, tool_solutions=0.5)
+    train, test = make_synthetic_examples(cfg, 0)
+    plain, _ = make_synthetic_examples(dataclasses.replace(cfg, tool_solutions=0.0), 0)
+    assert [e.prompt for e in train] == [e.prompt for e in plain]  # same splits
+    tools = sum("<tool_call>" in e.solution for e in train)
+    assert 70 < tools < 130 and all(e.solution == e.answer for e in test)

@@ -406,16 +406,22 @@ def env_errors(cfg: TrainConfig) -> List[str]:
     template (``data.use_chat_template=true``: tool results are chat messages); the built-in
     character tokenizer renders turns as plain text."""
     env = cfg.env
-    if env.name == "single_turn" or env.name not in ENVIRONMENTS:
-        return []  # an unknown name is the field check's
     errors = []
+    m = cfg.model
+    pretrained = m.tokenizer not in (None, CHAR_TOKENIZER) or (m.tokenizer is None
+                                                               and m.hf_path is not None)
+    if cfg.data.task == "synthetic" and cfg.data.synthetic.tool_solutions > 0 and (
+            env.name != "tool_use" or pretrained):
+        errors.append(f"data.synthetic.tool_solutions={cfg.data.synthetic.tool_solutions} "
+                      f"writes plain-text calculator episodes: it needs env.name=tool_use (got "
+                      f"{env.name}) and the character tokenizer (model.tokenizer=char, or no "
+                      f"model.hf_path)")
+    if env.name == "single_turn" or env.name not in ENVIRONMENTS:
+        return errors  # an unknown name is the field check's
     if cfg.streaming:
         errors.append(f"env.name={env.name} (a multi-turn environment) cannot run with "
                       f"{cfg.algorithm}.streaming=true: the streaming loop decodes one turn per "
                       f"prompt group; set {cfg.algorithm}.streaming=false or env.name=single_turn")
-    m = cfg.model
-    pretrained = m.tokenizer not in (None, CHAR_TOKENIZER) or (m.tokenizer is None
-                                                               and m.hf_path is not None)
     if pretrained and not cfg.data.use_chat_template:
         errors.append(f"env.name={env.name} with a pretrained tokenizer (model.hf_path / "
                       f"model.tokenizer) needs data.use_chat_template=true: the episode's tool "

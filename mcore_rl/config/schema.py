@@ -335,6 +335,11 @@ class SyntheticTaskConfig:
     num_train: int = bounded(9500, ge=1)
     # Held-out prompts for validation; 0: no validation.
     num_test: int = bounded(500, ge=0)
+    # Fraction of the examples whose reference solution (the sft.* warm start) is a calculator
+    # episode of env.name=tool_use in plain text (the built-in character tokenizer): a tool call
+    # of the expression, eos, the tool's response, the answer; the rest answer directly. 0: every
+    # solution is the answer alone (the default; the splits do not depend on this key).
+    tool_solutions: float = bounded(0.0, ge=0, le=1)
 
 
 @dataclass
