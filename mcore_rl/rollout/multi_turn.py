@@ -101,9 +101,11 @@ class ChatFormat:
         import json
 
         specs = "\n".join(json.dumps(t) for t in self.tools)
+        name = self.tools[0].get("function", {}).get("name", "tool")
         return [{"role": "system", "content": (
             "You may call these tools, one JSON object per call inside <tool_call></tool_call> "
-            f"tags, and read their results in <tool_response> tags:\n{specs}")}]
+            f"tags (<tool_call>{{\"name\": \"{name}\", \"arguments\": {{...}}}}</tool_call>), "
+            f"end your turn, and read their results in <tool_response> tags:\n{specs}")}]
 
     def prompt_ids(self, text: str, plain_ids: Sequence[int]) -> List[int]:
         """The first prompt of an episode: ``text`` (the data set's prompt text, before any chat
