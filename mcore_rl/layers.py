@@ -41,7 +41,7 @@ FLOORS: Tuple[Floor, ...] = (
     Floor("generation", ("generation",),
           "rollout engines behind one interface: hf, megatron, vllm"),
     Floor("environments & rollout", ("environments", "rollout"),
-          "environments (reset/step, tools, sandbox, executor); (planned) the rollout producer"),
+          "environments (reset/step, tools, sandbox, executor); the multi-turn loop, the rollout producer"),
     Floor("controller", ("controller",),
           "the RL loops (sync, streaming), GRPO/PPO steps, checkpoints, colocation"),
     Floor("entry points", ("cli", "__main__", "export", "gguf", "planning", "layers"),
@@ -49,7 +49,7 @@ FLOORS: Tuple[Floor, ...] = (
 )
 
 # Packages of the plan not built yet: no module of theirs is required to exist.
-PLANNED = frozenset({"rollout"})
+PLANNED = frozenset()
 
 # Modules that may name modules of higher floors as "module:attribute" strings (plugin tables).
 PLUGIN_TABLES = frozenset({"mcore_rl.config.registry"})

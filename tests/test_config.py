@@ -52,7 +52,7 @@ def test_smollm2_configs_point_at_what_make_model_writes():
     configs = Path(__file__).parents[1] / "configs"
     arith = yaml.safe_load((configs / "grpo_smollm2_arith.yaml").read_text())
     assert arith["model"]["hf_path"] == SMOLLM2_OUTPUT
-    for name in ("grpo_smollm2_gsm8k", "ppo_smollm2_arith"):  # composed from the arith config
+    for name in ("grpo_smollm2_gsm8k", "ppo_smollm2_arith", "grpo_smollm2_arith_tools"):  # from arith
         text = yaml.safe_load((configs / f"{name}.yaml").read_text())
         assert text["defaults"][0] == "grpo_smollm2_arith" and "hf_path" not in text.get("model", {})
 

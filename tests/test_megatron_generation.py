@@ -222,3 +222,22 @@ def test_cli_grpo_with_megatron_generation(tmp_path):
         assert r["train/logprob_mismatch_max"] < 1e-4
         assert r["refit/gbytes"] == 0
     assert "val/accuracy" in records[-1] and (out / "checkpoints" / "step_2").is_dir()
+
+
+def test_per_call_stop_tokens_equal_hf_backend(groups, eos):
+    """stop_token_ids (the multi-turn loop's end of turn) end rows at any of them, as the hf
+    backend does, in both layouts; without them the rows are the eos-only ones."""
+    hf = HFGenerationBackend(arch_to_hf_config(ARCH, VOCAB), GEN, eos_token_id=eos,
+                             pad_token_id=PAD, max_total_length=MAX_TOTAL)
+    hf.update_weights(groups["dp2_torch"].call("get_hf_weights")[0].items())
+    base = hf.generate(PROMPTS, seed=1)
+    row = base["input_ids"][1, len(PROMPTS[1]):int(base["input_lengths"][1])].tolist()
+    stops = [eos, row[1]]  # the second sampled token of row 1 ends a turn
+    expected = hf.generate(PROMPTS, seed=1, stop_token_ids=stops)
+    assert int(expected["response_lengths"][1]) == row.index(row[1]) + 1
+    for name, group in groups.items():
+        batch = _megatron(group, eos).generate(PROMPTS, seed=1, stop_token_ids=stops)
+        assert torch.equal(batch["input_ids"], expected["input_ids"]), name
+        assert torch.equal(batch["truncated"], expected["truncated"]), name
+        diff = (batch["generation_logprobs"] - expected["generation_logprobs"]).abs().max()
+        assert diff < 1e-5, name

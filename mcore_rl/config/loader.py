@@ -31,7 +31,8 @@ import mcore_rl
 from mcore_rl.config import checks
 from mcore_rl.config.checks import ConfigError
 # Re-exported: callers import the streaming and algorithm checks from the loader.
-from mcore_rl.config.rules import algorithm_errors, rule_errors, streaming_errors  # noqa: F401
+from mcore_rl.config.rules import (algorithm_errors, env_errors, rule_errors,  # noqa: F401
+                                   streaming_errors)
 from mcore_rl.config.schema import TrainConfig
 
 PKG_DIR = Path(mcore_rl.__file__).resolve().parent

@@ -23,7 +23,8 @@ from typing import Callable, List, Sequence, Tuple
 
 from mcore_rl.config.families import arch_errors, layout_errors, parallel_shape_errors
 from mcore_rl.config.paths import hf_checkpoint_errors, tokenizer_dir_error
-from mcore_rl.config.registry import ADVANTAGE_ESTIMATORS, backend_errors, task_errors
+from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, ENVIRONMENTS, backend_errors,
+                                      task_errors)
 from mcore_rl.config.schema import CHAR_TOKENIZER, TrainConfig
 
 Rule = Callable[[TrainConfig, Sequence[str]], List[str]]
@@ -248,14 +249,47 @@ def streaming_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
     return streaming_errors(cfg)
 
 
-def env_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
-    """``env.step_timeout_seconds > env.tool_timeout_seconds`` (unless a field check of the
-    ``env`` section already failed)."""
+def env_errors(cfg: TrainConfig) -> List[str]:
+    """Why the multi-turn rollout loop (``env.name`` other than ``single_turn``,
+    :mod:`mcore_rl.rollout.multi_turn`) cannot run ``cfg``, one message each naming its keys;
+    empty for ``single_turn`` (today's one-turn path). A multi-turn environment needs the
+    synchronous loop (the streaming loop decodes one turn per prompt group), and with a
+    tokenizer of a pretrained model (``model.hf_path`` or ``model.tokenizer``) the chat
+    template (``data.use_chat_template=true``: tool results are chat messages); the built-in
+    character tokenizer renders turns as plain text."""
     env = cfg.env
+    errors = []
+    m = cfg.model
+    pretrained = m.tokenizer not in (None, CHAR_TOKENIZER) or (m.tokenizer is None
+                                                               and m.hf_path is not None)
+    if cfg.data.task == "synthetic" and cfg.data.synthetic.tool_solutions > 0 and (
+            env.name != "tool_use" or pretrained):
+        errors.append(f"data.synthetic.tool_solutions={cfg.data.synthetic.tool_solutions} "
+                      f"writes plain-text calculator episodes: it needs env.name=tool_use (got "
+                      f"{env.name}) and the character tokenizer (model.tokenizer=char, or no "
+                      f"model.hf_path)")
+    if env.name == "single_turn" or env.name not in ENVIRONMENTS:
+        return errors  # an unknown name is the field check's
+    if cfg.streaming:
+        errors.append(f"env.name={env.name} (a multi-turn environment) cannot run with "
+                      f"{cfg.algorithm}.streaming=true: the streaming loop decodes one turn per "
+                      f"prompt group; set {cfg.algorithm}.streaming=false or env.name=single_turn")
+    if pretrained and not cfg.data.use_chat_template:
+        errors.append(f"env.name={env.name} with a pretrained tokenizer (model.hf_path / "
+                      f"model.tokenizer) needs data.use_chat_template=true: the episode's tool "
+                      f"results and turns are rendered by the chat template")
+    return errors
+
+
+def env_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """:func:`env_errors`, then ``env.step_timeout_seconds > env.tool_timeout_seconds`` (unless
+    a field check of the ``env`` section already failed)."""
+    env = cfg.env
+    errors = env_errors(cfg)
     if (any(e.startswith("env.") for e in field_errors)  # then the field checks report it
             or env.step_timeout_seconds > env.tool_timeout_seconds):
-        return []
-    return [f"env.step_timeout_seconds ({env.step_timeout_seconds}) must be > "
+        return errors
+    return errors + [f"env.step_timeout_seconds ({env.step_timeout_seconds}) must be > "
             f"env.tool_timeout_seconds ({env.tool_timeout_seconds}): a step waits for its tools"]
 
 

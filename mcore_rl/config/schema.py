@@ -335,6 +335,11 @@ class SyntheticTaskConfig:
     num_train: int = bounded(9500, ge=1)
     # Held-out prompts for validation; 0: no validation.
     num_test: int = bounded(500, ge=0)
+    # Fraction of the examples whose reference solution (the sft.* warm start) is a calculator
+    # episode of env.name=tool_use in plain text (the built-in character tokenizer): a tool call
+    # of the expression, eos, the tool's response, the answer; the rest answer directly. 0: every
+    # solution is the answer alone (the default; the splits do not depend on this key).
+    tool_solutions: float = bounded(0.0, ge=0, le=1)
 
 
 @dataclass
@@ -377,9 +382,9 @@ class RewardConfig:
 @dataclass
 class EnvConfig:
     """The environment an episode runs in (mcore_rl/environments/): reset on a data example,
-    stepped one model turn at a time. Not read by today's RL loops (one turn, scored by
-    reward.name's verifier: what env.name=single_turn does); the multi-turn rollout loop will
-    use it."""
+    stepped one model turn at a time. env.name=single_turn is the one-turn path (the response
+    scored by reward.name's verifier in the reward pool); any other runs the multi-turn rollout
+    loop (mcore_rl/rollout/multi_turn.py) in the synchronous RL loops (not with streaming)."""
 
     # Environment (mcore_rl/config/registry.py ENVIRONMENTS): "single_turn" (reward.name's
     # verifier scores the one model turn) or "tool_use" (the model may call a calculator and a

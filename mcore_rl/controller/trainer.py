@@ -169,6 +169,10 @@ class RLTrainer:
             self.placement.shutdown()
             self.watchdog.close()
             raise
+        from mcore_rl.rollout.producer import RolloutProducer
+
+        # The step's rollouts: one turn scored in the reward pool, or an environment's episodes.
+        self.producer = RolloutProducer(cfg, self.generation, self.tokenizer, self.rewards)
         # Streaming generates while it trains: colocated engines then share the policy's GPUs
         # with everything resident, so the offload lifecycle is off.
         self.colocation = Colocation(self.policy, self.generation,
@@ -271,12 +275,11 @@ class RLTrainer:
         :meth:`collect_rewards`. Timed as ``generation``."""
         idx = self.sampler.next_batch()
         prompt_idx = [i for i in idx for _ in range(num_generations)]
-        with self.timer.phase("generation"):
-            rollout = self.generation.generate(self._prompts(self.train_data, prompt_idx),
-                                               seed=step_seed(self.cfg.run.seed, self.step))
+        with self.timer.phase("generation"):  # a multi-turn env's steps included
+            rollout = self.producer.generate(self.train_data, prompt_idx,
+                                             seed=step_seed(self.cfg.run.seed, self.step))
         rollout["sample_mask"] = torch.ones(B.batch_size(rollout))
-        pending = self.rewards.submit(self._texts(rollout),
-                                      [self.train_data.examples[i] for i in prompt_idx])
+        pending = self.producer.submit(rollout, [self.train_data.examples[i] for i in prompt_idx])
         return rollout, pending
 
     def collect_rewards(self, rollout: B.Batch, pending) -> int:
@@ -300,8 +303,10 @@ class RLTrainer:
 
     def reward_timing(self) -> Dict[str, float]:
         """``{"timing/reward_busy_s": seconds}``: the verifiers' own seconds since the last
-        call (summed over samples, overlapped with other phases or not); clears them."""
-        out = {"timing/reward_busy_s": self.reward_busy_seconds}
+        call (summed over samples, overlapped with other phases or not); clears them. With a
+        multi-turn environment also its episode metrics since the last call (``env/turns``,
+        ``env/tool_calls``, ... : :meth:`RolloutProducer.pop_metrics`)."""
+        out = {"timing/reward_busy_s": self.reward_busy_seconds, **self.producer.pop_metrics()}
         self.reward_busy_seconds = 0.0
         return out
 
@@ -374,11 +379,15 @@ class RLTrainer:
             return {}
         n = min(self.loop.val_num_prompts, len(self.test_data))
         idx = list(range(n))
-        rollout = self.generation.generate(self._prompts(self.test_data, idx), seed=0,
-                                           greedy=self.cfg.generation.greedy_validation)
-        rewards, _, _ = self._score(rollout, [self.test_data.examples[i] for i in idx])
+        rollout = self.producer.generate(self.test_data, idx, seed=0,
+                                         greedy=self.cfg.generation.greedy_validation,
+                                         metrics_prefix="val/env/")
+        if self.producer.multi_turn:  # the episodes' rewards; their metrics under val/env/
+            rewards, env = rollout["rewards"], self.producer.pop_metrics("val/env/")
+        else:
+            rewards, env = self._score(rollout, [self.test_data.examples[i] for i in idx])[0], {}
         return {"val/accuracy": float(rewards.mean()),
-                "val/response_length": float(rollout["response_lengths"].float().mean())}
+                "val/response_length": float(rollout["response_lengths"].float().mean()), **env}
 
     def warm_start(self, logger: RunLogger) -> None:
         """Supervised steps on reference solutions (``sft.*``), then the reference policy is
@@ -599,6 +608,7 @@ class RLTrainer:
         self.generation.shutdown()
         self.placement.shutdown()
         self.rewards.close()
+        self.producer.close()
         self.watchdog.close()
 
 

@@ -8,6 +8,7 @@ rest the train split, so the splits are disjoint and the same seed gives the sam
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import random
 from typing import TYPE_CHECKING, List, Tuple
@@ -83,7 +84,25 @@ def make_synthetic_examples(cfg: SyntheticTaskConfig,
     drawn = random.Random(seed).sample(range(_num_prompts(cfg)), cfg.num_train + cfg.num_test)
     test = [example(i, "test", k) for k, i in enumerate(drawn[:cfg.num_test])]
     train = [example(i, "train", k) for k, i in enumerate(drawn[cfg.num_test:])]
+    if cfg.tool_solutions > 0:
+        pick = random.Random(seed + 1)
+        train = [dataclasses.replace(ex, solution=calculator_solution(ex))
+                 if pick.random() < cfg.tool_solutions else ex for ex in train]
     return train, test
+
+
+def calculator_solution(example: Example, eos: str = "<eos>") -> str:
+    """A reference episode of ``env.name=tool_use`` for ``example`` in plain text (the character
+    tokenizer, whose ``eos`` text encodes to its eos id): the model's calculator call in the
+    Hermes format (:mod:`mcore_rl.environments.tools`), eos (the end of its turn), the
+    observation as the multi-turn loop appends it (the tool's response and a newline), and the
+    answer (the trainer appends the last eos). ``tests/test_multi_turn.py`` checks it against
+    the loop's own tokens."""
+    expression = example.prompt.rstrip("=")
+    call = ('<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+            % expression)
+    response = '<tool_response>\n{"result": %s}\n</tool_response>\n' % example.answer
+    return call + eos + response + example.answer
 
 
 def task_errors(data: "DataConfig") -> List[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from concurrent.futures import Future, as_completed
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -135,7 +135,8 @@ class GenerationBackend(abc.ABC):
     # ------------------------------------------------------------------ rollouts
     @abc.abstractmethod
     def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
-                       group_size: int = 1) -> Iterator[FinishedGroup]:
+                       group_size: int = 1,
+                       stop_token_ids: Optional[Sequence[int]] = None) -> Iterator[FinishedGroup]:
         """Start sampling one response per prompt; yields each prompt group once all its rows
         are decoded, in the order groups finish.
 
@@ -148,6 +149,11 @@ class GenerationBackend(abc.ABC):
             greedy: argmax decoding instead of sampling (validation).
             group_size: rows per group (GRPO: the responses of one prompt), group ``i`` being
                 rows ``i * group_size .. (i + 1) * group_size - 1``.
+            stop_token_ids: the tokens that end a response in this call (kept as its last
+                token; a response that ends on none of them is truncated); None: the eos
+                token alone (the one-turn path). The multi-turn loop
+                (:mod:`mcore_rl.rollout.multi_turn`) passes eos and the chat template's
+                end-of-turn token, with the conversation so far as each prompt.
 
         Returns:
             an iterator of :class:`FinishedGroup`. Checks run and, for an engine in processes
@@ -160,8 +166,10 @@ class GenerationBackend(abc.ABC):
                 response; B is not a multiple of ``group_size``.
         """
 
-    def generate(self, prompts: List[List[int]], seed: int, greedy: bool = False) -> Batch:
-        """Sample one response per prompt (:meth:`generate_async`, waited for).
+    def generate(self, prompts: List[List[int]], seed: int, greedy: bool = False,
+                 stop_token_ids: Optional[Sequence[int]] = None) -> Batch:
+        """Sample one response per prompt (:meth:`generate_async`, waited for; ``stop_token_ids``
+        as there).
 
         Returns:
             A right-padded batch, rows in prompt order, on the CPU: ``input_ids`` [B, S]
@@ -175,7 +183,8 @@ class GenerationBackend(abc.ABC):
             As :meth:`generate_async`.
         """
         responses: List[Optional[Response]] = [None] * len(prompts)
-        for group in self.generate_async(prompts, seed, greedy):
+        kwargs = {} if stop_token_ids is None else {"stop_token_ids": list(stop_token_ids)}
+        for group in self.generate_async(prompts, seed, greedy, **kwargs):
             responses[group.rows.start:group.rows.stop] = group.responses
         return assemble_rollout(prompts, responses, self.pad_token_id)
 
@@ -228,10 +237,11 @@ class StreamingBackend(GenerationBackend):
 
     @abc.abstractmethod
     def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,
-               first_row: int, greedy: bool = False) -> Future:
+               first_row: int, greedy: bool = False,
+               stop_token_ids: Optional[Sequence[int]] = None) -> Future:
         """Start decoding ``prompts`` (whole groups of ``group_size`` rows, numbered from
         ``first_row`` in the rollout for their random streams) on worker ``worker``; returns at
-        once.
+        once. ``stop_token_ids`` as in :meth:`GenerationBackend.generate_async`.
 
         Returns:
             a future of ``(version, groups)``: the policy version of the weights that decoded
@@ -275,7 +285,8 @@ class StreamingBackend(GenerationBackend):
         return {"refit/gbytes": pushed.gbytes}
 
     def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
-                       group_size: int = 1) -> Iterator[FinishedGroup]:
+                       group_size: int = 1,
+                       stop_token_ids: Optional[Sequence[int]] = None) -> Iterator[FinishedGroup]:
         """See :meth:`GenerationBackend.generate_async`: the groups are cut into one contiguous
         part per live worker (:meth:`submit`), all started at once; a part's groups come when
         its worker is done.
@@ -293,7 +304,8 @@ class StreamingBackend(GenerationBackend):
         self.prepare_for_generation()
         groups, n = len(prompts) // group_size, len(self.alive)
         bounds = [round(i * groups / n) * group_size for i in range(n + 1)]
-        parts = {self.submit(w, prompts[a:b], seed, group_size, a, greedy): a
+        stops = {} if stop_token_ids is None else {"stop_token_ids": list(stop_token_ids)}
+        parts = {self.submit(w, prompts[a:b], seed, group_size, a, greedy, **stops): a
                  for w, a, b in zip(self.alive, bounds[:-1], bounds[1:]) if b > a}
         return self._finished(parts)
 

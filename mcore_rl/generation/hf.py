@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Dict, Iterable, Iterator, List, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import transformers
@@ -135,10 +135,11 @@ class HFGenerationBackend(GenerationBackend):
         self.last_refit_bytes = nbytes
 
     def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
-                       group_size: int = 1, first_row: int = 0) -> Iterator[FinishedGroup]:
+                       group_size: int = 1, first_row: int = 0,
+                       stop_token_ids: Optional[Sequence[int]] = None) -> Iterator[FinishedGroup]:
         """See :meth:`GenerationBackend.generate_async`. Decodes while iterated, in chunks of
         ``generation.batch_size`` prompts; the groups a chunk completes come after it. A row
-        stops at eos or after ``min(max_new_tokens, max_total_length - prompt length)`` tokens.
+        stops at eos (or at any of ``stop_token_ids``, when given) or after ``min(max_new_tokens, max_total_length - prompt length)`` tokens.
         Sampling: :class:`~mcore_rl.generation.sampling.Sampler` with row ``i``'s stream
         ``row_uniforms(seed, [first_row + i], ...)``: ``first_row`` places these prompts in a
         larger call whose rows are decoded in parts (by several processes) and must sample as
@@ -150,21 +151,24 @@ class HFGenerationBackend(GenerationBackend):
                 "(refit from the policy) first"
             )
         check_prompts(prompts, self.vocab_size, self.max_total_length)
+        stops = [self.eos_token_id] if stop_token_ids is None else [int(t) for t in stop_token_ids]
         return self._decode(prompts, seed, greedy, GroupAssembler(len(prompts), group_size),
-                            first_row)
+                            first_row, stops)
 
     def _decode(self, prompts: List[List[int]], seed: int, greedy: bool,
-                groups: GroupAssembler, first_row: int) -> Iterator[FinishedGroup]:
+                groups: GroupAssembler, first_row: int,
+                stops: List[int]) -> Iterator[FinishedGroup]:
         for start in range(0, len(prompts), self.cfg.batch_size):
             rows = range(start, min(start + self.cfg.batch_size, len(prompts)))
             streams = range(first_row + rows.start, first_row + rows.stop)
             yield from groups.add(start, self._generate_chunk([prompts[i] for i in rows], streams,
-                                                              seed, greedy))
+                                                              seed, greedy, stops))
 
     @torch.inference_mode()
     def _generate_chunk(self, prompts: List[List[int]], rows: range, seed: int,
-                        greedy: bool) -> List[Response]:
-        """Decode one chunk (``rows``: the prompts' indices in the ``generate`` call)."""
+                        greedy: bool, stops: List[int]) -> List[Response]:
+        """Decode one chunk (``rows``: the prompts' indices in the ``generate`` call; a row ends
+        at a token of ``stops``)."""
         n, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((n, width), dtype=torch.long)
@@ -179,6 +183,7 @@ class HFGenerationBackend(GenerationBackend):
         steps = int(budget.max())
         uniforms = None if greedy else row_uniforms(seed, rows, steps, self.device)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
+        stop_ids = torch.tensor(stops, dtype=torch.long, device=self.device)
         tokens, logprobs, active = [], [], []
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1)
@@ -188,7 +193,7 @@ class HFGenerationBackend(GenerationBackend):
             tokens.append(token)
             logprobs.append(logprob)
             active.append(~done)
-            done = done | (token == self.eos_token_id) | (budget <= step + 1)
+            done = done | torch.isin(token, stop_ids) | (budget <= step + 1)
             if bool(done.all()):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((n, 1))], dim=1)
@@ -202,6 +207,6 @@ class HFGenerationBackend(GenerationBackend):
         results = []
         for i in range(n):
             r = int(lengths[i])
-            hit_eos = bool(tokens[i, r - 1] == self.eos_token_id)
+            hit_eos = int(tokens[i, r - 1]) in stops
             results.append(Response(tokens[i, :r], logprobs[i, :r], not hit_eos))
         return results

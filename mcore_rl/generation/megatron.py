@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import as_completed
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -103,6 +103,12 @@ def _inference_mode(model: torch.nn.Module, config):
         model.train(was_training)
         for name, value in switches.items():
             setattr(config, name, value)
+
+
+def _is_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
+    """Bool mask of ``tokens`` (any shape, int64) that end a response: equal to ``stops`` (an
+    int: eos) or in it (an int64 tensor of ids, on the tokens' device)."""
+    return tokens == stops if isinstance(stops, int) else torch.isin(tokens, stops)
 
 
 def _bucket(n: int, floor: int, cap: Optional[int] = None) -> int:
@@ -199,7 +205,9 @@ class MegatronDecoder:
             seed, greedy: as in :meth:`GenerationBackend.generate`.
             cfg: ``generation`` config (sampling, ``max_new_tokens``, ``batch_size`` rows per
                 chunk, ``cuda_graphs``).
-            eos_token_id, pad_token_id, max_total_length: as for the ``hf`` backend.
+            eos_token_id, pad_token_id, max_total_length: as for the ``hf`` backend;
+                ``eos_token_id`` may be a list of ids, each of which ends a response (the
+                per-call ``stop_token_ids`` of :meth:`GenerationBackend.generate_async`).
 
         Returns:
             Per prompt: response tokens [R] int64 and logprobs [R] float32 on the CPU,
@@ -218,6 +226,10 @@ class MegatronDecoder:
         weights = tuple(p.data_ptr() for p in self.gpt.parameters())
         if weights != self._weights:  # moved (offload and restore): the graphs read old addresses
             self._graphs, self._weights = {}, weights
+        ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+        # One id: compared as an int (the one-turn path, unchanged); several: a device tensor.
+        stops = int(ids[0]) if len(ids) == 1 else torch.tensor(sorted({int(t) for t in ids}),
+                                                               device=self.device)
         out = []
         for start in range(0, len(prompts), cfg.batch_size):
             chunk = prompts[start:start + cfg.batch_size]
@@ -228,7 +240,7 @@ class MegatronDecoder:
             with _inference_mode(self.model, self.gpt.config), \
                     kv_cache_attention(self.attentions, self._cache):
                 out.extend(self._decode_chunk(chunk, budgets, rows, seed, greedy, sampler, graphs,
-                                              int(eos_token_id), int(pad_token_id)))
+                                              stops, int(pad_token_id)))
         return out
 
     # ------------------------------------------------------------------ buffers
@@ -311,7 +323,7 @@ class MegatronDecoder:
         for i in range(n):
             c = int(counts[i])
             response = tokens[i, :c]
-            out.append(Response(response, logprobs[i, :c], bool(response[-1] != eos)))
+            out.append(Response(response, logprobs[i, :c], not bool(_is_stop(response[-1:], eos))))
         return out
 
     def _collect(self, results, row_of: List[int]) -> None:
@@ -353,7 +365,7 @@ class MegatronDecoder:
         budget = torch.tensor(budgets, device=device)
         s.positions[:n], s.budgets[:n] = lengths, budget
         s.steps[:n], s.counts[:n] = 1, 1
-        s.done[:n] = (s.tokens[:n] == eos) | (budget <= 1)
+        s.done[:n] = _is_stop(s.tokens[:n], eos) | (budget <= 1)
         s.positions[n:bucket], s.steps[n:bucket], s.counts[n:bucket] = 0, 0, 0
         s.tokens[n:bucket], s.done[n:bucket] = pad, True
 
@@ -374,7 +386,7 @@ class MegatronDecoder:
         s.out_logprobs[:bucket].scatter_(1, column, logprob[:, None])
         running = ~done
         s.counts[:bucket].add_(running)
-        done.logical_or_(running & ((token == eos) | (steps + 1 >= s.budgets[:bucket])))
+        done.logical_or_(running & (_is_stop(token, eos) | (steps + 1 >= s.budgets[:bucket])))
         tokens.copy_(token)
         last = s.slots - 1  # rows that ended keep stepping (unread): stay inside the buffers
         positions.add_(1).clamp_(max=last)
@@ -386,7 +398,8 @@ class MegatronDecoder:
         that step runs eagerly on the capture stream first, as the warm-up)."""
         if not graphs:
             return self._step(bucket, span, greedy, sampler, eos)
-        key = (bucket, span, greedy, sampler.temperature, sampler.top_p, eos)
+        key = (bucket, span, greedy, sampler.temperature, sampler.top_p,
+               eos if isinstance(eos, int) else tuple(eos.tolist()))
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -464,7 +477,8 @@ class MegatronGenerationBackend(GenerationBackend):
         self.policy.call("release_decoder")
 
     def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
-                       group_size: int = 1) -> Iterator[FinishedGroup]:
+                       group_size: int = 1,
+                       stop_token_ids: Optional[Sequence[int]] = None) -> Iterator[FinishedGroup]:
         """See :meth:`GenerationBackend.generate_async`; sampling as the ``hf`` backend's. Each
         DP rank starts on its share of the groups at once; a share's groups come when it is
         decoded.
@@ -484,7 +498,9 @@ class MegatronGenerationBackend(GenerationBackend):
                 future = self.policy.call_per_dp_async(
                     "generate", [[prompts[bounds[d]:bounds[d + 1]], bounds[d], seed, greedy]],
                     dp_ranks=[d], decoder=MegatronDecoder, cfg=self.cfg,
-                    eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                    eos_token_id=(self.eos_token_id if stop_token_ids is None
+                                  else [int(t) for t in stop_token_ids]),
+                    pad_token_id=self.pad_token_id,
                     max_total_length=self.max_total_length)
                 first_row[future] = bounds[d]
         return self._collect(first_row, groups)

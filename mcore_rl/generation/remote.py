@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -74,12 +74,15 @@ class GenerationWorker:
         self.version = int(version)
 
     def generate(self, prompts: List[List[int]], seed: int, greedy: bool, group_size: int,
-                 first_row: int) -> Tuple[int, List[FinishedGroup]]:
+                 first_row: int, stop_token_ids: Optional[List[int]] = None,
+                 ) -> Tuple[int, List[FinishedGroup]]:
         """Decode ``prompts`` (whole groups of ``group_size``; rows numbered from ``first_row``
         for the random streams). Returns ``(version, groups)``: the policy version of the
         weights that decoded them and every finished group (``rows`` relative to
-        ``prompts``). Raises as :meth:`HFGenerationBackend.generate_async`."""
-        groups = list(self.backend.generate_async(prompts, seed, greedy, group_size, first_row))
+        ``prompts``); ``stop_token_ids`` as there. Raises as
+        :meth:`HFGenerationBackend.generate_async`."""
+        groups = list(self.backend.generate_async(prompts, seed, greedy, group_size, first_row,
+                                                  stop_token_ids))
         return self.version, groups
 
     def shutdown(self) -> None:
@@ -127,12 +130,14 @@ class RemoteGeneration(StreamingBackend):
         return Push(sum(t.numel() * t.element_size() for t in weights.values()) / 1e9, loaded)
 
     def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,
-               first_row: int, greedy: bool = False) -> Future:
+               first_row: int, greedy: bool = False,
+               stop_token_ids: Optional[List[int]] = None) -> Future:
         """See :meth:`StreamingBackend.submit` (:meth:`GenerationWorker.generate`)."""
         from mcore_rl.distributed.worker_group import then
 
         return then(self.group.call_each_async(
-            "generate", [[prompts, seed, greedy, group_size, first_row]], ranks=[worker]),
+            "generate", [[prompts, seed, greedy, group_size, first_row, stop_token_ids]],
+            ranks=[worker]),
             lambda outs: outs[0])
 
     def shutdown(self) -> None:

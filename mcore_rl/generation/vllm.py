@@ -175,10 +175,11 @@ class VLLMEngine:
         return out
 
     def generate(self, prompts: List[List[int]], seeds: List[int], budgets: List[int], greedy: bool,
-                 eos_token_id: int) -> Tuple[int, List[Tuple[List[int], List[float]]]]:
+                 eos_token_id) -> Tuple[int, List[Tuple[List[int], List[float]]]]:
         """One request per prompt (its own seed and token budget). Returns ``(version,
         responses)``: the policy version of the weights that decoded them and, per prompt, the
-        response tokens (eos included when it ended the response) and their logprobs.
+        response tokens (the stop token included when one ended the response) and their
+        logprobs. ``eos_token_id``: the token id, or a list of ids, that end a response.
 
         Raises:
             RuntimeError: the engine holds no weights of the policy (no refit yet, or the last
@@ -192,10 +193,12 @@ class VLLMEngine:
                                f"yet, or its last refit failed); refit from the policy first")
 
         s = self.sampling
+        stops = [int(t) for t in eos_token_id] if isinstance(eos_token_id, (list, tuple)) \
+            else [int(eos_token_id)]
         params = [SamplingParams(
             max_tokens=budget, temperature=0.0 if greedy else s.temperature,
             top_p=1.0 if greedy else s.top_p, seed=None if greedy else seed, logprobs=0,
-            stop_token_ids=[eos_token_id], detokenize=False) for seed, budget in zip(seeds, budgets)]
+            stop_token_ids=stops, detokenize=False) for seed, budget in zip(seeds, budgets)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                  use_tqdm=False)
         results = []
@@ -492,7 +495,8 @@ class VLLMGenerationBackend(StreamingBackend):
 
     # ------------------------------------------------------------------ StreamingBackend
     def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,
-               first_row: int, greedy: bool = False) -> Future:
+               first_row: int, greedy: bool = False,
+               stop_token_ids: Optional[List[int]] = None) -> Future:
         """See :meth:`StreamingBackend.submit`: one ``LLM.generate`` call on engine ``worker``
         (vLLM returns a call's requests together), row ``i`` seeded with ``row_seed(seed,
         first_row + i)`` (module docstring)."""
@@ -501,14 +505,16 @@ class VLLMGenerationBackend(StreamingBackend):
         groups = GroupAssembler(len(prompts), group_size)
         budgets = response_budgets(prompts, self.cfg.max_new_tokens, self.max_total_length)
         seeds = [row_seed(seed, first_row + i) for i in range(len(prompts))]
+        stops = self.eos_token_id if stop_token_ids is None else [int(t) for t in stop_token_ids]
+        ends = {stops} if isinstance(stops, int) else set(stops)
         future = self.engines.call_each_async(
-            "generate", [[prompts, seeds, budgets, greedy, self.eos_token_id]], ranks=[worker])
+            "generate", [[prompts, seeds, budgets, greedy, stops]], ranks=[worker])
 
         def finished(outs) -> Tuple[int, List[FinishedGroup]]:
             version, responses = outs[0]
             return version, groups.add(0, [
                 Response(torch.tensor(tokens, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32),
-                         tokens[-1] != self.eos_token_id) for tokens, logprobs in responses])
+                         tokens[-1] not in ends) for tokens, logprobs in responses])
 
         return then(future, finished)
 
