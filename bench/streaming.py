@@ -33,7 +33,7 @@ from typing import Dict, List, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mcore_rl.config.loader import load_config  # noqa: E402
-from mcore_rl.controller.grpo import trainer_class  # noqa: E402
+from mcore_rl.controller.loops import build  # noqa: E402
 
 # mode -> (loop, its overrides, whether the engine runs in processes of its own, the backend:
 # None for the config's)
@@ -76,17 +76,17 @@ def bench(config: str, overrides: List[str], steps: int, sft_steps: int,
         "cluster.use_ray=false", f"sft.steps={sft_steps}", f"grpo.max_steps={steps}",
         "grpo.val_every=0", "grpo.val_at_start=false", "checkpoint.save_final=false",
         "logging.progress=false", f"run.output_dir={out}"])
-    trainer = trainer_class(cfg)(cfg)
+    loop = build(cfg)
     try:
-        trainer.refit()
+        loop.refit()
         ends: List[float] = []
         metrics = []
         for _ in range(steps):
-            metrics.append(trainer.rl_step())
-            trainer.step += 1
+            metrics.append(loop.rl_step())
+            loop.trainer.step += 1
             ends.append(time.perf_counter())
     finally:
-        trainer.close()
+        loop.close()
     per_step = [b - a for a, b in zip(ends[:-1], ends[1:])]
     row = {"mean": statistics.mean(per_step), "median": statistics.median(per_step)}
     for p in PHASES:

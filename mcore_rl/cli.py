@@ -37,9 +37,10 @@ USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError)
 
 
 def _controller(cfg: TrainConfig, function: str) -> None:
-    """Call ``function(cfg)`` of the controller of ``algorithm`` (:mod:`mcore_rl.controller.grpo`
-    or :mod:`mcore_rl.controller.ppo`, imported here: torch, megatron and ray are heavy)."""
-    getattr(importlib.import_module(f"mcore_rl.controller.{cfg.algorithm}"), function)(cfg)
+    """Call ``function(cfg)`` of :mod:`mcore_rl.controller.loops` (``run`` or ``evaluate``:
+    the loop of ``algorithm`` built in one place, :func:`mcore_rl.controller.loops.build`;
+    imported here: torch, megatron and ray are heavy)."""
+    getattr(importlib.import_module("mcore_rl.controller.loops"), function)(cfg)
 
 
 # Subcommand -> (help, default config name, function of the composed and validated config).

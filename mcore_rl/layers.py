@@ -35,7 +35,7 @@ FLOORS: Tuple[Floor, ...] = (
     Floor("algorithms & megatron", ("algorithms", "megatron"),
           "losses, advantages, KL; Megatron model, parallel state, conversion, KV-cache attention"),
     Floor("workers", ("workers",),
-          "MegatronTrainWorker, PolicyWorker, ValueWorker"),
+          "MegatronTrainWorker, PolicyWorker, ValueWorker, their typed interfaces"),
     Floor("distributed", ("distributed",),
           "worker groups (Ray actors or processes), placement"),
     Floor("generation", ("generation",),
@@ -43,7 +43,7 @@ FLOORS: Tuple[Floor, ...] = (
     Floor("environments & rollout", ("environments", "rollout"),
           "environments (reset/step, tools, sandbox, executor); the multi-turn loop, the rollout producer"),
     Floor("controller", ("controller",),
-          "the RL loops (sync, streaming), GRPO/PPO steps, checkpoints, colocation"),
+          "the RL loops (sync, streaming), GRPO/PPO strategies, checkpoints, colocation"),
     Floor("entry points", ("cli", "__main__", "export", "gguf", "planning", "layers"),
           "the mcore-rl command, Hugging Face export, GGUF import, the memory planner, this plan"),
 )

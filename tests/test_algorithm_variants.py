@@ -251,7 +251,7 @@ def test_dapo_gspo_reinforce_plus_plus_and_mis_run_in_the_grpo_loop(tmp_path):
     with its cap, the overlong penalty and filtering, REINFORCE++ with the KL in the reward (a
     reference policy), GSPO's loss and sequence MIS."""
     from mcore_rl.config.loader import load_config
-    from mcore_rl.controller.grpo import run
+    from mcore_rl.controller.loops import run
     from mcore_rl.utils.logging import read_metrics
 
     run(load_config("dapo_synthetic", [

@@ -26,7 +26,7 @@ from dist_utils import run_distributed
 from mcore_rl.config.schema import CheckpointConfig, OptimizerConfig
 from mcore_rl.controller.checkpoints import CheckpointManager, DamagedCheckpointError
 from mcore_rl.controller.trainer import RLTrainer
-from mcore_rl.distributed.worker_group import WorkerError
+from mcore_rl.distributed.worker_group import WorkerError, typed
 
 GBS = 8  # rows of test_value_worker._batch: the global batch of every step here
 
@@ -83,7 +83,11 @@ class _Group:
         self.writers_done = False
         self.die_during_save = False
 
-    def call(self, method, *args):
+    @property
+    def call(self):
+        return typed(self._call)
+
+    def _call(self, method, *args):
         if method == "save_checkpoint":
             path, async_save = args
             os.makedirs(path)
@@ -316,7 +320,7 @@ def _assert_same_final_parameters(run_dir, straight):
 def straight(tmp_path_factory):
     """A 3-step run with a checkpoint per step, saved asynchronously; its run directory."""
     from mcore_rl.config.loader import load_config
-    from mcore_rl.controller.grpo import run
+    from mcore_rl.controller.loops import run
 
     out = tmp_path_factory.mktemp("straight")
     run(load_config("grpo_synthetic", RUN + [f"run.output_dir={out}", "checkpoint.every=1",
@@ -332,7 +336,7 @@ def straight(tmp_path_factory):
 @pytest.mark.slow
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(straight, tmp_path, caplog):
     from mcore_rl.config.loader import load_config
-    from mcore_rl.controller.grpo import run
+    from mcore_rl.controller.loops import run
 
     out = tmp_path / "run"
     args = RUN + [f"run.output_dir={out}", "checkpoint.every=1", "checkpoint.keep_last=1"]

@@ -256,9 +256,9 @@ def test_cli_cfg_prints_the_composed_yaml(capsys):
 def test_cli_config_path_and_train_dispatch(tmp_path, monkeypatch):
     (tmp_path / "mine.yaml").write_text(HEADER + "grpo:\n  max_steps: 5\n")
     calls = []
-    fake = types.ModuleType("mcore_rl.controller.grpo")
+    fake = types.ModuleType("mcore_rl.controller.loops")
     fake.run = lambda cfg: calls.append(cfg) or {"steps": 0}
-    monkeypatch.setitem(sys.modules, "mcore_rl.controller.grpo", fake)  # no training starts
+    monkeypatch.setitem(sys.modules, "mcore_rl.controller.loops", fake)  # no training starts
     assert main(["train", "--config-path", str(tmp_path), "--config-name", "mine",
                  "run.seed=7"]) == 0
     assert [(c.grpo.max_steps, c.run.seed) for c in calls] == [(5, 7)]

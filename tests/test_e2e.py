@@ -12,7 +12,7 @@ import torch
 
 from mcore_rl.cli import main
 from mcore_rl.config.loader import load_config
-from mcore_rl.controller.grpo import run
+from mcore_rl.controller.loops import run
 from mcore_rl.utils.logging import read_metrics
 
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"

@@ -11,6 +11,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mcore_rl.config.schema import DataConfig, GenerationConfig, TrainConfig
+from mcore_rl.distributed.worker_group import typed
 from mcore_rl.generation.base import BackendContext, assemble_rollout
 from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.generation.registry import backend_class, backend_names, build_backend
@@ -202,7 +203,7 @@ def test_registry_builds_from_the_context_and_refit_pulls_hf_weights(reference):
     # the hf channel: rank 0's Hugging Face-named tensors, gathered by the policy
     calls = []
     state = reference.state_dict()
-    policy = SimpleNamespace(call=lambda method: calls.append(method) or [state, None])
+    policy = SimpleNamespace(call=typed(lambda method: calls.append(method) or [state, None]))
     stats = backend.refit(policy)
     assert calls == ["get_hf_weights"]
     assert stats == {"refit/gbytes": sum(v.numel() * 4 for v in state.values()) / 1e9}

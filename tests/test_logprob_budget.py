@@ -12,7 +12,7 @@ import torch
 
 from mcore_rl.cli import main
 from mcore_rl.config.loader import load_config
-from mcore_rl.controller.grpo import GRPOTrainer
+from mcore_rl.controller.loops import build
 from mcore_rl.controller.logprob_budget import EXIT_CODE, LogprobBudget, LogprobBudgetExceeded
 from mcore_rl.generation.hf import HFGenerationBackend
 
@@ -76,7 +76,8 @@ def test_drift_from_step_2_stops_at_step_3_before_its_optimizer_step(tmp_path):
     cfg = load_config("grpo_synthetic", SMALL + [
         "grpo.max_steps=5", "checkpoint.every=1", "checkpoint.save_final=false",
         "generation.logprob_budget_steps=2", f"run.output_dir={tmp_path / 'run'}"])
-    trainer = GRPOTrainer(cfg)
+    loop = build(cfg)
+    trainer = loop.trainer
     after = {}  # RL step -> the rollout engine's weights at its start (refit: the policy's)
     generate = trainer.generation.generate
 
@@ -87,7 +88,7 @@ def test_drift_from_step_2_stops_at_step_3_before_its_optimizer_step(tmp_path):
     trainer.generation.generate = _drifting(record_then_generate, lambda: trainer.step + 1 >= 2)
     try:
         with pytest.raises(LogprobBudgetExceeded) as stop:
-            trainer.fit()
+            loop.fit()
         assert stop.value.step == 3 and trainer.step == 2
         assert trainer.logprob_budget.over == 2
         assert "for 2 consecutive RL steps" in stop.value.message
@@ -124,14 +125,13 @@ def test_budget_counts_consecutive_steps_and_null_disables():
 def test_ppo_step_over_budget_trains_neither_policy_nor_critic(tmp_path):
     """PPO, k = 1, drift from RL step 1 (the canary, the first generate call, is clean): step
     1 stops right after the policy's logprobs, before the critic's values and any update."""
-    from mcore_rl.controller.ppo import PPOTrainer
-
     cfg = load_config("ppo_synthetic", [
         *[o for o in SMALL if not o.startswith("grpo.")], "ppo.num_prompts_per_step=4",
         "ppo.ppo_epochs=1", "ppo.num_mini_batches=1", "ppo.val_every=0", "ppo.val_at_start=false",
         "ppo.max_steps=2", "value.micro_batch_size=4", "value.optimizer.weight_decay=0.1",
         "generation.logprob_budget_steps=1", f"run.output_dir={tmp_path / 'run'}"])
-    trainer = PPOTrainer(cfg)
+    loop = build(cfg)
+    trainer = loop.trainer
     calls = []
     generate = trainer.generation.generate
     trainer.generation.generate = _drifting(lambda *a, **k: calls.append(1) or generate(*a, **k),
@@ -144,7 +144,7 @@ def test_ppo_step_over_budget_trains_neither_policy_nor_critic(tmp_path):
     try:
         before = weights()
         with pytest.raises(LogprobBudgetExceeded, match="RL step 1 has") as stop:
-            trainer.fit()
+            loop.fit()
         assert stop.value.step == 1 and trainer.step == 0 and len(calls) == 2
         after = weights()
         assert any(k.startswith("value/") for k in after)
@@ -207,9 +207,10 @@ def test_train_forward_same_update_as_recompute_and_budget_stops_after_the_step(
         cfg = load_config("grpo_synthetic", SMALL + [
             "grpo.max_steps=2", "checkpoint.every=0", "checkpoint.save_final=false",
             f"loss.prev_logprobs={mode}", f"run.output_dir={tmp_path / mode}"])
-        trainer = GRPOTrainer(cfg)
+        loop = build(cfg)
+        trainer = loop.trainer
         try:
-            trainer.fit()
+            loop.fit()
             trainer.refit()  # the policy's weights into the hf rollout model
             finals[mode] = {k: v.clone() for k, v in trainer.generation.model.state_dict().items()}
         finally:
@@ -225,12 +226,13 @@ def test_train_forward_same_update_as_recompute_and_budget_stops_after_the_step(
         "grpo.max_steps=5", "checkpoint.every=1", "checkpoint.save_final=false",
         "loss.prev_logprobs=train_forward", "generation.logprob_budget_steps=2",
         f"run.output_dir={tmp_path / 'run'}"])
-    trainer = GRPOTrainer(cfg)
+    loop = build(cfg)
+    trainer = loop.trainer
     trainer.generation.generate = _drifting(trainer.generation.generate,
                                             lambda: trainer.step + 1 >= 2)
     try:
         with pytest.raises(LogprobBudgetExceeded) as stop:
-            trainer.fit()
+            loop.fit()
         assert stop.value.step == 3 and "in memory only" in stop.value.message
         assert stop.value.figures["train/token_mult_prob_error"] == pytest.approx(
             float(torch.tensor(SHIFT).exp()), rel=1e-4)

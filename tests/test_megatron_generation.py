@@ -16,7 +16,7 @@ from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.config.schema import (DataConfig, GenerationConfig, MegatronConfig, ModelArchConfig,
                                     OptimizerConfig, TrainConfig)
 from mcore_rl.controller.colocation import Colocation
-from mcore_rl.distributed.worker_group import DataParallelGroup, ProcessWorkerGroup, WorkerError
+from mcore_rl.distributed.worker_group import DataParallelGroup, ProcessWorkerGroup, WorkerError, typed
 from mcore_rl.generation.base import BackendContext
 from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.generation.megatron import MegatronGenerationBackend, check_layout
@@ -168,7 +168,7 @@ def test_decoding_turns_the_compiled_fusions_off_and_restores_them():
 
 def test_controller_keeps_shared_weights_on_device_and_exports_nothing():
     calls = []
-    policy = SimpleNamespace(call=lambda method, *a: calls.append(method) or [{}])
+    policy = SimpleNamespace(call=typed(lambda method, *a: calls.append(method) or [{}]))
     colocation = Colocation(policy, _megatron(policy, eos=1), enabled=True)
     metrics = colocation.refit()
     assert calls == ["offload_before_refit"]  # once, and never the weights

@@ -283,11 +283,12 @@ class _RecordingEngine:
 def test_controller_calls_the_lifecycle_in_order():
     from mcore_rl.controller.colocation import Colocation
     from mcore_rl.controller.trainer import RLTrainer
+    from mcore_rl.distributed.worker_group import typed
 
     calls = []
     policy = SimpleNamespace(
-        call=lambda method, *a: calls.append(method) or [{"w": torch.zeros(2)}],
-        gather_rows=lambda method, *a: calls.append(method),
+        call=typed(lambda method, *a: calls.append(method) or [{"w": torch.zeros(2)}]),
+        gather_rows=typed(lambda method, *a: calls.append(method)),
         train=lambda *a: calls.append("train"),
     )
     for colocate in (True, False):
@@ -295,10 +296,10 @@ def test_controller_calls_the_lifecycle_in_order():
         cfg = SimpleNamespace(policy=SimpleNamespace(logprob_micro_batch_size=4, micro_batch_size=2))
         trainer = SimpleNamespace(cfg=cfg, policy=policy,
                                   colocation=Colocation(policy, _RecordingEngine(calls), colocate))
-        RLTrainer._logprobs(trainer, {})
-        RLTrainer._train(trainer, {}, LOSS)
+        RLTrainer.policy_logprobs(trainer, {})
+        RLTrainer.train_policy(trainer, {}, LOSS)
         RLTrainer.refit(trainer)
-        RLTrainer._logprobs(trainer, {})
+        RLTrainer.policy_logprobs(trainer, {})
         expected = ["engine.offload", "prepare_for_lp_inference", "get_logprobs",
                     "prepare_for_training", "train",
                     "offload_before_refit", "engine.prepare_for_refit", "get_hf_weights",

@@ -3,7 +3,7 @@ bound, and its failure handling.
 
 One trainer per layout for the module (a DP=2 world and a PP=2 world of policy workers, each
 with 2 generation processes), reset between tests to the checkpoint of its warm start (weights,
-optimizer, sampler). The reference is the synchronous loop (``GRPOTrainer.rl_step``) run by the
+optimizer, sampler). The reference is the synchronous loop (``SyncLoop.rl_step``) run by the
 same trainer on the same generation processes: the same rollouts as the in-process hf backend
 (each row's random stream is fixed by the step's seed and its row number, whichever process
 decodes it).
@@ -26,7 +26,6 @@ duplicated a group, or normalized by another count, moves parameters by 1e-5 to 
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from concurrent.futures import wait
@@ -38,7 +37,8 @@ from mcore_rl.algorithms.losses import ClippedPGLoss
 from mcore_rl.algorithms.registry import build_policy_loss
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.controller.logprob_budget import LogprobBudgetExceeded
-from mcore_rl.controller.streaming import StepFailed, StreamingLoop
+from mcore_rl.controller.loops import SyncLoop, build
+from mcore_rl.controller.streaming import StepFailed
 from mcore_rl.generation import remote
 
 PARITY_RTOL = 1e-5
@@ -113,16 +113,17 @@ class RaiseOnce(ClippedPGLoss):
 
 
 class Run:
-    """A streaming trainer of ``config`` after its warm start, reset to it by :meth:`reset`;
-    its synchronous loop is the trainer's class after :class:`StreamingLoop` in the MRO."""
+    """A streaming loop of ``config`` (``loop``, on ``trainer``) after its warm start, reset to
+    it by :meth:`reset`; ``sync`` is the synchronous loop on the same trainer and algorithm."""
 
     def __init__(self, out, overrides, config="grpo_synthetic", base=BASE):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(remote, "GenerationWorker", FaultyGenerationWorker)
             cfg = load_config(config, base + overrides + [f"run.output_dir={out}"])
-            self.trainer = importlib.import_module(f"mcore_rl.controller.{cfg.algorithm}") \
-                .trainer_class(cfg)(cfg)
-        self.trainer.fit()  # warm start and the final checkpoint of a 0-step run
+            self.loop = build(cfg)
+        self.trainer = self.loop.trainer
+        self.sync = SyncLoop(self.trainer, self.loop.algorithm)
+        self.loop.fit()  # warm start and the final checkpoint of a 0-step run
         self.start = self.trainer.checkpoints.step_dir(0)
         self.start_weights = self.weights()
 
@@ -132,11 +133,11 @@ class Run:
                 for k, v in group.call("get_hf_weights")[0].items()}
 
     def reset(self):
-        t = self.trainer
-        wait(list(t.generating))
-        t.generating.clear()
-        t.resume(self.start, warn_schedule=False)
-        t.refit()
+        loop = self.loop
+        wait(list(loop.generating))
+        loop.generating.clear()
+        loop.resume(self.start, warn_schedule=False)
+        loop.refit()
 
     def steps(self, n, sync=False, between=None):
         """``n`` RL steps, streamed or synchronous; ``between(i)`` before step i. Returns each
@@ -145,7 +146,7 @@ class Run:
         for i in range(n):
             if between:
                 between(i)
-            out.append(super(StreamingLoop, t).rl_step() if sync else t.rl_step())
+            out.append((self.sync if sync else self.loop).rl_step())
             t.step += 1
         return out
 
@@ -254,15 +255,15 @@ def assert_fault_retried_or_stopped(run, flag):
     run.reset()
     run.steps(1)
     before = run.weights()
-    t.loop.max_step_retries = 0
+    t.section.max_step_retries = 0
     flag.touch()
     try:
         with pytest.raises(StepFailed, match=rf"(?s)RL step 2 failed 1 time\(s\) and was aborted "
-                                             rf"\({t.algorithm}.max_step_retries=0\).*injected "
+                                             rf"\({t.algorithm.name}.max_step_retries=0\).*injected "
                                              rf"micro-batch fault"):
-            t.rl_step()
+            run.loop.rl_step()
     finally:
-        t.loop.max_step_retries = 2
+        t.section.max_step_retries = 2
     after = run.weights()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-trained
     run.steps(2)  # the step is closed on every rank: the run can go on
@@ -273,11 +274,11 @@ def test_microbatch_fault_retries_or_stops(dp2, tmp_path):
     """:func:`assert_fault_retried_or_stopped` with grpo.max_step_retries."""
     t = dp2.trainer
     flag = tmp_path / "flag"
-    t.loss_fn = RaiseOnce(t.cfg.loss, str(flag))
+    t.algorithm.loss_fn = RaiseOnce(t.cfg.loss, str(flag))
     try:
         assert_fault_retried_or_stopped(dp2, flag)
     finally:
-        t.loss_fn = build_policy_loss(t.cfg)
+        t.algorithm.loss_fn = build_policy_loss(t.cfg)
 
 
 def test_logprob_budget_aborts_the_streamed_step(dp2):
@@ -288,19 +289,19 @@ def test_logprob_budget_aborts_the_streamed_step(dp2):
     t = dp2.trainer
     dp2.reset()
     before = dp2.weights()
-    prepare = t._prepare_chunk
+    prepare = t.algorithm.prepare_chunk
 
     def drift(chunk):
         prepare(chunk)
         chunk["generation_logprobs"] = chunk["generation_logprobs"] + 0.2 * chunk["token_mask"]
 
-    t._prepare_chunk = drift
+    t.algorithm.prepare_chunk = drift
     t.logprob_budget.steps = 1
     try:
         with pytest.raises(LogprobBudgetExceeded, match="RL step 1 has"):
             dp2.steps(1)
     finally:
-        del t._prepare_chunk
+        del t.algorithm.prepare_chunk
         t.logprob_budget.steps, t.logprob_budget.over = t.cfg.generation.logprob_budget_steps, 0
     after = dp2.weights()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-trained

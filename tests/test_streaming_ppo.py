@@ -109,19 +109,19 @@ def test_logprob_budget_after_the_critic_warmup(dp2):
     dp2.reset()
     dp2.steps(1)  # the critic warm-up
     before = dp2.weights()
-    prepare = t._prepare_chunk
+    prepare = t.algorithm.prepare_chunk
 
     def drift(chunk):
         prepare(chunk)
         chunk["generation_logprobs"] = chunk["generation_logprobs"] + 0.2 * chunk["token_mask"]
 
-    t._prepare_chunk = drift
+    t.algorithm.prepare_chunk = drift
     t.logprob_budget.steps = 1
     try:
         with pytest.raises(LogprobBudgetExceeded, match="RL step 2 has"):
             dp2.steps(1)
     finally:
-        del t._prepare_chunk
+        del t.algorithm.prepare_chunk
         t.logprob_budget.steps, t.logprob_budget.over = t.cfg.generation.logprob_budget_steps, 0
     after = dp2.weights()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-trained
@@ -137,14 +137,14 @@ def test_microbatch_fault_aborts_both_steps(dp2, tmp_path, group):
     t = dp2.trainer
     flag = tmp_path / "flag"
     if group == "policy":
-        t.loss_fn = RaiseOnce(t.cfg.loss, str(flag))
+        t.algorithm.loss_fn = RaiseOnce(t.cfg.loss, str(flag))
     else:
-        t.value_loss_fn = ValueRaiseOnce(t.cfg.value.loss, str(flag))
+        t.algorithm.value_loss_fn = ValueRaiseOnce(t.cfg.value.loss, str(flag))
     try:
         assert_fault_retried_or_stopped(dp2, flag)
     finally:
-        t.loss_fn = build_policy_loss(t.cfg)
-        t.value_loss_fn = ClippedValueLoss(t.cfg.value.loss)
+        t.algorithm.loss_fn = build_policy_loss(t.cfg)
+        t.algorithm.value_loss_fn = ClippedValueLoss(t.cfg.value.loss)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -44,11 +44,11 @@ EXACT = ("train/reward_mean", "train/num_tokens", "stream/staleness_0", "stream/
 
 def restart(run, path):
     """The trainer as a fresh one resumed from checkpoint ``path`` (module docstring)."""
-    t = run.trainer
-    wait(list(t.generating))
-    t.generating.clear()
-    t.resume(path, warn_schedule=False)
-    t.refit()
+    loop = run.loop
+    wait(list(loop.generating))
+    loop.generating.clear()
+    loop.resume(path, warn_schedule=False)
+    loop.refit()
 
 
 def worst_ratio(run, actual, expected):
@@ -68,7 +68,7 @@ class Scenario:
         self.straight_weights = run.weights()
         run.reset()
         self.saved_run = run.steps(save_at)
-        self.path = run.trainer.save()
+        self.path = run.loop.save()
         with open(os.path.join(self.path, "controller.json")) as f:
             self.state = json.load(f)
         run.steps(1)  # the run goes on past its checkpoint, then is thrown away
@@ -112,7 +112,7 @@ def test_restored_group_too_stale_is_dropped(grpo):
     t.cfg.grpo.max_staleness = 0
     try:
         restart(grpo.run, grpo.path)
-        assert [sg.version for sg in t.ready] == [SAVE_AT - 1] * 4
+        assert [sg.version for sg in grpo.run.loop.ready] == [SAVE_AT - 1] * 4
         m = grpo.run.steps(1)[0]
     finally:
         t.cfg.grpo.max_staleness = 1
@@ -122,12 +122,12 @@ def test_restored_group_too_stale_is_dropped(grpo):
 def test_checkpoint_without_ready_groups_loads(grpo):
     """A controller state as saved before the finished groups were kept (every untrained group
     a prompt in ``pending``): it loads, and those groups are generated again."""
-    t = grpo.run.trainer
+    loop = grpo.run.loop
     restart(grpo.run, grpo.path)
     old = {k: v for k, v in grpo.state.items() if k != "ready"}
     old["pending"] = [r[:4] for r in grpo.state["ready"]] + grpo.state["pending"]
-    t.load_controller_state(old)
-    assert not t.ready and len(t.todo) == 4
+    loop.load_controller_state(old)
+    assert not loop.ready and len(loop.todo) == 4
     m = grpo.run.steps(1)[0]
     assert m["stream/staleness_0"] == 4  # generated again with the resumed weights
 

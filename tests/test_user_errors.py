@@ -169,13 +169,13 @@ def test_debug_flag_and_environment_show_the_traceback(monkeypatch, tmp_path, ca
 
 @pytest.mark.parametrize("error", [ValueError("a bug, not the user's input"), KeyError("x")])
 def test_other_errors_keep_their_traceback(monkeypatch, error):
-    fake = types.ModuleType("mcore_rl.controller.grpo")
+    fake = types.ModuleType("mcore_rl.controller.loops")
 
     def run(cfg):
         raise error
 
     fake.run = run
-    monkeypatch.setitem(sys.modules, "mcore_rl.controller.grpo", fake)
+    monkeypatch.setitem(sys.modules, "mcore_rl.controller.loops", fake)
     with pytest.raises(type(error)):
         main(["train", "--config-name", "grpo_synthetic"])
 

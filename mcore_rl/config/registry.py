@@ -1,7 +1,7 @@
 """The plugin tables: every name a config key chooses, and where its implementation lives.
 
-A plugin (a policy loss, an advantage estimator, a generation backend, a prompt task, a
-verifier, an environment) is a module
+A plugin (an RL algorithm, a policy loss, an advantage estimator, a generation backend, a
+prompt task, a verifier, an environment) is a module
 on its own floor of the package (``docs/design.md``, "Floor plan"); its entry here names it as
 ``"module:attribute"`` strings. So the config floor knows the valid names (the schema's choices,
 the error messages, ``docs/config-reference.md``) and runs each chosen plugin's load-time check
@@ -67,6 +67,14 @@ class Task(NamedTuple):
     examples: str
     config_check: str
 
+
+# algorithm -> "module:class" of an RL algorithm (mcore_rl/controller/algorithm.py: the
+# Algorithm protocol the loops call), built with (TrainConfig); its name is also its config
+# section. Built by mcore_rl.controller.loops.build.
+ALGORITHMS: Dict[str, str] = {
+    "grpo": "mcore_rl.controller.grpo:GRPO",
+    "ppo": "mcore_rl.controller.ppo:PPO",
+}
 
 # loss.name -> "module:class"; the class takes (LossConfig, max_response_length) and has
 # ClippedPGLoss's interface (loss_type, metric_kinds, __call__).

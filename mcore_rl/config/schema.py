@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from mcore_rl.config.fields import bounded, one_of
+from mcore_rl.config.registry import ALGORITHMS as _ALGORITHM_TABLE
 from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, BACKENDS, ENVIRONMENTS, POLICY_LOSSES,
                                       TASKS, VERIFIERS, names)
 
@@ -676,7 +677,9 @@ class WatchdogConfig:
     history: int = bounded(10, ge=1)
 
 
-ALGORITHMS = ("grpo", "ppo")  # the RL loops, each with a config section of its name
+# The RL algorithms (mcore_rl/config/registry.py ALGORITHMS), each with a config section of
+# its name.
+ALGORITHMS = names(_ALGORITHM_TABLE)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from mcore_rl.config.schema import CheckpointConfig
 from mcore_rl.distributed.worker_group import WorkerError
+from mcore_rl.workers.interfaces import TrainWorkerAPI
 
 _log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier, interrupted save of this step
         os.makedirs(tmp)
         for name, group in self.groups().items():
-            group.call("save_checkpoint", os.path.join(tmp, name), self.cfg.async_save)
+            group.call(TrainWorkerAPI).save_checkpoint(os.path.join(tmp, name), self.cfg.async_save)
         self._pending = _Pending(step, tmp, state, tensors)
         self.last_step = step
         if not self.cfg.async_save:
@@ -178,7 +179,8 @@ class CheckpointManager:
         """Complete a pending asynchronous save whose writers have all finished; returns at
         once otherwise. Collective: every rank of every group takes part."""
         if self._pending is not None and all(
-                all(group.call("finalize_async_save", False)) for group in self.groups().values()):
+                all(group.call(TrainWorkerAPI).finalize_async_save(False))
+                for group in self.groups().values()):
             self._commit()
 
     def wait(self) -> None:
@@ -186,7 +188,7 @@ class CheckpointManager:
         if self._pending is None:
             return
         for group in self.groups().values():
-            group.call("finalize_async_save", True)
+            group.call(TrainWorkerAPI).finalize_async_save(True)
         self._commit()
 
     def _commit(self) -> None:
@@ -290,7 +292,7 @@ class CheckpointManager:
                 raise DamagedCheckpointError(f"{tensors} does not load: {e!r}") from e
         for name, group in self.groups().items():
             try:
-                changed = group.call("load_checkpoint", os.path.join(path, name))[0]
+                changed = group.call(TrainWorkerAPI).load_checkpoint(os.path.join(path, name))[0]
             except WorkerError as e:
                 raise DamagedCheckpointError(
                     f"loading {os.path.join(path, name)} failed: {_last_line(e)}") from e

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Dict
 
 from mcore_rl.generation.base import GenerationBackend
+from mcore_rl.workers.interfaces import PolicyAPI
 
 
 class Colocation:
@@ -47,8 +48,11 @@ class Colocation:
 
     def _policy_yields(self) -> None:
         """The policy off the device, except the weights the backend decodes with."""
-        self.policy.call("offload_before_refit" if self.backend.shares_policy_weights
-                         else "offload_after_refit")
+        policy = self.policy.call(PolicyAPI)
+        if self.backend.shares_policy_weights:
+            policy.offload_before_refit()
+        else:
+            policy.offload_after_refit()
 
     def _backend_yields(self) -> None:
         if self._backend_on_device:
@@ -61,12 +65,12 @@ class Colocation:
         backend's stats."""
         if not self.enabled:
             return self.backend.refit(self.policy)
-        self.policy.call("offload_before_refit")
+        self.policy.call(PolicyAPI).offload_before_refit()
         self.backend.prepare_for_refit()
         self._backend_on_device = True
         stats = self.backend.refit(self.policy)
         if not self.backend.shares_policy_weights:
-            self.policy.call("offload_after_refit")
+            self.policy.call(PolicyAPI).offload_after_refit()
         self.backend.prepare_for_generation()
         return stats
 
@@ -84,11 +88,11 @@ class Colocation:
         training state stays off)."""
         if self.enabled:
             self._backend_yields()
-            self.policy.call("prepare_for_lp_inference")
+            self.policy.call(PolicyAPI).prepare_for_lp_inference()
 
     def prepare_for_training(self) -> None:
         """Colocated: the backend frees the device; the policy's weights, gradient buffers and
         optimizer state come back."""
         if self.enabled:
             self._backend_yields()
-            self.policy.call("prepare_for_training")
+            self.policy.call(PolicyAPI).prepare_for_training()

@@ -17,6 +17,7 @@ import torch
 
 from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import DataParallelGroup
+from mcore_rl.workers.interfaces import PolicyAPI
 
 # compare()'s keys, in table order.
 DIFF_KEYS = ("logprobs_rel", "loss_rel", "grad_norm_rel", "params_max_abs")
@@ -50,9 +51,9 @@ def record_step(group: DataParallelGroup, batch: B.Batch, loss_fn, micro_batch_s
 
     Collective over the group (all ranks run each call).
     """
-    logprobs = group.gather_rows("get_logprobs", batch, logprob_micro_batch_size)
+    logprobs = group.gather_rows(PolicyAPI).get_logprobs(batch, logprob_micro_batch_size)
     metrics = group.train(batch, loss_fn, micro_batch_size)
-    weights = group.call("get_hf_weights")[0]
+    weights = group.call(PolicyAPI).get_hf_weights()[0]
     return StepRecord(logprobs, metrics, weights)
 
 

@@ -1,15 +1,19 @@
-"""The single controller of a PPO run (``algorithm: ppo``).
+"""PPO as the loops call it (``algorithm: ppo``): :class:`PPO`.
 
-Per RL step: sample prompts -> generate ``ppo.num_generations`` responses each -> score with
-the verifier -> old (and reference) logprobs from the policy and values from the critic ->
-token-level rewards (the outcome reward at the last response token, ``-beta * KL_t`` on every
-response token when ``ppo.reward_kl_coef > 0``) -> GAE advantages and returns (returns taken
-before the advantages are whitened) -> ``ppo.ppo_epochs`` passes over shuffled mini-batches,
-each a critic update then a policy update (the policy stays frozen for the first
-``ppo.critic_warmup_steps`` steps) -> refit -> log. Validation, logging, warm start and
-checkpoints (policy and critic) are those of :class:`~mcore_rl.controller.trainer.RLTrainer`.
-With ``ppo.streaming`` the streaming loop (:mod:`mcore_rl.controller.streaming`) runs the same
-step on rollouts as they finish: one epoch, one mini-batch, unwhitened advantages.
+Per RL step (:class:`~mcore_rl.controller.loops.SyncLoop`): sample prompts -> generate
+``ppo.num_generations`` responses each -> score with the verifier -> old (and reference)
+logprobs from the policy and values from the critic -> token-level rewards (the outcome reward
+at the last response token, ``-beta * KL_t`` on every response token when
+``ppo.reward_kl_coef > 0``) -> GAE advantages and returns (returns taken before the advantages
+are whitened) -> ``ppo.ppo_epochs`` passes over shuffled mini-batches, each a critic update
+then a policy update (the policy stays frozen for the first ``ppo.critic_warmup_steps`` steps)
+-> refit -> log. Validation, logging, warm start and checkpoints (policy and critic) are those
+of :class:`~mcore_rl.controller.trainer.RLTrainer`. With ``ppo.streaming`` the streaming loop
+(:mod:`mcore_rl.controller.streaming`) runs the same step on rollouts as they finish: a chunk's
+values come from the critic with its logprobs, then its token rewards, GAE advantages and
+returns (unwhitened: load-time check); one epoch, one mini-batch; the critic's split step runs
+in every RL step, the policy's after ``ppo.critic_warmup_steps`` (the policy version counts the
+policy's updates, so the warm-up's rollouts are not stale).
 
 After a supervised warm start the critic's backbone takes the warm-started policy's weights
 (unless ``value.hf_path`` names a checkpoint of its own); its value head stays fresh.
@@ -18,7 +22,7 @@ After a supervised warm start the critic's backbone takes the warm-started polic
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
@@ -28,54 +32,61 @@ from mcore_rl.algorithms.losses import ClippedValueLoss, valid_token_mask
 from mcore_rl.algorithms.ppo import explained_variance, token_level_rewards
 from mcore_rl.algorithms.registry import build_policy_loss
 from mcore_rl.config.schema import TrainConfig
-from mcore_rl.controller.streaming import SplitStep, StreamingLoop
-from mcore_rl.controller.trainer import RLTrainer, run_eval, run_trainer, step_seed
+from mcore_rl.controller.algorithm import Algorithm, SplitStep
+from mcore_rl.controller.trainer import step_seed
 from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import DataParallelGroup
-from mcore_rl.utils.logging import RunLogger
+from mcore_rl.workers.interfaces import PolicyAPI, ValueAPI
+
+if TYPE_CHECKING:
+    from mcore_rl.controller.trainer import RLTrainer
 
 
-class PPOTrainer(RLTrainer):
+class PPO(Algorithm):
     """PPO with a Megatron critic (:class:`~mcore_rl.workers.value.ValueWorker`): config
-    sections ``ppo`` and ``value``.
+    sections ``ppo`` and ``value``; worker groups ``policy`` and ``value`` (the critic, on the
+    policy's GPUs or GPUs of its own: ``cluster.placement``).
 
     Attributes:
-        value: the critic's :class:`~mcore_rl.distributed.worker_group.DataParallelGroup`,
-            on the policy's GPUs or GPUs of its own (``cluster.placement``).
+        loss_fn: the policy loss (``loss.name``).
+        value_loss_fn: the critic's clipped value loss (``value.loss``).
     """
 
-    algorithm = "ppo"
+    name = "ppo"
     group_names = ("policy", "value")
 
     def __init__(self, cfg: TrainConfig):
-        from mcore_rl.workers.value import ValueWorker
-
-        super().__init__(cfg)
-        v = cfg.value
-        self.value = self._megatron_group(
-            "value", ValueWorker, v.megatron, v.optimizer, *self._policy_schedule(),
-            hf_path=v.hf_path or cfg.model.hf_path, head_fp32=v.head_fp32,
-            sequence_packing=v.sequence_packing)
+        self.cfg = cfg
         self.loss_fn = build_policy_loss(cfg)
-        self.value_loss_fn = ClippedValueLoss(v.loss)
+        self.value_loss_fn = ClippedValueLoss(cfg.value.loss)
 
-    def _policy_schedule(self) -> Tuple[int, int]:
+    def policy_schedule(self) -> Tuple[int, int]:
+        """``ppo_epochs x num_mini_batches`` optimizer steps per RL step (the critic's too)."""
         p = self.cfg.ppo
         samples = p.num_prompts_per_step * p.num_generations
         return p.max_steps * p.ppo_epochs * p.num_mini_batches, samples // p.num_mini_batches
 
-    def _needs_reference(self) -> bool:
+    def needs_reference(self) -> bool:
+        """A KL term in the loss (``loss.kl_coef``) or in the reward (``ppo.reward_kl_coef``)."""
         return self.cfg.loss.kl_coef > 0 or self.cfg.ppo.reward_kl_coef > 0
 
-    def _groups(self) -> Dict[str, DataParallelGroup]:
-        return {"policy": self.policy, "value": self.value}
+    def build_groups(self, trainer: "RLTrainer") -> Dict[str, DataParallelGroup]:
+        """The critic, ``value``: :class:`~mcore_rl.workers.value.ValueWorker` of ``value.*``
+        on the policy's schedule."""
+        from mcore_rl.workers.value import ValueWorker
 
-    def warm_start(self, logger: RunLogger) -> None:
-        """The policy's warm start (:meth:`RLTrainer.warm_start`), then the critic's backbone
-        takes the warm-started weights (unless ``value.hf_path`` is set)."""
-        super().warm_start(logger)
+        v = self.cfg.value
+        return {"value": trainer.megatron_group(
+            "value", ValueWorker, v.megatron, v.optimizer, *self.policy_schedule(),
+            hf_path=v.hf_path or self.cfg.model.hf_path, head_fp32=v.head_fp32,
+            sequence_packing=v.sequence_packing)}
+
+    def warm_started(self, trainer: "RLTrainer") -> None:
+        """The critic's backbone takes the warm-started policy's weights (unless
+        ``value.hf_path`` is set)."""
         if not self.cfg.value.hf_path:
-            self.value.call("load_backbone", self.policy.call("get_hf_weights")[0])
+            weights = trainer.policy.call(PolicyAPI).get_hf_weights()[0]
+            trainer.groups["value"].call(ValueAPI).load_backbone(weights)
 
     # ------------------------------------------------------------------ advantages
     def compute_advantages(self, rollout: B.Batch) -> None:
@@ -125,54 +136,73 @@ class PPOTrainer(RLTrainer):
             out["train/reward_kl"] = float(kl[valid].mean())
         return out
 
-    # ------------------------------------------------------------------ the step
-    def _mini_batches(self, rollout: B.Batch, epoch: int) -> List[B.Batch]:
-        """The rollout's rows shuffled (seeded by run seed, step and epoch) and cut into
+    def mini_batches(self, rollout: B.Batch, step: int, epoch: int) -> List[B.Batch]:
+        """The rollout's rows shuffled (seeded by run seed, RL step ``step`` and epoch) and cut into
         ``ppo.num_mini_batches`` mini-batches."""
-        g = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, self.step, salt=1 + epoch))
+        g = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, salt=1 + epoch))
         order = torch.randperm(B.batch_size(rollout), generator=g)
         return B.shard(B.select(rollout, order), self.cfg.ppo.num_mini_batches)
 
-    def rl_step(self) -> Dict[str, float]:
-        """One RL step; returns its metrics (``critic/*`` for the critic, ``train/*`` for
-        rewards and the policy, as GRPO's)."""
-        cfg, p = self.cfg, self.cfg.ppo
-        t = self.timer
-        train_policy = self.step >= p.critic_warmup_steps
-        with t.phase("step"):
-            # Scored in the reward pool while the policy and the critic run their forwards.
-            rollout, pending = self.generate_and_submit(p.num_generations)
-            with t.phase("logprobs"):
-                rollout["prev_logprobs"] = self._logprobs(rollout)
-                if self.use_reference:
-                    rollout["reference_logprobs"] = self._logprobs(rollout, "get_reference_logprobs")
-            self.check_logprob_budget(rollout)  # before the optimizer steps: may stop the run
-            with t.phase("values"):
-                rollout["prev_values"] = self.value.gather_rows(
-                    "get_values", rollout, cfg.value.values_micro_batch_size)
-            reward_errors = self.collect_rewards(rollout, pending)
-            self.compute_advantages(rollout)
-            value_metrics, policy_metrics = [], []
-            for epoch in range(p.ppo_epochs):
-                for part in self._mini_batches(rollout, epoch):
-                    with t.phase("train_critic"):
-                        value_metrics.append(self.value.train(part, self.value_loss_fn,
-                                                              cfg.value.micro_batch_size))
-                    if train_policy:
-                        with t.phase("train"):
-                            policy_metrics.append(self._train(part, self.loss_fn))
-            if train_policy:
-                with t.phase("refit"):
-                    refit = self.refit()
-        metrics = self.rollout_metrics(rollout, reward_errors, t.seconds("generation"))
-        metrics.update(self.critic_metrics(rollout))
-        metrics.update(_mean_metrics(value_metrics, "critic/"))
-        metrics.update(_mean_metrics(policy_metrics, "train/"))
-        if train_policy:
-            metrics.update(refit)
-        metrics.update(self.timer.pop())
-        metrics.update(self.reward_timing())
-        return metrics
+    # ------------------------------------------------------------------ synchronous loop
+    def rollout_forwards(self, trainer: "RLTrainer", rollout: B.Batch) -> None:
+        """The critic's values of the rollout, ``prev_values`` (timed as ``values``)."""
+        with trainer.timer.phase("values"):
+            rollout["prev_values"] = trainer.groups["value"].gather_rows(ValueAPI).get_values(
+                rollout, self.cfg.value.values_micro_batch_size)
+
+    def set_advantages(self, rollout: B.Batch) -> None:
+        """:meth:`compute_advantages`."""
+        self.compute_advantages(rollout)
+
+    def trains_policy(self, step: int) -> bool:
+        """After the critic's warm-up (``ppo.critic_warmup_steps``)."""
+        return step >= self.cfg.ppo.critic_warmup_steps
+
+    def train_step(self, trainer: "RLTrainer", rollout: B.Batch) -> Dict[str, float]:
+        """``ppo.ppo_epochs`` passes over :meth:`mini_batches`, each a critic update (timed as
+        ``train_critic``) then, after the warm-up, a policy update (``train``); their mean
+        metrics as ``critic/<metric>`` and ``train/<metric>``."""
+        p, t = self.cfg.ppo, trainer.timer
+        train_policy = self.trains_policy(trainer.step)
+        value = trainer.groups["value"]
+        value_metrics, policy_metrics = [], []
+        for epoch in range(p.ppo_epochs):
+            for part in self.mini_batches(rollout, trainer.step, epoch):
+                with t.phase("train_critic"):
+                    value_metrics.append(value.train(part, self.value_loss_fn,
+                                                     self.cfg.value.micro_batch_size))
+                if train_policy:
+                    with t.phase("train"):
+                        policy_metrics.append(trainer.train_policy(part, self.loss_fn))
+        return {**_mean_metrics(value_metrics, "critic/"), **_mean_metrics(policy_metrics, "train/")}
+
+    def batch_metrics(self, rollout: B.Batch) -> Dict[str, float]:
+        """:meth:`critic_metrics`."""
+        return self.critic_metrics(rollout)
+
+    # ------------------------------------------------------------------ streaming
+    def chunk_calls(self, trainer: "RLTrainer", chunk: B.Batch,
+                    dp_ranks: Dict[str, int]) -> Dict[str, Future]:
+        """The critic's values of the chunk (``prev_values``) on its DP rank."""
+        value = trainer.groups["value"].call_per_dp_async(ValueAPI, dp_ranks=[dp_ranks["value"]])
+        return {"prev_values": value.get_values([[chunk, self.cfg.value.values_micro_batch_size]])}
+
+    def prepare_chunk(self, chunk: B.Batch) -> None:
+        """The chunk's token rewards, GAE advantages and returns (:meth:`compute_advantages`,
+        exact per chunk: GAE runs per sequence, unwhitened)."""
+        self.compute_advantages(chunk)
+
+    def split_steps(self, trainer: "RLTrainer", step: int) -> Dict[str, SplitStep]:
+        """The critic's split step, then (after the warm-up) the policy's."""
+        critic = {"value": SplitStep(trainer.groups["value"], self.value_loss_fn,
+                                     self.cfg.value.micro_batch_size, "critic/")}
+        if not self.trains_policy(step):
+            return critic
+        return {**critic, **super().split_steps(trainer, step)}
+
+    def policy_version(self, step: int) -> int:
+        """The RL steps after the critic's warm-up: the warm-up does not update the policy."""
+        return max(0, step - self.cfg.ppo.critic_warmup_steps)
 
 
 def _reward_kl(rollout: B.Batch, mask: torch.Tensor, p) -> Optional[torch.Tensor]:
@@ -190,51 +220,3 @@ def _mean_metrics(metrics: List[Dict[str, float]], prefix: str) -> Dict[str, flo
     if not metrics:
         return {}
     return {f"{prefix}{k}": sum(m[k] for m in metrics) / len(metrics) for k in metrics[-1]}
-
-
-class StreamingPPOTrainer(StreamingLoop, PPOTrainer):
-    """PPO (:class:`PPOTrainer`) with the streaming loop (``ppo.streaming``): a chunk's values
-    come from the critic with its logprobs, then its token rewards, GAE advantages and returns
-    (:meth:`PPOTrainer.compute_advantages`, unwhitened: load-time check); the critic's split
-    step runs in every RL step, the policy's after ``ppo.critic_warmup_steps`` (the policy
-    version counts the policy's updates, so the warm-up's rollouts are not stale)."""
-
-    def _chunk_calls(self, chunk: B.Batch, dp_ranks: Dict[str, int]) -> Dict[str, Future]:
-        calls = super()._chunk_calls(chunk, dp_ranks)
-        calls["prev_values"] = self.value.call_per_dp_async(
-            "get_values", [[chunk, self.cfg.value.values_micro_batch_size]],
-            dp_ranks=[dp_ranks["value"]])
-        return calls
-
-    def _prepare_chunk(self, chunk: B.Batch) -> None:
-        self.compute_advantages(chunk)
-
-    def _split_steps(self) -> Dict[str, SplitStep]:
-        critic = {"value": SplitStep(self.value, self.value_loss_fn,
-                                     self.cfg.value.micro_batch_size, "critic/")}
-        if self.step < self.cfg.ppo.critic_warmup_steps:
-            return critic
-        return {**critic, **super()._split_steps()}
-
-    def _policy_version(self, step: int) -> int:
-        return max(0, step - self.cfg.ppo.critic_warmup_steps)
-
-    def _batch_metrics(self, rollout: B.Batch) -> Dict[str, float]:
-        return self.critic_metrics(rollout)
-
-
-def trainer_class(cfg: TrainConfig):
-    """:class:`PPOTrainer`, or with ``ppo.streaming`` the streaming loop's
-    (:class:`StreamingPPOTrainer`)."""
-    return StreamingPPOTrainer if cfg.ppo.streaming else PPOTrainer
-
-
-def run(cfg: TrainConfig) -> Dict[str, Any]:
-    """``mcore-rl train`` with ``algorithm: ppo``: build, train, print the summary. Returns
-    the summary dict."""
-    return run_trainer(trainer_class(cfg), cfg)
-
-
-def evaluate(cfg: TrainConfig) -> Dict[str, Any]:
-    """``mcore-rl eval`` with ``algorithm: ppo``: :meth:`RLTrainer.evaluate`, printed."""
-    return run_eval(trainer_class(cfg), cfg)

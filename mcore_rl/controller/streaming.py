@@ -64,8 +64,9 @@ seconds of the step by what was running (:class:`BusyClock`): ``timing/generatio
 ``timing/trainer_busy_s``, ``timing/overlap_s`` (both), ``timing/idle_s`` (neither: the
 controller alone), with ``timing/step_s``, ``timing/finish_s``, ``timing/refit_s``;
 ``generation/tokens_per_s`` is the step's response tokens over its generation-busy seconds.
-PPO adds the synchronous loop's ``critic/*`` figures (:meth:`PPOTrainer.critic_metrics` over
-the step's rows, and the critic's step as ``critic/<metric>``).
+PPO adds the synchronous loop's ``critic/*`` figures (the algorithm's ``batch_metrics``:
+:meth:`mcore_rl.controller.ppo.PPO.critic_metrics` over the step's rows, and the critic's step
+as ``critic/<metric>``).
 """
 
 from __future__ import annotations
@@ -74,17 +75,18 @@ import collections
 import dataclasses
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any, Callable, Deque, Dict, List, Tuple
+from typing import Any, Deque, Dict, List, Tuple
 
 import torch
 
-from mcore_rl.config.schema import TrainConfig
+from mcore_rl.controller.algorithm import Algorithm, SplitStep
 from mcore_rl.controller.checkpoints import TENSORS_KEY
 from mcore_rl.controller.logprob_budget import LogprobBudgetExceeded
-from mcore_rl.controller.trainer import step_seed
+from mcore_rl.controller.trainer import Loop, RLTrainer, step_seed
 from mcore_rl.data import batch as B
-from mcore_rl.distributed.worker_group import DataParallelGroup, WorkerError
+from mcore_rl.distributed.worker_group import WorkerError
 from mcore_rl.generation.base import assemble_rollout
+from mcore_rl.workers.interfaces import PolicyAPI
 
 # Generation calls queued per process: one decoding, one waiting.
 CALLS_PER_WORKER = 2
@@ -145,17 +147,6 @@ class BusyClock:
 
 
 
-@dataclasses.dataclass(frozen=True)
-class SplitStep:
-    """One worker group's split train step in an RL step: the ``group``, its ``loss_fn`` and
-    ``micro_batch_size`` (rows per forward/backward), and the ``prefix`` of its metrics."""
-
-    group: DataParallelGroup
-    loss_fn: Callable
-    micro_batch_size: int
-    prefix: str
-
-
 @dataclasses.dataclass
 class _Chunk:
     """Rows fed to the split steps together, with the forward calls whose results they wait
@@ -167,35 +158,33 @@ class _Chunk:
     calls: Dict[str, Future]
 
 
-class StreamingLoop:
-    """The streaming loop of the module docstring, on a synchronous trainer (the classes after
-    it in the MRO: :class:`~mcore_rl.controller.grpo.GRPOTrainer` in
-    :class:`~mcore_rl.controller.grpo.StreamingGRPOTrainer`,
-    :class:`~mcore_rl.controller.ppo.PPOTrainer` in
-    :class:`~mcore_rl.controller.ppo.StreamingPPOTrainer`), whose section gives
-    ``streaming``, ``max_staleness``, ``max_step_retries``, ``num_prompts_per_step`` and
-    ``num_generations``; the generation processes of a
+class StreamingLoop(Loop):
+    """The streaming loop of the module docstring on ``trainer`` with ``algorithm``, whose
+    section gives ``streaming``, ``max_staleness``, ``max_step_retries``,
+    ``num_prompts_per_step`` and ``num_generations``; the generation processes of a
     :class:`~mcore_rl.generation.base.StreamingBackend`.
 
-    Hooks for the algorithm: :meth:`_score_group` (a scored group's own extras),
-    :meth:`_chunk_calls` (forward passes a chunk needs), :meth:`_prepare_chunk` (what a chunk
-    computes from them), :meth:`_split_steps` (the groups whose split steps run this step),
-    :meth:`_policy_version` and :meth:`_batch_metrics`.
+    The algorithm's hooks (:class:`~mcore_rl.controller.algorithm.Algorithm`):
+    ``score_group`` (a scored group's own extras), ``chunk_calls`` (forward passes a chunk
+    needs beyond the policy's logprobs), ``prepare_chunk`` (what a chunk computes from them),
+    ``split_steps`` (the groups whose split steps run this step), ``policy_version`` and
+    ``batch_metrics``.
 
     Raises (at construction):
         ValueError: the rollout backend is not a
-            :class:`~mcore_rl.generation.base.StreamingBackend` (the error names those that are).
+            :class:`~mcore_rl.generation.base.StreamingBackend` (the error names those that
+            are); the trainer is closed.
     """
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, trainer: RLTrainer, algorithm: Algorithm):
         from mcore_rl.generation.base import StreamingBackend
         from mcore_rl.generation.checks import STREAMING_BACKENDS
 
-        super().__init__(cfg)
-        if not isinstance(self.generation, StreamingBackend):
-            name = type(self.generation).__name__
-            self.close()
-            raise ValueError(f"{self.algorithm}.streaming=true needs a rollout engine in processes "
+        super().__init__(trainer, algorithm)
+        if not isinstance(trainer.generation, StreamingBackend):
+            name = type(trainer.generation).__name__
+            trainer.close()
+            raise ValueError(f"{algorithm.name}.streaming=true needs a rollout engine in processes "
                              f"of its own ({STREAMING_BACKENDS}); {name} is not one")
         self.todo: Deque[PromptGroup] = collections.deque()  # to generate
         # generation call -> (process, its prompt groups)
@@ -204,38 +193,20 @@ class StreamingLoop:
         self.batches_drawn = 0  # sampler batches drawn (the synchronous loop draws one per step)
         self.dropped_stale = 0  # prompt groups dropped as stale in this RL step
 
-    # ------------------------------------------------------------------ algorithm hooks
-    def _score_group(self, rows: B.Batch) -> None:
-        """What a scored prompt group adds to its ``rows`` (with ``rewards``) in place."""
-
     def _chunk_calls(self, chunk: B.Batch, dp_ranks: Dict[str, int]) -> Dict[str, Future]:
         """Start the forward passes ``chunk`` needs before it trains, on the DP ranks
         ``dp_ranks`` (by worker group name); returns each call by the batch key its result
         ``[rows, S]`` goes under: the policy's ``prev_logprobs`` (and
-        ``reference_logprobs``). A DP rank answers its calls in order."""
-        methods = {"prev_logprobs": "get_logprobs"}
-        if self.use_reference:
-            methods["reference_logprobs"] = "get_reference_logprobs"
-        mbs = self.cfg.policy.logprob_micro_batch_size
-        return {key: self.policy.call_per_dp_async(m, [[chunk, mbs]], dp_ranks=[dp_ranks["policy"]])
-                for key, m in methods.items()}
-
-    def _prepare_chunk(self, chunk: B.Batch) -> None:
-        """What a chunk computes in place once its forward passes are in, before it trains."""
-
-    def _split_steps(self) -> Dict[str, SplitStep]:
-        """The split steps of the RL step at hand, by worker group name, in the order they
-        finish: the policy's."""
-        return {"policy": SplitStep(self.policy, self.loss_fn, self.cfg.policy.micro_batch_size,
-                                    "train/")}
-
-    def _policy_version(self, step: int) -> int:
-        """The policy updates before RL step ``step`` (0-based): the version of its weights."""
-        return step
-
-    def _batch_metrics(self, rollout: B.Batch) -> Dict[str, float]:
-        """The algorithm's figures on the step's rows (the chunks fed, concatenated)."""
-        return {}
+        ``reference_logprobs``), then the algorithm's (:meth:`Algorithm.chunk_calls`). A DP
+        rank answers its calls in order."""
+        tr = self.trainer
+        policy = tr.policy.call_per_dp_async(PolicyAPI, dp_ranks=[dp_ranks["policy"]])
+        args = [[chunk, tr.cfg.policy.logprob_micro_batch_size]]
+        calls = {"prev_logprobs": policy.get_logprobs(args)}
+        if tr.use_reference:
+            calls["reference_logprobs"] = policy.get_reference_logprobs(args)
+        calls.update(self.algorithm.chunk_calls(tr, chunk, dp_ranks))
+        return calls
 
     # ------------------------------------------------------------------ checkpoints
     def drain(self) -> None:
@@ -259,19 +230,19 @@ class StreamingLoop:
                     pass  # its groups are back in todo: generated again after the resume
 
     def save(self) -> str:
-        """:meth:`drain`, then :meth:`RLTrainer.save`: the checkpoint holds every finished,
+        """:meth:`drain`, then :meth:`Loop.save`: the checkpoint holds every finished,
         untrained group with its rollouts and version (:meth:`controller_tensors`)."""
         self.drain()
         return super().save()
 
     def controller_state(self) -> Dict[str, Any]:
-        """:meth:`RLTrainer.controller_state` plus the sampler batches drawn, the finished,
+        """:meth:`Loop.controller_state` plus the sampler batches drawn, the finished,
         untrained groups (``ready``: their prompt group, version and reward errors; their rows
         in :meth:`controller_tensors`) and the prompt groups drawn but not generated
         (``pending``: in flight, none after :meth:`drain`, or not dispatched; generated after a
         resume with the resumed weights, as a straight run generates them with the same
         version: a call dispatched after step ``s`` is decoded with the weights of version
-        ``_policy_version(s)``, pushed at its end or loaded by the refit of a resume)."""
+        ``algorithm.policy_version(s)``, pushed at its end or loaded by the refit of a resume)."""
         pending = [*(item for _, items in self.generating.values() for item in items), *self.todo]
         return {**super().controller_state(), "batches_drawn": self.batches_drawn,
                 "pending": [dataclasses.astuple(p) for p in pending],
@@ -281,7 +252,7 @@ class StreamingLoop:
     def controller_tensors(self) -> List[B.Batch]:
         """The rows of each group of ``ready`` (:meth:`controller_state`), in its order: the
         rollout keys with ``rewards``, ``sample_mask``, ``trainer_version`` and what the
-        algorithm scored (:meth:`_score_group`)."""
+        algorithm scored (:meth:`Algorithm.score_group`)."""
         return [sg.rows for sg in self.ready]
 
     def load_controller_state(self, state: Dict[str, Any]) -> None:
@@ -291,7 +262,7 @@ class StreamingLoop:
         :attr:`todo`. A checkpoint from before ``ready`` was kept holds every untrained group
         in ``pending``: all are generated again."""
         super().load_controller_state(state)
-        self.batches_drawn = state.get("batches_drawn", self.step)
+        self.batches_drawn = state.get("batches_drawn", self.trainer.step)
         self.todo = collections.deque(PromptGroup(*p) for p in state.get("pending", []))
         self.ready.clear()
         rows = state.get(TENSORS_KEY) or []
@@ -301,19 +272,20 @@ class StreamingLoop:
     # ------------------------------------------------------------------ refit
     def refit(self) -> Dict[str, float]:
         """Load the policy's weights into every generation process as the version of RL step
-        ``self.step``; waits (the start of a run, or of an evaluation)."""
+        ``self.trainer.step``; waits (the start of a run, or of an evaluation)."""
         start = time.perf_counter()
-        stats = self.generation.refit(self.policy, version=self._policy_version(self.step))
+        tr = self.trainer
+        stats = tr.generation.refit(tr.policy, version=self.algorithm.policy_version(tr.step))
         return {"refit/seconds": time.perf_counter() - start, **stats}
 
     # ------------------------------------------------------------------ generation
     def _draw(self) -> None:
         """The sampler's next batch of prompts into :attr:`todo` (seeded as the synchronous
         loop's rollout of that step)."""
-        n, t = self.loop.num_generations, self.batches_drawn
-        seed = step_seed(self.cfg.run.seed, t)
+        n, t = self.trainer.section.num_generations, self.batches_drawn
+        seed = step_seed(self.trainer.cfg.run.seed, t)
         self.todo.extend(PromptGroup(int(p), seed, i * n, t)
-                         for i, p in enumerate(self.sampler.next_batch()))
+                         for i, p in enumerate(self.trainer.sampler.next_batch()))
         self.batches_drawn += 1
 
     def _dispatch(self, wanted: int) -> None:
@@ -323,9 +295,9 @@ class StreamingLoop:
         each other in one sampler batch: a batched engine's step costs about the same for few
         rows as for many (on a GPU), so smaller calls would only slow generation down (4x
         measured with 64-row calls against 256-row ones, bench/RESULTS.md)."""
-        n = self.loop.num_generations
-        per_call = max(1, self.cfg.generation.batch_size // n)
-        load = {w: 0 for w in self.generation.alive}
+        n = self.trainer.section.num_generations
+        per_call = max(1, self.trainer.cfg.generation.batch_size // n)
+        load = {w: 0 for w in self.trainer.generation.alive}
         for w, _ in self.generating.values():
             if w in load:
                 load[w] += 1
@@ -341,8 +313,8 @@ class StreamingLoop:
                    and self.todo[0].seed == items[0].seed
                    and self.todo[0].first_row == items[-1].first_row + n):
                 items.append(self.todo.popleft())
-            prompts = [list(self.train_data.input_ids[item.prompt]) for item in items for _ in range(n)]
-            future = self.watchdog.track("generation", self.generation.submit(
+            prompts = [list(self.trainer.train_data.input_ids[item.prompt]) for item in items for _ in range(n)]
+            future = self.trainer.watchdog.track("generation", self.trainer.generation.submit(
                 worker, prompts, items[0].seed, n, items[0].first_row))
             self.generating[future] = (worker, items)
             generating += len(items)
@@ -359,23 +331,23 @@ class StreamingLoop:
             if worker in e.gone:  # its other calls fail too: generated again elsewhere
                 for f in [f for f, (w, _) in self.generating.items() if w == worker]:
                     self.todo.extendleft(reversed(self.generating.pop(f)[1]))
-                self.generation.drop(worker)
-                if not self.generation.alive:
-                    raise StepFailed(f"RL step {self.step + 1}: every generation process is gone "
+                self.trainer.generation.drop(worker)
+                if not self.trainer.generation.alive:
+                    raise StepFailed(f"RL step {self.trainer.step + 1}: every generation process is gone "
                                      f"(generation.num_workers, or generation.vllm.num_engines "
                                      f"with vllm); the last: {e}") from e
             raise _Fault(f"generation process {worker}: {e}") from e
-        n = self.loop.num_generations
+        n = self.trainer.section.num_generations
         for group in groups:
             item = items[group.rows.start // n]
-            prompts = [list(self.train_data.input_ids[item.prompt])] * n
-            rows = assemble_rollout(prompts, group.responses, self.generation.pad_token_id)
-            with self.timer.phase("reward"):
-                rewards, errors, _ = self._score(
-                    rows, [self.train_data.examples[item.prompt]] * len(prompts))
+            prompts = [list(self.trainer.train_data.input_ids[item.prompt])] * n
+            rows = assemble_rollout(prompts, group.responses, self.trainer.generation.pad_token_id)
+            with self.trainer.timer.phase("reward"):
+                rewards, errors, _ = self.trainer._score(
+                    rows, [self.trainer.train_data.examples[item.prompt]] * len(prompts))
             rows["rewards"] = rewards
             rows["sample_mask"] = torch.ones(len(prompts))
-            self._score_group(rows)
+            self.algorithm.score_group(rows)
             rows["trainer_version"] = torch.full((len(prompts),), version, dtype=torch.long)
             self.ready.append(ScoredGroup(item, version, rows, errors))
 
@@ -387,10 +359,10 @@ class StreamingLoop:
             StepFailed: the step failed ``max_step_retries`` + 1 times, or every generation
                 process is gone; it is aborted, the parameters are those before it.
         """
-        loop = self.loop
+        loop = self.trainer.section
         start = time.perf_counter()
         clock = BusyClock()
-        steps = self._split_steps()
+        steps = self.algorithm.split_steps(self.trainer, self.trainer.step)
         self.dropped_stale = retries = 0
         while True:
             try:
@@ -400,50 +372,52 @@ class StreamingLoop:
                 retries += 1
                 if retries > loop.max_step_retries:
                     raise StepFailed(
-                        f"RL step {self.step + 1} failed {retries} time(s) and was aborted "
-                        f"({self.algorithm}.max_step_retries={loop.max_step_retries}); the last "
+                        f"RL step {self.trainer.step + 1} failed {retries} time(s) and was aborted "
+                        f"({self.algorithm.name}.max_step_retries={loop.max_step_retries}); the last "
                         f"failure: {fault}") from fault.__cause__
         try:  # the logprob budget, before the optimizer step: may stop the run
             batch = B.concat(chunks)
             # Only rows decoded by the weights being trained measure the backend: a row decoded
             # one version back differs from them by the last optimizer step, as it should.
-            version = self._policy_version(self.step)  # PPO: the critic warm-up trains no policy
+            # PPO: the critic warm-up trains no policy
+            version = self.algorithm.policy_version(self.trainer.step)
             on_policy = torch.nonzero(batch["trainer_version"] == version).flatten()
             if len(on_policy):
-                self.check_logprob_budget(B.select(batch, on_policy))
+                self.trainer.check_logprob_budget(B.select(batch, on_policy))
         except LogprobBudgetExceeded:
             for step in steps.values():
                 step.group.abort_train_step()
             raise
-        with self.timer.phase("finish"):
+        with self.trainer.timer.phase("finish"):
             clock.mark(bool(self.generating), True)
             step_metrics = self._finish(steps)
         metrics: Dict[str, float] = {}
         if "policy" in steps:
-            with self.timer.phase("refit"):
+            with self.trainer.timer.phase("refit"):
                 refit_start = time.perf_counter()
-                pushed = self.generation.push(self.policy, self._policy_version(self.step + 1))
+                pushed = self.trainer.generation.push(
+                    self.trainer.policy, self.algorithm.policy_version(self.trainer.step + 1))
                 clock.mark(bool(self.generating), False)
                 metrics["refit/seconds"] = time.perf_counter() - refit_start
                 metrics["refit/gbytes"] = pushed.gbytes
         clock.mark(bool(self.generating), False)
 
         rollout = B.concat(chunks)
-        metrics.update(self.rollout_metrics(rollout, sum(sg.reward_errors for sg in fed),
+        metrics.update(self.trainer.rollout_metrics(rollout, sum(sg.reward_errors for sg in fed),
                                             clock.seconds["generation_busy"]))
-        metrics.update(self._batch_metrics(rollout))
+        metrics.update(self.algorithm.batch_metrics(rollout))
         for name, step in steps.items():
             metrics.update({f"{step.prefix}{k}": v for k, v in step_metrics[name].items()})
-        version = self._policy_version(self.step)
+        version = self.algorithm.policy_version(self.trainer.step)
         staleness = [version - sg.version for sg in fed]
         for j in range(loop.max_staleness + 1):
             metrics[f"stream/staleness_{j}"] = float(staleness.count(j))
         metrics["stream/staleness_mean"] = float(sum(staleness)) / len(staleness)
         metrics["stream/dropped_stale"] = float(self.dropped_stale)
         metrics["stream/step_retries"] = float(retries)
-        metrics["stream/generation_workers"] = float(len(self.generation.alive))
-        metrics.update(self.timer.pop())
-        metrics.update(self.reward_timing())
+        metrics["stream/generation_workers"] = float(len(self.trainer.generation.alive))
+        metrics.update(self.trainer.timer.pop())
+        metrics.update(self.trainer.reward_timing())
         metrics.update({f"timing/{k}_s": v for k, v in clock.seconds.items()})
         metrics["timing/step_s"] = time.perf_counter() - start
         return metrics
@@ -467,18 +441,18 @@ class StreamingLoop:
         """One try of the step: begin the split ``steps``, feed groups as they are ready
         (counting those dropped as stale in :attr:`dropped_stale`), wait for every micro-batch.
         Returns the groups trained (in feeding order) and the chunks fed (with their forward
-        results and what :meth:`_prepare_chunk` added).
+        results and what :meth:`Algorithm.prepare_chunk` added).
 
         Raises:
             _Fault: a worker call failed: the step is aborted on every rank of every split step
                 and its groups are back at the front of :attr:`ready`.
         """
-        loop, policy = self.loop, self.policy
-        need, n, mbs = loop.num_prompts_per_step, loop.num_generations, self.cfg.policy.micro_batch_size
-        version = self._policy_version(self.step)
+        loop, policy = self.trainer.section, self.trainer.policy
+        need, n, mbs = loop.num_prompts_per_step, loop.num_generations, self.trainer.cfg.policy.micro_batch_size
+        version = self.algorithm.policy_version(self.trainer.step)
         fed: List[ScoredGroup] = []
         buffers: List[List[ScoredGroup]] = [[] for _ in range(policy.dp_size)]
-        dp_rows = {name: [0] * group.dp_size for name, group in self._groups().items()}
+        dp_rows = {name: [0] * group.dp_size for name, group in self.trainer._groups().items()}
         waiting: Dict[Future, _Chunk] = {}  # a forward call -> the chunk that waits for it
         training: set = set()  # train_microbatch calls outstanding
         chunks: List[B.Batch] = []
@@ -493,7 +467,7 @@ class StreamingLoop:
                     rows[ranks[name]] += B.batch_size(chunk)
             c = _Chunk(chunk, ranks, self._chunk_calls(chunk, ranks))
             for key, call in c.calls.items():  # watched as the synchronous loop's phases
-                self.watchdog.track("values" if key.endswith("values") else "logprobs", call)
+                self.trainer.watchdog.track("values" if key.endswith("values") else "logprobs", call)
             waiting.update((f, c) for f in c.calls.values())
 
         def forwarded(f: Future) -> None:
@@ -503,9 +477,9 @@ class StreamingLoop:
                 return
             for key, call in c.calls.items():
                 c.rows[key] = call.result()[0]
-            self._prepare_chunk(c.rows)
+            self.algorithm.prepare_chunk(c.rows)
             chunks.append(c.rows)
-            training.update(self.watchdog.track(
+            training.update(self.trainer.watchdog.track(
                 "train" if name == "policy" else "train_critic",
                 step.group.train_microbatch(c.rows, c.dp_ranks[name]))
                 for name, step in steps.items())

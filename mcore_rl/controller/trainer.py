@@ -1,4 +1,5 @@
-"""What every RL loop of the single controller shares (GRPO, PPO).
+"""What every RL loop of the single controller shares (GRPO, PPO): :class:`RLTrainer` and the
+loops' base :class:`Loop`.
 
 :class:`RLTrainer` holds the run's pieces: tokenizer, prompt data and sampler, the placement of
 its worker groups (:mod:`~mcore_rl.distributed.placement`), the policy worker group, the rollout
@@ -6,15 +7,20 @@ backend (built by name from :mod:`mcore_rl.generation.registry`), the device han
 them (:mod:`~mcore_rl.controller.colocation`), the verifier and the logger; it generates and
 scores rollouts, refits the rollout backend, validates (greedy accuracy on held-out prompts),
 runs the optional supervised warm start (``sft.steps``), saves and resumes checkpoints of every
-worker group, and runs the loop (:meth:`RLTrainer.fit`). A subclass names its config section
-(``algorithm``, whose section has ``num_prompts_per_step``, ``max_steps``, ``val_every``,
-``val_num_prompts`` and ``val_at_start``) and its worker groups (``group_names``) and implements
-:meth:`RLTrainer.rl_step`.
+worker group. What differs between algorithms comes from the
+:class:`~mcore_rl.controller.algorithm.Algorithm` it is built with: its config section (which
+has ``num_prompts_per_step``, ``max_steps``, ``val_every``, ``val_num_prompts`` and
+``val_at_start``), its worker groups beyond the policy, the policy's LR schedule, whether a
+reference policy is kept.
+
+:class:`Loop` runs a trainer with an algorithm (:meth:`Loop.fit`: resume, warm start, RL
+steps with validation, logging, checkpoints and preemption); its subclasses are the
+synchronous loop (:class:`~mcore_rl.controller.loops.SyncLoop`) and the streaming loop
+(:class:`~mcore_rl.controller.streaming.StreamingLoop`), which implement :meth:`Loop.rl_step`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -22,7 +28,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -35,7 +41,8 @@ from mcore_rl.controller.watchdog import Watchdog, hang_dir
 from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import DataParallelGroup
 from mcore_rl.utils.logging import RunLogger
-from mcore_rl.utils.timers import PhaseTimer, phase_table
+from mcore_rl.utils.timers import PhaseTimer
+from mcore_rl.workers.interfaces import PolicyAPI
 
 _log = logging.getLogger(__name__)
 
@@ -50,26 +57,26 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
 
 
 class RLTrainer:
-    """The shared controller; subclasses set :attr:`algorithm` and implement :meth:`rl_step`
-    and :meth:`_policy_schedule`. :meth:`fit` runs the loop; :func:`run_trainer` is the CLI
-    entry.
+    """The shared controller of a run of ``algorithm`` (a loop, :class:`Loop`, drives it).
+    ``algorithm`` is an :class:`~mcore_rl.controller.algorithm.Algorithm` (not imported here:
+    that module imports this one).
 
     Attributes:
-        algorithm: the config section of the loop (``"grpo"`` or ``"ppo"``).
-        group_names: the Megatron worker groups the subclass builds (the policy first), each of
+        algorithm: the :class:`~mcore_rl.controller.algorithm.Algorithm`; its
+            ``group_names`` are the Megatron worker groups built (the policy first), each of
             ``cluster.num_workers`` ranks, placed together (:attr:`placement`).
-        loop: that section.
+        section: its config section (``cfg.grpo``, ``cfg.ppo``).
         placement: the :class:`~mcore_rl.distributed.placement.Placement` of the worker groups.
         policy: the policy's :class:`~mcore_rl.distributed.worker_group.DataParallelGroup`.
+        groups: every worker group by name (checkpoint sub-directory): the policy and those
+            of :meth:`Algorithm.build_groups` (PPO: ``value``).
         generation: the rollout backend (:class:`~mcore_rl.generation.base.GenerationBackend`).
         colocation: the device hand-over between them
             (:class:`~mcore_rl.controller.colocation.Colocation`).
+        step: the RL steps done.
     """
 
-    algorithm = ""
-    group_names: Tuple[str, ...] = ("policy",)
-
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, algorithm: Any):
         from mcore_rl.controller.colocation import Colocation
         from mcore_rl.data.prompts import PromptSampler, load_task
         from mcore_rl.data.tokenizer import load_tokenizer
@@ -84,7 +91,8 @@ class RLTrainer:
         from mcore_rl.workers.policy import PolicyWorker
 
         self.cfg = cfg
-        self.loop = getattr(cfg, self.algorithm)
+        self.algorithm = algorithm
+        self.section = algorithm.section
         self.device = resolve_device(cfg.cluster.device)
         self.run_dir = cfg.run.output_dir
         if not cfg.checkpoint.resume and os.path.exists(os.path.join(self.run_dir, "metrics.jsonl")):
@@ -96,7 +104,7 @@ class RLTrainer:
         # fails on bad input leaves it as it was.
         self.tokenizer = load_tokenizer(cfg.model, cfg.data.use_chat_template)
         self.train_data, self.test_data = load_task(cfg.data, self.tokenizer, cfg.run.seed)
-        self.sampler = PromptSampler(len(self.train_data), self.loop.num_prompts_per_step, cfg.run.seed)
+        self.sampler = PromptSampler(len(self.train_data), self.section.num_prompts_per_step, cfg.run.seed)
         self.reward_fn = get_reward_fn(cfg.reward.name)
         r = cfg.reward
         self.rewards = RewardScorer(
@@ -117,8 +125,7 @@ class RLTrainer:
                 raise ConfigError(f"model.hf_path: {cfg.model.hf_path}: {reason}") from e
             # The checkpoint's shape against each Megatron layout (config validation checks
             # model.arch, which hf_path replaces).
-            sections = ("policy", "value") if self.algorithm == "ppo" else ("policy",)
-            problems = [p for section in sections for p in parallel_shape_errors(
+            problems = [p for section in algorithm.group_names for p in parallel_shape_errors(
                 self.arch, getattr(cfg, section).megatron, f"{section}.megatron",
                 f"model.hf_path={cfg.model.hf_path}")]
             if problems:
@@ -143,19 +150,19 @@ class RLTrainer:
         # The policy's shape for `mcore-rl export` (mcore_rl.export reads both).
         self.hf_config.to_json_file(os.path.join(self.run_dir, "hf_config.json"), use_diff=False)
 
-        self.use_reference = self._needs_reference()
+        self.use_reference = algorithm.needs_reference()
         # The hang watchdog (mcore_rl.controller.watchdog): watches the phases while fit runs.
         self.watchdog = Watchdog(cfg.watchdog, self.run_dir, cleanup=self.rewards.close)
         backend = backend_class(cfg.generation.backend)
         self.placement = Placement(
-            config_plan(cfg.cluster, {name: cfg.cluster.num_workers for name in self.group_names},
+            config_plan(cfg.cluster, {name: cfg.cluster.num_workers for name in algorithm.group_names},
                         backend.worker_groups(cfg)),
             use_ray=cfg.cluster.use_ray, gpus=self.device == "cuda",
             ray_address=cfg.cluster.ray_address,
             dump_dir=hang_dir(self.run_dir) if cfg.watchdog.enabled else None)
-        self.policy = self._megatron_group(
+        self.policy = self.megatron_group(
             "policy", PolicyWorker, cfg.policy.megatron, cfg.policy.optimizer,
-            *self._policy_schedule(), hf_path=cfg.model.hf_path,
+            *algorithm.policy_schedule(), hf_path=cfg.model.hf_path,
             temperature=cfg.generation.temperature, use_reference=self.use_reference,
             max_tokens_per_microbatch=cfg.policy.max_tokens_per_microbatch,
             sequence_packing=cfg.policy.sequence_packing)
@@ -186,28 +193,21 @@ class RLTrainer:
         self.phase_totals: Dict[str, float] = {}
         self.steps_timed = 0
         self.logprob_budget = LogprobBudget(cfg)
-
-    # ------------------------------------------------------------------ subclass hooks
-    def _policy_schedule(self) -> Tuple[int, int]:
-        """``(total optimizer steps, sequences per optimizer step)`` of the policy's LR schedule."""
-        raise NotImplementedError
-
-    def _needs_reference(self) -> bool:
-        """Whether the policy keeps a frozen reference (KL terms)."""
-        return self.cfg.loss.kl_coef > 0
-
-    def rl_step(self) -> Dict[str, float]:
-        """One RL step (rollout, updates, refit); returns its metrics."""
-        raise NotImplementedError
+        self.groups: Dict[str, DataParallelGroup] = {"policy": self.policy}
+        try:
+            self.groups.update(algorithm.build_groups(self))
+        except BaseException:  # no worker outlives the error
+            self.close()
+            raise
 
     def _groups(self) -> Dict[str, DataParallelGroup]:
-        """Worker groups by checkpoint sub-directory name (all are saved, resumed, shut down)."""
-        return {"policy": self.policy}
+        """:attr:`groups` (all are saved, resumed, shut down)."""
+        return self.groups
 
     # ------------------------------------------------------------------ helpers
-    def _megatron_group(self, name: str, worker_cls, megatron, optimizer, total_steps: int,
+    def megatron_group(self, name: str, worker_cls, megatron, optimizer, total_steps: int,
                         global_batch_size: int, **kwargs) -> DataParallelGroup:
-        """The worker group ``name`` (one of :attr:`group_names`): ``cluster.num_workers``
+        """The worker group ``name`` (one of the algorithm's ``group_names``): ``cluster.num_workers``
         Megatron workers of the run's model, placed by :attr:`placement`."""
         cfg = self.cfg
         group = self.placement.make_group(
@@ -230,11 +230,18 @@ class RLTrainer:
         )
         return DataParallelGroup(group)
 
-    def _logprobs(self, batch: B.Batch, method: str = "get_logprobs") -> torch.Tensor:
+    def policy_logprobs(self, batch: B.Batch, reference: bool = False) -> torch.Tensor:
+        """The policy's per-token logprobs of ``batch`` ``[B, S]`` (with ``reference`` the
+        reference policy's), the device prepared for them
+        (:meth:`Colocation.prepare_for_lp_inference`)."""
         self.colocation.prepare_for_lp_inference()
-        return self.policy.gather_rows(method, batch, self.cfg.policy.logprob_micro_batch_size)
+        rows = self.policy.gather_rows(PolicyAPI)
+        forward = rows.get_reference_logprobs if reference else rows.get_logprobs
+        return forward(batch, self.cfg.policy.logprob_micro_batch_size)
 
-    def _train(self, batch: B.Batch, loss_fn) -> Dict[str, float]:
+    def train_policy(self, batch: B.Batch, loss_fn) -> Dict[str, float]:
+        """One optimizer step of the policy on ``batch`` with ``loss_fn``, the device prepared
+        for it (:meth:`Colocation.prepare_for_training`); the step's metrics."""
         self.colocation.prepare_for_training()
         return self.policy.train(batch, loss_fn, self.cfg.policy.micro_batch_size)
 
@@ -366,7 +373,7 @@ class RLTrainer:
             return {}
         rollout = self.generation.generate(self._prompts(self.train_data, range(n)),
                                            seed=step_seed(self.cfg.run.seed, 0, salt=_CANARY_SALT))
-        rollout["prev_logprobs"] = self._logprobs(rollout)
+        rollout["prev_logprobs"] = self.policy_logprobs(rollout)
         self.colocation.prepare_for_generation()
         figures = mismatch_figures(rollout)
         self.logprob_budget.check_canary(figures, n)
@@ -377,7 +384,7 @@ class RLTrainer:
         """Greedy accuracy (mean reward) on up to ``val_num_prompts`` held-out prompts."""
         if self.test_data is None or len(self.test_data) == 0:
             return {}
-        n = min(self.loop.val_num_prompts, len(self.test_data))
+        n = min(self.section.val_num_prompts, len(self.test_data))
         idx = list(range(n))
         rollout = self.producer.generate(self.test_data, idx, seed=0,
                                          greedy=self.cfg.generation.greedy_validation,
@@ -391,23 +398,26 @@ class RLTrainer:
 
     def warm_start(self, logger: RunLogger) -> None:
         """Supervised steps on reference solutions (``sft.*``), then the reference policy is
-        set to the warm-started weights."""
+        set to the warm-started weights, then the algorithm's
+        :meth:`~mcore_rl.controller.algorithm.Algorithm.warm_started` (PPO: the critic's
+        backbone takes them)."""
         from mcore_rl.data.prompts import PromptSampler, sft_batch
 
         s = self.cfg.sft
         sampler = PromptSampler(len(self.train_data), s.batch_size, self.cfg.run.seed + 1)
         loss = NLLLoss()
-        self.policy.call("rebuild_optimizer", s.lr)
+        self.policy.call(PolicyAPI).rebuild_optimizer(s.lr)
         for i in range(s.steps):
             idx = sampler.next_batch()
             batch = sft_batch(self.train_data, idx, self.tokenizer.eos_token_id)
-            m = self._train(batch, loss)
+            m = self.train_policy(batch, loss)
             if (i + 1) % max(1, s.steps // 10) == 0 or i == s.steps - 1:
                 logger.write(f"sft step {i + 1}/{s.steps}: nll {m['loss']:.4f}")
-        self.policy.call("rebuild_optimizer")
+        self.policy.call(PolicyAPI).rebuild_optimizer()
         if self.use_reference:
-            self.policy.call("set_reference_to_current")
+            self.policy.call(PolicyAPI).set_reference_to_current()
         self.sft_done = True
+        self.algorithm.warm_started(self)
 
     # ------------------------------------------------------------------ checkpoints
     @functools.cached_property
@@ -416,14 +426,15 @@ class RLTrainer:
         :meth:`_groups`."""
         return CheckpointManager(self.run_dir, self.cfg.checkpoint, self._groups)
 
-    def save(self) -> str:
+    def save(self, state: Optional[Dict[str, Any]] = None, tensors: Any = None) -> str:
         """Save every worker group and the controller state at the current RL step (atomic;
         with ``checkpoint.async_save`` completed later, see :class:`CheckpointManager`);
-        returns the step directory."""
+        returns the step directory. ``state`` (default :meth:`controller_state`) and
+        ``tensors`` are what the loop keeps (:meth:`Loop.controller_state`)."""
         with self.watchdog.phase("checkpoint"):
             self.colocation.prepare_for_training()
-            path = self.checkpoints.save(self.step, self.controller_state(),
-                                         self.controller_tensors())
+            path = self.checkpoints.save(
+                self.step, self.controller_state() if state is None else state, tensors)
             self.colocation.prepare_for_generation()
         return path
 
@@ -433,26 +444,21 @@ class RLTrainer:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "sft_done": self.sft_done,
                 "history": self.history}
 
-    def controller_tensors(self) -> Any:
-        """What a checkpoint keeps of the controller beyond JSON (``controller.pt``, back in
-        the loaded state's ``tensors``): None here (nothing; the streaming loop keeps its
-        finished, untrained rollouts)."""
-        return None
-
     def load_controller_state(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`controller_state` (and :meth:`controller_tensors`, under the state's
-        ``tensors``)."""
+        """Restore :meth:`controller_state`."""
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.sft_done = state["sft_done"]
         self.history = state["history"]
 
-    def resume(self, path: str, warn_schedule: bool = True) -> str:
+    def resume(self, path: str, warn_schedule: bool = True,
+               load_state: Optional[Callable[[Dict[str, Any]], None]] = None) -> str:
         """Load a checkpoint directory (or ``"latest"``); returns the directory loaded. Each
         worker group's LR schedule keeps the checkpoint's progress and takes its settings from
         the configuration; with ``warn_schedule`` a warning names the settings that changed.
         ``"latest"`` is the newest complete checkpoint that loads (a warning names each one
-        skipped and why).
+        skipped and why). The controller's state goes to ``load_state`` (default
+        :meth:`load_controller_state`; a loop's :meth:`Loop.load_controller_state`).
 
         Raises:
             DamagedCheckpointError: ``path`` is incomplete, damaged or does not load (naming
@@ -461,134 +467,12 @@ class RLTrainer:
                 loads.
         """
         path, state = self.checkpoints.load(path, warn_schedule)
-        self.load_controller_state(state)
+        (load_state or self.load_controller_state)(state)
         return path
 
-    def _checkpoint_for_preemption(self, signal_name: str) -> Preempted:
-        """A complete checkpoint of the current RL step (saved now unless one was saved or
-        loaded at this step), and the exception that ends the run for ``signal_name``."""
-        if self.checkpoints.last_step != self.step:
-            self.save()
-        self.checkpoints.wait()
-        path = self.checkpoints.step_dir(self.step)
-        _log.warning("%s: stopped after RL step %d with checkpoint %s; exit code %d (continue "
-                     "with checkpoint.resume=latest)", signal_name, self.step, path, EXIT_CODE)
-        return Preempted(signal_name, path)
-
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> Dict[str, Any]:
-        """Resume if asked, warm start, then RL steps with validation, logging and checkpoints
-        (every ``checkpoint.every`` steps, and after the last with ``checkpoint.save_final``);
-        writes and returns the summary (held-out accuracy at the start and the end).
-
-        Raises:
-            Preempted: SIGTERM or SIGUSR1 came (:mod:`mcore_rl.controller.preemption`): the
-                open RL step finished and a checkpoint of it is complete; the process exits
-                with ``preemption.EXIT_CODE`` unless the caller catches it.
-            LogprobBudgetExceeded: the start-up canary, or ``generation.logprob_budget_steps``
-                consecutive RL steps, over ``generation.logprob_budget``
-                (:mod:`mcore_rl.controller.logprob_budget`): the process exits with its
-                ``EXIT_CODE`` (3); nothing of the aborted step was trained or saved.
-
-        A phase past its deadline (:mod:`mcore_rl.controller.watchdog`) ends the process from
-        the watchdog's thread with exit code 4, the stacks in ``<run.output_dir>/hang``.
-        """
-        cfg, loop = self.cfg, self.loop
-        if cfg.checkpoint.resume:
-            self.resume(cfg.checkpoint.resume)
-        wandb = None
-        if cfg.logging.wandb:
-            wandb = dict(project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity,
-                         name=cfg.run.name, config=dataclasses.asdict(cfg))
-        logger = RunLogger(self.run_dir, loop.max_steps, self.step, cfg.logging.progress,
-                           cfg.logging.tensorboard, cfg.logging.jsonl, wandb)
-        preemption = PreemptionSignals()
-        try:
-            preemption.install()
-            if not self.sft_done:
-                self.warm_start(logger)
-            self.watchdog.start()
-            with self.watchdog.phase("refit"):
-                self.refit()
-            if self.step < loop.max_steps:
-                canary = self.logprob_canary()
-                if canary:
-                    logger.write(f"logprob canary within generation.logprob_budget="
-                                 f"{cfg.generation.logprob_budget:g}: " + ", ".join(
-                                     f"{k[len('train/'):]} {v:.4f}" for k, v in canary.items()))
-            if self.step == 0 and loop.val_at_start:
-                with self.watchdog.phase("validation"):
-                    val = self.validate()
-                if val:
-                    self.history.append({"step": 0, **val})
-                    logger.log(0, val, advance=False)
-            while self.step < loop.max_steps:
-                if preemption.received:
-                    raise self._checkpoint_for_preemption(preemption.received)
-                metrics = self.rl_step()
-                self.step += 1
-                if loop.val_every > 0 and (self.step % loop.val_every == 0 or self.step == loop.max_steps):
-                    start = time.perf_counter()
-                    with self.watchdog.phase("validation"):
-                        val = self.validate()
-                    metrics.update(val)
-                    metrics["timing/validation_s"] = time.perf_counter() - start
-                    if val:
-                        self.history.append({"step": self.step, **val})
-                for k, v in metrics.items():
-                    if k.startswith("timing/"):
-                        self.phase_totals[k] = self.phase_totals.get(k, 0.0) + v
-                self.steps_timed += 1
-                logger.log(self.step, metrics)
-                self.checkpoints.poll()
-                if cfg.checkpoint.every > 0 and self.step % cfg.checkpoint.every == 0:
-                    self.save()
-            if cfg.checkpoint.save_final and self.checkpoints.last_step != self.step:
-                self.save()
-            self.checkpoints.wait()
-        except LogprobBudgetExceeded as e:
-            self.checkpoints.wait()  # earlier complete steps' saves; none of the aborted step
-            print(f"mcore-rl: error: {e} (exit code {e.code})", file=sys.stderr, flush=True)
-            raise
-        except BaseException:
-            self.watchdog.hold_if_fired()  # a hang: the watchdog ends the process (exit code 4)
-            raise
-        finally:
-            self.watchdog.stop()
-            preemption.restore()
-            logger.close()
-        summary = self._summary()
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        return summary
-
-    def evaluate(self) -> Dict[str, Any]:
-        """``mcore-rl eval``: :meth:`validate` (greedy with ``generation.greedy_validation``,
-        the first ``<loop>.val_num_prompts`` held-out prompts) for the policy of
-        ``checkpoint.resume`` when set, else for the initial weights (``model.hf_path`` or the
-        seeded random init); no warm start, no training. Writes ``<run_dir>/eval.json`` and
-        returns its contents: the metrics plus ``checkpoint`` (the directory loaded, or None),
-        ``step`` (its RL step, 0 without one) and ``num_prompts``.
-
-        Raises:
-            ConfigError: the task has no held-out prompts.
-            FileNotFoundError: ``checkpoint.resume`` names no checkpoint.
-        """
-        from mcore_rl.config.loader import ConfigError
-
-        if self.test_data is None or len(self.test_data) == 0:
-            raise ConfigError("mcore-rl eval needs held-out prompts: data.test_path (gsm8k) or "
-                              "data.synthetic.num_test > 0")
-        resume = self.cfg.checkpoint.resume
-        checkpoint = self.resume(resume, warn_schedule=False) if resume else None  # no training
-        self.refit()
-        out = {"checkpoint": checkpoint, "step": self.step,
-               "num_prompts": min(self.loop.val_num_prompts, len(self.test_data)), **self.validate()}
-        with open(os.path.join(self.run_dir, "eval.json"), "w") as f:
-            json.dump(out, f, indent=2)
-        return out
-
-    def _summary(self) -> Dict[str, Any]:
+    def summary(self) -> Dict[str, Any]:
+        """The run's summary: run directory, RL steps, held-out accuracy at the start and the
+        end (and the curve), seconds per step of each phase."""
         vals = [h for h in self.history if "val/accuracy" in h]
         out: Dict[str, Any] = {"run_dir": self.run_dir, "steps": self.step}
         if vals:
@@ -612,37 +496,184 @@ class RLTrainer:
         self.watchdog.close()
 
 
-@contextlib.contextmanager
-def _built(trainer_cls, cfg: TrainConfig) -> Iterator[RLTrainer]:
-    """``trainer_cls(cfg)``, its worker groups shut down on leaving (also on an exception)."""
-    trainer = trainer_cls(cfg)
-    try:
-        yield trainer
-    finally:
-        trainer.close()
+class Loop:
+    """An RL loop: runs :meth:`rl_step` on ``trainer`` (the shared machinery) with
+    ``algorithm`` (its hooks) from resume to the last step (:meth:`fit`), or evaluates
+    (:meth:`evaluate`). Subclasses implement :meth:`rl_step` and extend what a checkpoint
+    keeps (:meth:`controller_state`) and how the rollout backend is refit (:meth:`refit`).
 
+    Attributes:
+        trainer: the :class:`RLTrainer`.
+        algorithm: the :class:`~mcore_rl.controller.algorithm.Algorithm` (``trainer``'s).
+    """
 
-def run_eval(trainer_cls, cfg: TrainConfig) -> Dict[str, Any]:
-    """Build ``trainer_cls(cfg)``, :meth:`RLTrainer.evaluate`, print the result. Returns it."""
-    with _built(trainer_cls, cfg) as trainer:
-        out = trainer.evaluate()
-    print(f"held-out accuracy: {out['val/accuracy']:.3f} on {out['num_prompts']} prompts "
-          f"({trainer.algorithm}.val_num_prompts), {out['checkpoint'] or 'initial weights'} "
-          f"(RL step {out['step']}); written to {os.path.join(trainer.run_dir, 'eval.json')}")
-    return out
+    def __init__(self, trainer: RLTrainer, algorithm: Any):
+        self.trainer = trainer
+        self.algorithm = algorithm
 
+    def rl_step(self) -> Dict[str, float]:
+        """One RL step (rollout, updates, refit) at ``trainer.step``; returns its metrics."""
+        raise NotImplementedError
 
-def run_trainer(trainer_cls, cfg: TrainConfig) -> Dict[str, Any]:
-    """Build ``trainer_cls(cfg)``, train, print the summary. Returns the summary dict."""
-    with _built(trainer_cls, cfg) as trainer:
-        summary = trainer.fit()
-    if "val_accuracy_start" in summary:
-        print(
-            f"held-out accuracy: {summary['val_accuracy_start']:.3f} at step 0 -> "
-            f"{summary['val_accuracy_end']:.3f} at step {summary['steps']} "
-            f"({summary['val_accuracy_gain']:+.3f})"
-        )
-    if "seconds_per_step" in summary:
-        print(phase_table(summary["seconds_per_step"]))
-    print(f"run directory: {summary['run_dir']}")
-    return summary
+    def refit(self) -> Dict[str, float]:
+        """The policy's weights into the rollout backend (:meth:`RLTrainer.refit`)."""
+        return self.trainer.refit()
+
+    # ------------------------------------------------------------------ checkpoints
+    def controller_state(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of the controller (JSON-serializable):
+        :meth:`RLTrainer.controller_state`."""
+        return self.trainer.controller_state()
+
+    def controller_tensors(self) -> Any:
+        """What a checkpoint keeps of the controller beyond JSON (``controller.pt``, back in
+        the loaded state's ``tensors``): None here (nothing; the streaming loop keeps its
+        finished, untrained rollouts)."""
+        return None
+
+    def load_controller_state(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`controller_state` (and :meth:`controller_tensors`, under the state's
+        ``tensors``)."""
+        self.trainer.load_controller_state(state)
+
+    def save(self) -> str:
+        """:meth:`RLTrainer.save` with this loop's :meth:`controller_state` and
+        :meth:`controller_tensors`; returns the step directory."""
+        return self.trainer.save(self.controller_state(), self.controller_tensors())
+
+    def resume(self, path: str, warn_schedule: bool = True) -> str:
+        """:meth:`RLTrainer.resume` into this loop's :meth:`load_controller_state`; returns
+        the directory loaded."""
+        return self.trainer.resume(path, warn_schedule, self.load_controller_state)
+
+    def close(self) -> None:
+        """:meth:`RLTrainer.close`."""
+        self.trainer.close()
+
+    def _checkpoint_for_preemption(self, signal_name: str) -> Preempted:
+        """A complete checkpoint of the current RL step (saved now unless one was saved or
+        loaded at this step), and the exception that ends the run for ``signal_name``."""
+        tr = self.trainer
+        if tr.checkpoints.last_step != tr.step:
+            self.save()
+        tr.checkpoints.wait()
+        path = tr.checkpoints.step_dir(tr.step)
+        _log.warning("%s: stopped after RL step %d with checkpoint %s; exit code %d (continue "
+                     "with checkpoint.resume=latest)", signal_name, tr.step, path, EXIT_CODE)
+        return Preempted(signal_name, path)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> Dict[str, Any]:
+        """Resume if asked, warm start, then RL steps with validation, logging and checkpoints
+        (every ``checkpoint.every`` steps, and after the last with ``checkpoint.save_final``);
+        writes and returns the summary (held-out accuracy at the start and the end).
+
+        Raises:
+            Preempted: SIGTERM or SIGUSR1 came (:mod:`mcore_rl.controller.preemption`): the
+                open RL step finished and a checkpoint of it is complete; the process exits
+                with ``preemption.EXIT_CODE`` unless the caller catches it.
+            LogprobBudgetExceeded: the start-up canary, or ``generation.logprob_budget_steps``
+                consecutive RL steps, over ``generation.logprob_budget``
+                (:mod:`mcore_rl.controller.logprob_budget`): the process exits with its
+                ``EXIT_CODE`` (3); nothing of the aborted step was trained or saved.
+
+        A phase past its deadline (:mod:`mcore_rl.controller.watchdog`) ends the process from
+        the watchdog's thread with exit code 4, the stacks in ``<run.output_dir>/hang``.
+        """
+        tr = self.trainer
+        cfg, loop = tr.cfg, tr.section
+        if cfg.checkpoint.resume:
+            self.resume(cfg.checkpoint.resume)
+        wandb = None
+        if cfg.logging.wandb:
+            wandb = dict(project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity,
+                         name=cfg.run.name, config=dataclasses.asdict(cfg))
+        logger = RunLogger(tr.run_dir, loop.max_steps, tr.step, cfg.logging.progress,
+                           cfg.logging.tensorboard, cfg.logging.jsonl, wandb)
+        preemption = PreemptionSignals()
+        try:
+            preemption.install()
+            if not tr.sft_done:
+                tr.warm_start(logger)
+            tr.watchdog.start()
+            with tr.watchdog.phase("refit"):
+                self.refit()
+            if tr.step < loop.max_steps:
+                canary = tr.logprob_canary()
+                if canary:
+                    logger.write(f"logprob canary within generation.logprob_budget="
+                                 f"{cfg.generation.logprob_budget:g}: " + ", ".join(
+                                     f"{k[len('train/'):]} {v:.4f}" for k, v in canary.items()))
+            if tr.step == 0 and loop.val_at_start:
+                with tr.watchdog.phase("validation"):
+                    val = tr.validate()
+                if val:
+                    tr.history.append({"step": 0, **val})
+                    logger.log(0, val, advance=False)
+            while tr.step < loop.max_steps:
+                if preemption.received:
+                    raise self._checkpoint_for_preemption(preemption.received)
+                metrics = self.rl_step()
+                tr.step += 1
+                if loop.val_every > 0 and (tr.step % loop.val_every == 0 or tr.step == loop.max_steps):
+                    start = time.perf_counter()
+                    with tr.watchdog.phase("validation"):
+                        val = tr.validate()
+                    metrics.update(val)
+                    metrics["timing/validation_s"] = time.perf_counter() - start
+                    if val:
+                        tr.history.append({"step": tr.step, **val})
+                for k, v in metrics.items():
+                    if k.startswith("timing/"):
+                        tr.phase_totals[k] = tr.phase_totals.get(k, 0.0) + v
+                tr.steps_timed += 1
+                logger.log(tr.step, metrics)
+                tr.checkpoints.poll()
+                if cfg.checkpoint.every > 0 and tr.step % cfg.checkpoint.every == 0:
+                    self.save()
+            if cfg.checkpoint.save_final and tr.checkpoints.last_step != tr.step:
+                self.save()
+            tr.checkpoints.wait()
+        except LogprobBudgetExceeded as e:
+            tr.checkpoints.wait()  # earlier complete steps' saves; none of the aborted step
+            print(f"mcore-rl: error: {e} (exit code {e.code})", file=sys.stderr, flush=True)
+            raise
+        except BaseException:
+            tr.watchdog.hold_if_fired()  # a hang: the watchdog ends the process (exit code 4)
+            raise
+        finally:
+            tr.watchdog.stop()
+            preemption.restore()
+            logger.close()
+        summary = tr.summary()
+        with open(os.path.join(tr.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        return summary
+
+    def evaluate(self) -> Dict[str, Any]:
+        """``mcore-rl eval``: :meth:`RLTrainer.validate` (greedy with
+        ``generation.greedy_validation``, the first ``<algorithm>.val_num_prompts`` held-out
+        prompts) for the policy of
+        ``checkpoint.resume`` when set, else for the initial weights (``model.hf_path`` or the
+        seeded random init); no warm start, no training. Writes ``<run_dir>/eval.json`` and
+        returns its contents: the metrics plus ``checkpoint`` (the directory loaded, or None),
+        ``step`` (its RL step, 0 without one) and ``num_prompts``.
+
+        Raises:
+            ConfigError: the task has no held-out prompts.
+            FileNotFoundError: ``checkpoint.resume`` names no checkpoint.
+        """
+        from mcore_rl.config.loader import ConfigError
+
+        tr = self.trainer
+        if tr.test_data is None or len(tr.test_data) == 0:
+            raise ConfigError("mcore-rl eval needs held-out prompts: data.test_path (gsm8k) or "
+                              "data.synthetic.num_test > 0")
+        resume = tr.cfg.checkpoint.resume
+        checkpoint = self.resume(resume, warn_schedule=False) if resume else None  # no training
+        self.refit()
+        out = {"checkpoint": checkpoint, "step": tr.step,
+               "num_prompts": min(tr.section.val_num_prompts, len(tr.test_data)), **tr.validate()}
+        with open(os.path.join(tr.run_dir, "eval.json"), "w") as f:
+            json.dump(out, f, indent=2)
+        return out

@@ -20,7 +20,15 @@ sharding over DP ranks, per-row results in row order, the synchronous train step
 train step fed micro-batch by micro-batch.
 
 The workers themselves are plain classes (:mod:`mcore_rl.workers`); the group only places
-them and forwards method calls.
+them and forwards method calls. Every way of calling takes the method's name, or in its place
+one of the worker protocols of :mod:`mcore_rl.workers.interfaces` and then returns a typed
+proxy (:class:`TypedCalls`) whose attributes are the protocol's methods:
+``policy.call(PolicyAPI).rebuild_optimizer(lr)`` is ``policy.call("rebuild_optimizer", lr)``,
+``policy.call_per_dp_async(PolicyAPI, dp_ranks=[d]).get_logprobs([[rows, mbs]])`` is
+``policy.call_per_dp_async("get_logprobs", [[rows, mbs]], dp_ranks=[d])``: the proxy's method
+takes the arguments that follow the name, keyword arguments given with the protocol are kept.
+A name the protocol does not have fails at attribute access (``AttributeError``, naming the
+protocol and its methods), before any call is sent.
 
 For the hang watchdog (:mod:`mcore_rl.controller.watchdog`) every group keeps the calls its
 ranks have not answered yet (:meth:`_Group.pending_calls`), can make each rank's process write
@@ -33,6 +41,7 @@ groups of this process not shut down yet are :func:`live_groups`.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import queue
 import signal
@@ -42,13 +51,14 @@ import time
 import traceback
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
 
 from mcore_rl.data import batch as B
 from mcore_rl.utils.profiling import profiled_call
+from mcore_rl.workers.interfaces import TrainWorkerAPI, WorkerAPI
 
 
 # The signal that makes a worker process write every thread's Python stack to its dump file
@@ -69,6 +79,77 @@ def dump_path(dump_dir: str, group: str, rank: int) -> str:
     """The stack-dump file of rank ``rank`` of worker group ``group``:
     ``<dump_dir>/<group>_rank_<rank>.txt``."""
     return os.path.join(dump_dir, f"{group}_rank_{rank}.txt")
+
+
+@functools.lru_cache(maxsize=None)
+def api_methods(api: type) -> FrozenSet[str]:
+    """The public method names of a worker protocol ``api``
+    (:mod:`mcore_rl.workers.interfaces`), its base protocols' included."""
+    return frozenset(name for cls in api.__mro__ if getattr(cls, "_is_protocol", False)
+                     and cls.__module__ != "typing"
+                     for name, value in vars(cls).items()
+                     if not name.startswith("_") and callable(value))
+
+
+class TypedCalls:
+    """The methods of the worker protocol ``api`` as attributes: ``proxy.<method>(*args,
+    **kwargs)`` is ``invoke("<method>", *args, **kwargs)`` (a worker group's way of calling,
+    with the keyword arguments given with the protocol bound). The name is checked against the
+    protocol at attribute access, once per proxy and name.
+
+    Raises (at attribute access):
+        AttributeError: ``api`` has no public method of that name; the message names the
+            protocol, the way of calling (``how``) and the protocol's methods.
+    """
+
+    def __init__(self, api: type, invoke: Callable[..., Any], how: str = "call"):
+        if not getattr(api, "_is_protocol", False):
+            raise TypeError(f"{how}: expected a method name or a worker protocol of "
+                            f"mcore_rl.workers.interfaces, got {api!r}")
+        self._api, self._invoke, self._how = api, invoke, how
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_") or name not in api_methods(self._api):
+            raise AttributeError(
+                f"{self._how}({self._api.__name__}).{name}: {self._api.__name__} has no method "
+                f"{name!r} (mcore_rl/workers/interfaces.py); its methods: "
+                f"{', '.join(sorted(api_methods(self._api)))}")
+        method = functools.partial(self._invoke, name)
+        setattr(self, name, method)  # resolved once
+        return method
+
+    def __dir__(self) -> List[str]:
+        return sorted(api_methods(self._api))
+
+
+def typed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Let ``fn(method_name, *args, **kwargs)`` (a way of calling worker methods by name) also
+    take a worker protocol in place of the name: ``fn(API, **kwargs)`` returns
+    :class:`TypedCalls` of ``API`` through ``fn`` (``kwargs`` bound; positional arguments go
+    to the proxy's method). Also for stand-ins of worker groups in tests."""
+
+    @functools.wraps(fn)
+    def wrapper(method, *args, **kwargs):
+        if isinstance(method, str):
+            return fn(method, *args, **kwargs)
+        if args:
+            raise TypeError(f"{fn.__name__}({getattr(method, '__name__', method)}, ...): the "
+                            f"arguments go to the method, as in "
+                            f"{fn.__name__}(API).<method>(...)")
+        return TypedCalls(method, lambda name, *a, **k: fn(name, *a, **kwargs, **k),
+                          fn.__name__)
+
+    return wrapper
+
+
+def _typed_method(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`typed` for a method ``fn(self, method_name, *args, **kwargs)``."""
+
+    @functools.wraps(fn)
+    def wrapper(self, method, *args, **kwargs):
+        return typed(functools.wraps(fn)(functools.partial(fn, self)))(method, *args, **kwargs)
+
+    return wrapper
 
 
 def free_port() -> int:
@@ -238,7 +319,8 @@ class _Group:
     def call_each_async(self, method: str, args_per_rank: Sequence[Sequence[Any]],
                         ranks: Optional[Sequence[int]] = None, **kwargs) -> Future:
         """Start ``method(*args_per_rank[i], **kwargs)`` on rank ``ranks[i]`` (all ranks by
-        default) and return at once.
+        default) and return at once. (Every way of calling also takes a worker protocol for
+        ``method``: module docstring.)
 
         Returns:
             a ``concurrent.futures.Future`` whose result is the list of the ranks' return
@@ -247,15 +329,18 @@ class _Group:
         """
         raise NotImplementedError
 
+    @_typed_method
     def call_async(self, method: str, *args, **kwargs) -> Future:
         """:meth:`call_each_async` with the same arguments on every rank."""
         return self.call_each_async(method, [args] * self.world_size, **kwargs)
 
+    @_typed_method
     def call_each(self, method: str, args_per_rank: Sequence[Sequence[Any]], **kwargs) -> List[Any]:
         """Call ``method(*args_per_rank[r], **kwargs)`` on every rank at once and wait; one
         result per rank. Raises :class:`WorkerError`."""
         return self.call_each_async(method, args_per_rank, **kwargs).result()
 
+    @_typed_method
     def call(self, method: str, *args, **kwargs) -> List[Any]:
         """Call ``method(*args, **kwargs)`` on every rank at once and wait; one result per rank.
         Raises :class:`WorkerError`."""
@@ -403,6 +488,7 @@ class ProcessWorkerGroup(_Group):
                 continue
             gather.put(slot, status == "ok", value)
 
+    @_typed_method
     def call_each_async(self, method: str, args_per_rank: Sequence[Sequence[Any]],
                         ranks: Optional[Sequence[int]] = None, **kwargs) -> Future:
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
@@ -475,7 +561,7 @@ class RayWorkerGroup(_Group):
             for r in range(world_size)
         ]
         # Construction errors surface here.
-        self.call("layout")
+        self.call(WorkerAPI).layout()
         # Asked now: a hung actor answers nothing (its calls run one at a time).
         self._processes = ray.get([a.process.remote() for a in self._actors])
 
@@ -483,6 +569,7 @@ class RayWorkerGroup(_Group):
     def world_size(self) -> int:
         return len(self._actors)
 
+    @_typed_method
     def call_each_async(self, method: str, args_per_rank: Sequence[Sequence[Any]],
                         ranks: Optional[Sequence[int]] = None, **kwargs) -> Future:
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
@@ -526,7 +613,7 @@ class RayWorkerGroup(_Group):
     def shutdown(self) -> None:
         _LIVE_GROUPS.discard(self)
         try:
-            self.call("shutdown")
+            self.call(WorkerAPI).shutdown()
         except WorkerError:
             pass
         for a in self._actors:
@@ -555,20 +642,23 @@ class DataParallelGroup:
 
     def __init__(self, group):
         self.group = group
-        layouts = group.call("layout")
+        layouts = group.call(TrainWorkerAPI).layout()
         self.dp_size = layouts[0]["dp_size"]
         self.dp_rank_of = [lay["dp_rank"] for lay in layouts]
 
+    @_typed_method
     def call(self, method: str, *args) -> List[Any]:
         """``method(*args)`` on every rank; the per-rank results."""
         return self.group.call(method, *args)
 
+    @_typed_method
     def call_sharded(self, method: str, batch: B.Batch, *args) -> List[Any]:
         """``method(shard, *args)`` on every rank with its DP shard of ``batch``; the per-rank
         results."""
         shards = B.shard(batch, self.dp_size)
         return self.group.call_each(method, [[shards[d], *args] for d in self.dp_rank_of])
 
+    @_typed_method
     def call_per_dp_async(self, method: str, args_per_dp: Sequence[Sequence[Any]],
                           dp_ranks: Optional[Sequence[int]] = None, **kwargs) -> Future:
         """Start ``method(*args_per_dp[i], **kwargs)`` on every rank of DP rank ``dp_ranks[i]``
@@ -592,11 +682,13 @@ class DataParallelGroup:
 
         return then(future, one_per_dp)
 
+    @_typed_method
     def call_per_dp(self, method: str, args_per_dp: Sequence[Sequence[Any]], **kwargs) -> List[Any]:
         """``method(*args_per_dp[d], **kwargs)`` on every rank of DP rank ``d`` (its TP/PP
         ranks answer alike); one result per DP rank, in DP order."""
         return self.call_per_dp_async(method, args_per_dp, **kwargs).result()
 
+    @_typed_method
     def gather_rows(self, method: str, batch: B.Batch, *args) -> torch.Tensor:
         """A per-row method (``get_logprobs``, ``get_values``: ``[rows, S]``) over the whole
         batch: each DP shard's result once, concatenated in row order."""
@@ -605,7 +697,8 @@ class DataParallelGroup:
 
     def train(self, batch: B.Batch, loss_fn, micro_batch_size: int) -> Dict[str, float]:
         """One optimizer step on ``batch`` (the global batch); the step's metrics."""
-        return self.call_sharded("train", batch, loss_fn, B.batch_size(batch), micro_batch_size)[0]
+        return self.call_sharded(TrainWorkerAPI).train(batch, loss_fn, B.batch_size(batch),
+                                                       micro_batch_size)[0]
 
     # The split train step (the workers' begin_train_step / train_microbatch /
     # finish_train_step / abort_train_step): one optimizer step whose rows arrive over time,
@@ -623,7 +716,7 @@ class DataParallelGroup:
         Raises:
             WorkerError: a step is already open, or a size is below 1.
         """
-        self.group.call("begin_train_step", loss_fn, global_batch_size, micro_batch_size)
+        self.group.call(TrainWorkerAPI).begin_train_step(loss_fn, global_batch_size, micro_batch_size)
 
     def train_microbatch(self, rows: B.Batch, dp_rank: int) -> Future:
         """Start forward and backward of ``rows`` on DP rank ``dp_rank`` (all its TP/PP ranks)
@@ -635,20 +728,21 @@ class DataParallelGroup:
             (hooks restored, gradients zeroed): call :meth:`abort_train_step` to close it on
             the other ranks too.
         """
-        return then(self.call_per_dp_async("train_microbatch", [[rows]], dp_ranks=[dp_rank]),
-                    lambda _: None)
+        return then(self.call_per_dp_async(TrainWorkerAPI, dp_ranks=[dp_rank]).train_microbatch(
+            [[rows]]), lambda _: None)
 
     def finish_train_step(self) -> Dict[str, float]:
         """Reduce the step's gradient over DP, scale it by the global count, step the
         optimizer (every rank; waits for the parts still running). Returns the metrics of
         :meth:`train` on the same rows. Raises :class:`WorkerError` (the step is then closed on
         every rank that raised)."""
-        return self.group.call("finish_train_step")[0]
+        return self.group.call(TrainWorkerAPI).finish_train_step()[0]
 
     def abort_train_step(self) -> None:
         """Drop the open step on every rank: hooks restored, gradients zeroed, weights and
         optimizer untouched; idempotent."""
-        self.group.call("abort_train_step")
+        self.group.call(TrainWorkerAPI).abort_train_step()
 
     def shutdown(self) -> None:
+        """Shut the group's workers down (:meth:`ProcessWorkerGroup.shutdown`)."""
         self.group.shutdown()

@@ -21,6 +21,7 @@ from mcore_rl.generation.base import (BackendContext, FinishedGroup, GenerationB
                                       response_budgets)
 from mcore_rl.generation.remote import RemoteGeneration
 from mcore_rl.generation.sampling import Sampler, row_uniforms
+from mcore_rl.workers.interfaces import PolicyAPI
 
 
 class HFGenerationBackend(GenerationBackend):
@@ -90,7 +91,7 @@ class HFGenerationBackend(GenerationBackend):
         """Pull the policy's full Hugging Face-named weights (``get_hf_weights``, gathered over
         TP and PP to policy rank 0, on the host) and copy them in (:meth:`update_weights`).
         Returns ``refit/gbytes``."""
-        self.update_weights(policy.call("get_hf_weights")[0].items())
+        self.update_weights(policy.call(PolicyAPI).get_hf_weights()[0].items())
         return {"refit/gbytes": self.last_refit_bytes / 1e9}
 
     @torch.no_grad()

@@ -57,6 +57,7 @@ from mcore_rl.generation.base import (BackendContext, FinishedGroup, GenerationB
                                       response_budgets)
 from mcore_rl.generation.checks import megatron_layout_errors
 from mcore_rl.generation.sampling import Sampler, check_sampling, row_uniforms
+from mcore_rl.workers.interfaces import PolicyAPI
 
 
 def check_layout(megatron: MegatronConfig) -> None:
@@ -474,7 +475,7 @@ class MegatronGenerationBackend(GenerationBackend):
         training): every policy worker frees its decoder's KV cache and CUDA graphs
         (``PolicyWorker.release_decoder``); the next ``generate`` makes them again, recapturing
         its graphs. Without colocation they stay between calls."""
-        self.policy.call("release_decoder")
+        self.policy.call(PolicyAPI).release_decoder()
 
     def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
                        group_size: int = 1,
@@ -495,13 +496,12 @@ class MegatronGenerationBackend(GenerationBackend):
         first_row = {}
         for d in range(dp):
             if bounds[d] < bounds[d + 1]:
-                future = self.policy.call_per_dp_async(
-                    "generate", [[prompts[bounds[d]:bounds[d + 1]], bounds[d], seed, greedy]],
-                    dp_ranks=[d], decoder=MegatronDecoder, cfg=self.cfg,
+                future = self.policy.call_per_dp_async(PolicyAPI, dp_ranks=[d]).generate(
+                    [[prompts[bounds[d]:bounds[d + 1]], bounds[d], seed, greedy]],
+                    decoder=MegatronDecoder, cfg=self.cfg,
                     eos_token_id=(self.eos_token_id if stop_token_ids is None
                                   else [int(t) for t in stop_token_ids]),
-                    pad_token_id=self.pad_token_id,
-                    max_total_length=self.max_total_length)
+                    pad_token_id=self.pad_token_id, max_total_length=self.max_total_length)
                 first_row[future] = bounds[d]
         return self._collect(first_row, groups)
 

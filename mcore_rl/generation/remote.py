@@ -26,6 +26,7 @@ import torch
 
 from mcore_rl.generation.base import (BackendContext, FinishedGroup, Push, StreamingBackend,
                                       check_lengths)
+from mcore_rl.workers.interfaces import GenerationWorkerAPI, PolicyAPI
 
 
 class GenerationWorker:
@@ -124,9 +125,9 @@ class RemoteGeneration(StreamingBackend):
         """Pull the policy's Hugging Face-named weights (``get_hf_weights``, whole tensors) and
         send them, as policy ``version``, to every live process; each loads them after the calls
         it was given before."""
-        weights = policy.call("get_hf_weights")[0]
-        loaded = self.group.call_each_async("update_weights", [[weights, version]] * len(self.alive),
-                                            ranks=self.alive)
+        weights = policy.call(PolicyAPI).get_hf_weights()[0]
+        loaded = self.group.call_each_async(GenerationWorkerAPI, ranks=self.alive).update_weights(
+            [[weights, version]] * len(self.alive))
         return Push(sum(t.numel() * t.element_size() for t in weights.values()) / 1e9, loaded)
 
     def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,
@@ -135,9 +136,8 @@ class RemoteGeneration(StreamingBackend):
         """See :meth:`StreamingBackend.submit` (:meth:`GenerationWorker.generate`)."""
         from mcore_rl.distributed.worker_group import then
 
-        return then(self.group.call_each_async(
-            "generate", [[prompts, seed, greedy, group_size, first_row, stop_token_ids]],
-            ranks=[worker]),
+        return then(self.group.call_each_async(GenerationWorkerAPI, ranks=[worker]).generate(
+            [[prompts, seed, greedy, group_size, first_row, stop_token_ids]]),
             lambda outs: outs[0])
 
     def shutdown(self) -> None:

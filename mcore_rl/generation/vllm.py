@@ -73,6 +73,7 @@ from mcore_rl.generation.base import (BackendContext, FinishedGroup, GroupAssemb
 from mcore_rl.generation.sampling import check_sampling, row_seed
 from mcore_rl.generation.vllm_worker import bucket_layout, nccl_group, pack_bucket
 from mcore_rl.megatron import cpu_backend
+from mcore_rl.workers.interfaces import PolicyAPI, VLLMEngineAPI
 
 _EXTENSION = "mcore_rl.generation.vllm_worker.RefitWorkerExtension"
 GROUP = "vllm"  # the engines' worker group in the run's placement
@@ -507,8 +508,8 @@ class VLLMGenerationBackend(StreamingBackend):
         seeds = [row_seed(seed, first_row + i) for i in range(len(prompts))]
         stops = self.eos_token_id if stop_token_ids is None else [int(t) for t in stop_token_ids]
         ends = {stops} if isinstance(stops, int) else set(stops)
-        future = self.engines.call_each_async(
-            "generate", [[prompts, seeds, budgets, greedy, stops]], ranks=[worker])
+        future = self.engines.call_each_async(VLLMEngineAPI, ranks=[worker]).generate(
+            [[prompts, seeds, budgets, greedy, stops]])
 
         def finished(outs) -> Tuple[int, List[FinishedGroup]]:
             version, responses = outs[0]
@@ -526,16 +527,15 @@ class VLLMGenerationBackend(StreamingBackend):
         after the calls queued before, and this returns once the policy's ranks have sent
         everything (over NCCL: once every engine has decoded the calls it held)."""
         if self.device == "cpu":  # gathered on policy rank 0, on the host
-            return self._push_host(policy.call("get_hf_weights")[0].items(), version)
+            return self._push_host(policy.call(PolicyAPI).get_hf_weights()[0].items(), version)
         if self._sender is None:  # one sender (and NCCL group) for the run
-            uuids = [u for engine in self.engines.call("device_uuids") for u in engine]
+            uuids = [u for engine in self.engines.call(VLLMEngineAPI).device_uuids() for u in engine]
             self._sender = RefitSender("cuda_ipc" if self.colocated else "nccl",
                                        self.vllm.refit_bucket_mb << 20, uuids,
                                        self.vllm.tensor_parallel_size)
-        loaded = self.engines.call_each_async(
-            "load_weights", [[self._sender.receiver_spec(e), version] for e in self.alive],
-            ranks=self.alive)
-        nbytes = sum(policy.call("send_hf_weights", self._sender))
+        loaded = self.engines.call_each_async(VLLMEngineAPI, ranks=self.alive).load_weights(
+            [[self._sender.receiver_spec(e), version] for e in self.alive])
+        nbytes = sum(policy.call(PolicyAPI).send_hf_weights(self._sender))
         return Push(nbytes / 1e9, loaded)
 
     def _push_host(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> Push:
@@ -568,9 +568,8 @@ class VLLMGenerationBackend(StreamingBackend):
         except BaseException:
             remove()
             raise
-        loads = self.engines.call_each_async(
-            "load_weights", [[{"kind": "host", "buckets": files}, version]] * len(self.alive),
-            ranks=self.alive)
+        loads = self.engines.call_each_async(VLLMEngineAPI, ranks=self.alive).load_weights(
+            [[{"kind": "host", "buckets": files}, version]] * len(self.alive))
         loads.add_done_callback(remove)  # before the future handed out is done (callback order)
         return Push(sum(size for _, size, _ in files) / 1e9, then(loads, lambda _: None))
 
@@ -624,7 +623,7 @@ class VLLMGenerationBackend(StreamingBackend):
         has the GPU; elsewhere nothing. At level 2 the weights are discarded: :meth:`generate`
         refuses until the next refit."""
         if self.device == "cuda" and self.colocated and not self._sleeping:
-            self.engines.call("sleep")
+            self.engines.call(VLLMEngineAPI).sleep()
             self._sleeping = {"weights", "kv_cache"}
             if self.vllm.sleep_level == 2:
                 self._weights_loaded = False
@@ -641,11 +640,11 @@ class VLLMGenerationBackend(StreamingBackend):
         """Wake what still sleeps of ``tags`` (None: everything)."""
         wake = self._sleeping & set(tags or self._sleeping)
         if wake:
-            self.engines.call("wake_up", sorted(wake))
+            self.engines.call(VLLMEngineAPI).wake_up(sorted(wake))
             self._sleeping -= wake
 
     def shutdown(self) -> None:
         """Stop the engines and their processes."""
         with contextlib.suppress(Exception):
-            self.engines.call("shutdown")
+            self.engines.call(VLLMEngineAPI).shutdown()
         self.engines.shutdown()

@@ -42,6 +42,7 @@ from mcore_rl.controller import parity
 from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import DataParallelGroup, ProcessWorkerGroup
 from mcore_rl.megatron.conversion import arch_to_hf_config
+from mcore_rl.workers.interfaces import PolicyAPI
 from mcore_rl.workers.policy import PolicyWorker
 
 DEFAULT_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
@@ -130,7 +131,7 @@ def run_layout(args, tp: int, pp: int, dp: int, batch: B.Batch, loss) -> parity.
         for _ in range(args.steps - 1):
             dp_group.train(batch, loss, mbs)
         if args.steps > 1:
-            record.weights = group.call("get_hf_weights")[0]
+            record.weights = group.call(PolicyAPI).get_hf_weights()[0]
         return record
     finally:
         group.shutdown()

@@ -48,7 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from mcore_rl.algorithms.losses import ClippedPGLoss  # noqa: E402
 from mcore_rl.config.loader import load_config  # noqa: E402
 from mcore_rl.config.schema import LossConfig  # noqa: E402
-from mcore_rl.controller.grpo import GRPOTrainer  # noqa: E402
+from mcore_rl.controller.loops import build  # noqa: E402
+from mcore_rl.controller.trainer import RLTrainer  # noqa: E402
 from mcore_rl.megatron import memory  # noqa: E402
 from mcore_rl.planning import resolve_arch  # noqa: E402
 
@@ -75,15 +76,15 @@ class Recorder:
     """Wraps the trainer's phase calls: resets the workers' peaks before each, reads them after;
     keeps the largest peak by phase and the longest row and prompt seen."""
 
-    def __init__(self, trainer: GRPOTrainer):
+    def __init__(self, trainer: RLTrainer):
         self.trainer = trainer
         self.peaks: Dict[str, Dict[str, int]] = {}
         self.longest = 0
         self.longest_prompt = 0
         t = trainer
         t.generation.generate = self._wrap("generation", t.generation.generate, result_rows=True)
-        t._logprobs = self._wrap("logprobs", t._logprobs)
-        t._train = self._wrap("train", t._train)
+        t.policy_logprobs = self._wrap("logprobs", t.policy_logprobs)
+        t.train_policy = self._wrap("train", t.train_policy)
 
     def _stats(self, reset: bool) -> List[Dict[str, int]]:
         return self.trainer.policy.call("memory_stats", reset)
@@ -125,18 +126,19 @@ def measure(name: str, config: str, overrides: List[str], bench: bool = False) -
     cfg = load_config(config, COMMON + overrides + [f"run.output_dir={run_dir}/run"])
     arch, vocab = resolve_arch(cfg)
     start = time.perf_counter()
-    trainer = GRPOTrainer(cfg)
+    loop = build(cfg)
+    trainer = loop.trainer
     try:
         rec = Recorder(trainer)
         if bench:
             batch = bench_rollout(vocab)
             for _ in range(2):
-                trainer._logprobs(batch)
-                trainer._train(batch, ClippedPGLoss(LossConfig(kl_coef=0.0)))
+                trainer.policy_logprobs(batch)
+                trainer.train_policy(batch, ClippedPGLoss(LossConfig(kl_coef=0.0)))
         else:
-            trainer.fit()
+            loop.fit()
     finally:
-        trainer.close()
+        loop.close()
     seconds = time.perf_counter() - start
     bound = memory.plan_memory(cfg, arch, vocab)
     seen = memory.plan_memory(cfg, arch, vocab, seq=rec.longest or None,

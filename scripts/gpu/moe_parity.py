@@ -42,6 +42,7 @@ from mcore_rl.controller import parity
 from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import DataParallelGroup, ProcessWorkerGroup
 from mcore_rl.megatron.conversion import arch_to_hf_config
+from mcore_rl.workers.interfaces import PolicyAPI
 from mcore_rl.workers.policy import PolicyWorker
 
 # (layers, hidden, heads, query groups, head_dim, experts, top-k, expert ffn, vocab,
@@ -109,12 +110,12 @@ def run_layout(args, ep: int, batch: B.Batch, loss) -> Dict[str, object]:
     group = ProcessWorkerGroup(PolicyWorker, WORLD, kwargs)
     try:
         dp = DataParallelGroup(group)
-        logprobs = dp.gather_rows("get_logprobs", batch, micro_batch)
+        logprobs = dp.gather_rows(PolicyAPI).get_logprobs(batch, micro_batch)
         metrics = dp.train(batch, loss, micro_batch)
         tokens = batch["input_lengths"].sum().item() * args.repeats
         start = time.perf_counter()
         for _ in range(args.repeats):
-            dp.gather_rows("get_logprobs", batch, micro_batch)
+            dp.gather_rows(PolicyAPI).get_logprobs(batch, micro_batch)
         logprob_s = time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(args.repeats):
