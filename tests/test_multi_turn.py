@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List
 
 import pytest
 import torch
 
-from mcore_rl.algorithms.losses import ClippedPGLoss
 from mcore_rl.config.loader import ConfigError, load_config
-from mcore_rl.config.schema import GenerationConfig, LossConfig
+from mcore_rl.config.schema import GenerationConfig
 from mcore_rl.data.example import Example
 from mcore_rl.data.tokenizer import build_char_tokenizer
 from mcore_rl.environments.base import EpisodeState, StepResult, new_metrics
