@@ -28,7 +28,7 @@ The bodies are ``...``: the workers' own docstrings document the behaviour.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union
 
 from mcore_rl.data.batch import Batch
 
@@ -89,7 +89,8 @@ class PolicyAPI(TrainWorkerAPI, Protocol):
     def set_reference_to_current(self) -> None: ...
 
     def generate(self, prompts: List[List[int]], first_row: int, seed: int, greedy: bool, *,
-                 decoder: Callable, cfg: Any, eos_token_id: int, pad_token_id: int,
+                 decoder: Callable, cfg: Any, eos_token_id: Union[int, List[int]],
+                 pad_token_id: int,
                  max_total_length: int) -> list: ...
 
     def release_decoder(self) -> None: ...
@@ -112,14 +113,15 @@ class GenerationWorkerAPI(WorkerAPI, Protocol):
     def update_weights(self, weights: Dict[str, Any], version: int) -> None: ...
 
     def generate(self, prompts: List[List[int]], seed: int, greedy: bool, group_size: int,
-                 first_row: int) -> Tuple[int, list]: ...
+                 first_row: int, stop_token_ids: Optional[List[int]] = None
+                 ) -> Tuple[int, list]: ...
 
 
 class VLLMEngineAPI(WorkerAPI, Protocol):
     """A vLLM engine's process (:class:`mcore_rl.generation.vllm.VLLMEngine`)."""
 
     def generate(self, prompts: List[List[int]], seeds: List[int], budgets: List[int],
-                 greedy: bool, eos_token_id: int) -> Tuple[int, list]: ...
+                 greedy: bool, eos_token_id: Union[int, List[int]]) -> Tuple[int, list]: ...
 
     def load_weights(self, transport: Dict[str, Any], version: int) -> None: ...
 
