@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -257,17 +257,10 @@ class RLTrainer:
     def _prompts(self, dataset, indices) -> List[List[int]]:
         return [list(dataset.input_ids[i]) for i in indices]
 
-    def _texts(self, rollout: B.Batch) -> List[str]:
-        """The rollout's responses decoded without special tokens."""
-        texts = []
-        for row in range(B.batch_size(rollout)):
-            p, n = int(rollout["prompt_lengths"][row]), int(rollout["input_lengths"][row])
-            texts.append(self.tokenizer.decode(rollout["input_ids"][row, p:n].tolist(),
-                                               skip_special_tokens=True))
-        return texts
-
     def _score(self, rollout: B.Batch, examples) -> tuple:
-        texts = self._texts(rollout)
+        """The one-turn rollout's responses scored by the verifier now (in this process's
+        reward pool call): ``(rewards [B] float32, reward errors, texts)``."""
+        texts = self.producer.texts(rollout)
         rewards, errors, busy = self.rewards.score(texts, examples)
         self.reward_busy_seconds += busy
         return rewards, errors, texts
