@@ -255,3 +255,22 @@ def test_rollout_mismatch_and_speed_metrics():
     assert m["train/logprob_mismatch_mean"] == pytest.approx(float(diffs.mean()))
     assert m["train/token_mult_prob_error"] == pytest.approx(float(diffs.exp().mean()))
     assert m["generation/tokens_per_s"] == pytest.approx(2.5)
+
+
+def test_per_call_stop_tokens_equal_hf_greedy(groups, engine, eos):
+    """stop_token_ids (the multi-turn loop's end of turn) end a request at any of them, kept as
+    its last token and not truncated, as in the hf backend (greedy: the same tokens)."""
+    weights = groups["dp2"].call("get_hf_weights")[0]
+    engine.update_weights(weights.items())
+    hf = HFGenerationBackend(arch_to_hf_config(ARCH, VOCAB), GEN, eos_token_id=eos, pad_token_id=PAD,
+                             max_total_length=MAX_TOTAL)
+    hf.update_weights(weights.items())
+    base = hf.generate(PROMPTS, seed=0, greedy=True)
+    row = base["input_ids"][1, len(PROMPTS[1]):int(base["input_lengths"][1])].tolist()
+    stops = [eos, row[1]]
+    expected = hf.generate(PROMPTS, seed=0, greedy=True, stop_token_ids=stops)
+    got = engine.generate(PROMPTS, seed=0, greedy=True, stop_token_ids=stops)
+    assert int(got["response_lengths"][1]) == row.index(row[1]) + 1
+    assert torch.equal(got["input_ids"], expected["input_ids"])
+    assert torch.equal(got["truncated"], expected["truncated"])
+    assert (got["generation_logprobs"] - expected["generation_logprobs"]).abs().max() < 1e-4
