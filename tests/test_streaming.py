@@ -153,6 +153,31 @@ class Run:
     def update(self, weights):
         return {k: weights[k] - self.start_weights[k] for k in weights}
 
+    def stops_on_drift(self, step, shift=0.2):
+        """One streamed RL step with each chunk's rollout logprobs shifted by ``shift`` nats
+        (after the algorithm's ``prepare_chunk``; the loss does not read them) and
+        ``generation.logprob_budget_steps=1``: asserts that it stops with
+        LogprobBudgetExceeded naming RL step ``step`` and that every group's parameters are
+        those before it (nothing half-trained); the drift and the budget are put back."""
+        t = self.trainer
+        before = self.weights()
+        prepare = t.algorithm.prepare_chunk
+
+        def drift(chunk):
+            prepare(chunk)
+            chunk["generation_logprobs"] = chunk["generation_logprobs"] + shift * chunk["token_mask"]
+
+        t.algorithm.prepare_chunk = drift
+        t.logprob_budget.steps = 1
+        try:
+            with pytest.raises(LogprobBudgetExceeded, match=f"RL step {step} has"):
+                self.steps(1)
+        finally:
+            del t.algorithm.prepare_chunk
+            t.logprob_budget.steps, t.logprob_budget.over = t.cfg.generation.logprob_budget_steps, 0
+        after = self.weights()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-trained
+
 
 def _assert_same_updates(run, actual, expected):
     """Per tensor: the parameters of two runs from the same start differ by at most
@@ -286,25 +311,8 @@ def test_logprob_budget_aborts_the_streamed_step(dp2):
     the loss does not read them) with generation.logprob_budget_steps=1: the streamed step is
     aborted on every rank before its optimizer step (the parameters are those before it) and
     the run stops with LogprobBudgetExceeded; the split step is closed, so the run can go on."""
-    t = dp2.trainer
     dp2.reset()
-    before = dp2.weights()
-    prepare = t.algorithm.prepare_chunk
-
-    def drift(chunk):
-        prepare(chunk)
-        chunk["generation_logprobs"] = chunk["generation_logprobs"] + 0.2 * chunk["token_mask"]
-
-    t.algorithm.prepare_chunk = drift
-    t.logprob_budget.steps = 1
-    try:
-        with pytest.raises(LogprobBudgetExceeded, match="RL step 1 has"):
-            dp2.steps(1)
-    finally:
-        del t.algorithm.prepare_chunk
-        t.logprob_budget.steps, t.logprob_budget.over = t.cfg.generation.logprob_budget_steps, 0
-    after = dp2.weights()
-    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-trained
+    dp2.stops_on_drift(step=1)
     assert dp2.steps(1)[0]["train/token_mult_prob_error"] < 1.0001  # closed: the run goes on
 
 
