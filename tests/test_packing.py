@@ -163,6 +163,9 @@ def test_rotate_equals_megatron_bshd_rope_bit_for_bit(dtype, rot_dim, mscale):
         assert torch.equal(got, ref)
         again = rope.rotate(original, t, freqs, mscale=mscale)  # cached cos/sin
         assert torch.equal(again, ref)
+        other = t.detach().double()  # the same frequencies, another dtype: no cached reuse
+        assert torch.equal(rope.rotate(original, other, freqs, mscale=mscale),
+                           original(other, freqs, mscale=mscale))
         w = torch.randn(ref.shape, generator=g).to(dtype)
         (ga,) = torch.autograd.grad(ref, qkv, w)
         (gb,) = torch.autograd.grad(got, qkv, w)
