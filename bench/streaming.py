@@ -121,7 +121,8 @@ def main() -> None:
             rows[mode] = bench(args.config, args.set + overrides, args.steps, args.sft_steps,
                                os.path.join(tmp, mode))
             print(f"{mode}: {rows[mode]}", file=sys.stderr, flush=True)
-    base = rows.get("sync", {}).get("mean")
+    # the baseline: the first synchronous mode run (sync, sync1: the engine in its own process)
+    base = next((r["mean"] for m, r in rows.items() if m.startswith("sync")), None)
     print(f"{args.config} {' '.join(args.set)} (streaming modes: {' '.join(args.stream_set)}): "
           f"{args.steps} RL steps per mode (the first not "
           f"counted), load average "

@@ -24,6 +24,7 @@ from mcore_rl.generation.registry import backend_class
 from mcore_rl.generation.vllm import GROUP, VLLMGenerationBackend, buckets, logprobs_mode, visible_devices
 from mcore_rl.generation.vllm_worker import bucket_layout, pack_bucket, unpack_bucket
 from mcore_rl.megatron.conversion import arch_to_hf_config
+from mcore_rl.workers.interfaces import VLLMEngineAPI
 from mcore_rl.workers.policy import PolicyWorker
 from decoding import check_rollout, checkpoint, eos  # noqa: F401 (module fixtures)
 
@@ -181,6 +182,46 @@ def test_refit_buckets_round_trip():
     # 24, 10 and 24 bytes: a and b fit 40, c starts the next; a tensor over the size gets its own
     assert [[n for n, _ in b] for b in buckets(tensors, 40)] == [["a", "b"], ["c"]]
     assert [[n for n, _ in b] for b in buckets(tensors, 8)] == [["a"], ["b"], ["c"]]
+
+
+def test_gpu_refit_sender_spans_the_live_engines_only():
+    """A GPU refit's collective waits for every member: after an engine's process is gone the
+    next refit's sender (a new NCCL group) spans only the live engines; with none left the
+    refit fails at once, naming them, instead of waiting in a broadcast."""
+
+    class Engines:  # the engines' worker group, as the sender needs it
+        world_size, gone = 3, []
+
+        def gone_ranks(self):
+            return list(self.gone)
+
+        def call(self, api):
+            assert api is VLLMEngineAPI
+            return self
+
+        def device_uuids(self):  # tensor-parallel size 2: two GPUs per engine
+            return [[f"gpu{2 * e}", f"gpu{2 * e + 1}"] for e in range(self.world_size)]
+
+    backend = object.__new__(VLLMGenerationBackend)  # no engines started: the sender's logic only
+    backend.vllm = GenerationConfig().vllm
+    backend.vllm.tensor_parallel_size = 2
+    backend.colocated, backend.engines, backend.alive = False, Engines(), [0, 1, 2]
+    backend._sender, backend._sender_engines, backend._engine_uuids = None, [], None
+    backend._log_dir = "/run"
+    first = backend._gpu_sender()
+    assert first.kind == "nccl" and first.worker_uuids == [f"gpu{i}" for i in range(6)]
+    assert backend._gpu_sender() is first  # one group while every engine lives
+    backend.engines.gone = [1]
+    second = backend._gpu_sender()
+    assert backend.alive == [0, 2] and second is not first
+    assert second.worker_uuids == ["gpu0", "gpu1", "gpu4", "gpu5"]
+    # engine 2 is now the group's second engine: its workers are ranks 3 and 4 of 5
+    assert second.receiver_spec(1)["first_worker"] == 2 and second.receiver_spec(1)["world_size"] == 5
+    assert second.tag != first.tag  # a new group: the old one had a dead member
+    backend.engines.gone = [0, 1, 2]
+    with pytest.raises(RuntimeError, match=re.escape("every vLLM engine's process is gone (engines "
+                                                     "[0, 1, 2]; their logs: /run/vllm_engine_<i>.log)")):
+        backend._gpu_sender()
 
 
 def test_config_checked_at_load_time():

@@ -160,5 +160,11 @@ def test_signals_ignored_and_a_dead_worker_fails_its_calls():
             group.call("pid")
         assert err.value.gone == {1}
         assert group.call_async("pid", ranks=[0]).result() == pids[:1]
+        assert group.gone_ranks() == [1]  # known without a call
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while group.gone_ranks() != [0, 1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group.gone_ranks() == [0, 1]
     finally:
         group.shutdown()

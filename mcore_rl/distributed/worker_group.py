@@ -311,6 +311,27 @@ class _Group:
     def _signal(self, node: Optional[str], pid: int, signum: int) -> None:
         os.kill(pid, signum)
 
+    def gone_ranks(self) -> List[int]:
+        """The ranks whose process is known to have ended (exited, killed), found without a
+        call (a call to a busy rank would wait behind its queued calls). A rank on another node
+        (Ray) is never reported: only its next call can tell."""
+        gone = []
+        for rank, (node, pid) in enumerate(self._pids()):
+            if pid is None:
+                gone.append(rank)
+            elif node is None or node == self._this_node():
+                try:
+                    os.kill(pid, 0)  # signal 0: is there such a process (nothing is sent)
+                except ProcessLookupError:
+                    gone.append(rank)
+                except PermissionError:  # there is one, of another user
+                    pass
+        return gone
+
+    def _this_node(self) -> Optional[str]:
+        """This process's Ray node id (None without Ray)."""
+        return None
+
     def kill(self) -> None:
         """Kill every rank's process at once (a hung rank answers nothing else); the group is
         unusable after."""
@@ -590,6 +611,9 @@ class RayWorkerGroup(_Group):
 
     def _pids(self) -> List[Tuple[Optional[str], Optional[int]]]:
         return list(self._processes)
+
+    def _this_node(self) -> Optional[str]:
+        return self._ray.get_runtime_context().get_node_id()
 
     def _signal(self, node: Optional[str], pid: int, signum: int) -> None:
         ray = self._ray

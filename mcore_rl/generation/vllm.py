@@ -294,17 +294,18 @@ class RefitSender:
         self.worker_uuids = worker_uuids
         self.tp = tp
         self.timeout_ms = int(timeout_s * 1000)
-        tag = uuid.uuid4().hex[:12]
+        self.tag = tag = uuid.uuid4().hex[:12]  # this sender's group, in every process
         self.addresses = [f"ipc://{tempfile.gettempdir()}/mcore_rl_refit_{tag}_{w}"
                           for w in range(len(worker_uuids))]
-        self.host = socket.gethostbyname(socket.gethostname())
+        self.host = _host_address()
         with socket.socket() as s:
             s.bind(("", 0))
             self.port = s.getsockname()[1]
 
     def receiver_spec(self, engine: int) -> Dict[str, Any]:
         """What engine ``engine``'s workers need to receive (their ranks follow from it)."""
-        return {"kind": self.kind, "addresses": self.addresses, "first_worker": engine * self.tp,
+        return {"kind": self.kind, "tag": self.tag, "addresses": self.addresses,
+                "first_worker": engine * self.tp,
                 "host": self.host, "port": self.port, "world_size": len(self.worker_uuids) + 1,
                 "timeout_ms": self.timeout_ms}
 
@@ -372,6 +373,16 @@ class RefitSender:
 
         yield put
         group.broadcast_obj(None, src=0)
+
+
+def _host_address() -> str:
+    """This host's address for the refit group's TCP store: its name resolved, or the loopback
+    address where the name does not resolve (a host without DNS; then the engines and policy
+    rank 0 must share it, as the NCCL refit assumes)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]],
@@ -459,6 +470,9 @@ class VLLMGenerationBackend(StreamingBackend):
                 f"generation.batch_size={cfg.batch_size}") from None
         self.alive = list(range(self.engines.world_size))  # engine e is worker e
         self._sender: Optional[RefitSender] = None  # GPU refits: made at the first
+        self._sender_engines: List[int] = []  # the engines self._sender reaches
+        self._engine_uuids: Optional[List[List[str]]] = None  # per engine, its workers' GPUs
+        self._log_dir = run_dir
         self._sleeping: set = set()  # vLLM allocations asleep ("weights", "kv_cache")
 
     @classmethod
@@ -528,15 +542,38 @@ class VLLMGenerationBackend(StreamingBackend):
         everything (over NCCL: once every engine has decoded the calls it held)."""
         if self.device == "cpu":  # gathered on policy rank 0, on the host
             return self._push_host(policy.call(PolicyAPI).get_hf_weights()[0].items(), version)
-        if self._sender is None:  # one sender (and NCCL group) for the run
-            uuids = [u for engine in self.engines.call(VLLMEngineAPI).device_uuids() for u in engine]
+        sender = self._gpu_sender()
+        loaded = self.engines.call_each_async(VLLMEngineAPI, ranks=self.alive).load_weights(
+            [[sender.receiver_spec(i), version] for i in range(len(self.alive))])
+        nbytes = sum(policy.call(PolicyAPI).send_hf_weights(sender))
+        return Push(nbytes / 1e9, loaded)
+
+    def _gpu_sender(self) -> "RefitSender":
+        """The GPU refit's sender for the live engines: made at the first refit (an NCCL group
+        of policy rank 0 and their workers), and again when engines died since: a collective
+        with a dead member would wait forever (the policy rank in its NCCL broadcast, or for a
+        CUDA IPC answer), so engines whose process is gone (:meth:`_Group.gone_ranks`) are
+        dropped first and the new sender spans only the others.
+
+        Raises:
+            RuntimeError: every engine's process is gone (the message names them).
+        """
+        for e in set(self.engines.gone_ranks()) & set(self.alive):
+            self.drop(e)
+        if not self.alive:
+            raise RuntimeError(
+                f"generation.backend=vllm: every vLLM engine's process is gone (engines "
+                f"{list(range(self.engines.world_size))}; their logs: {self._log_dir}/"
+                f"vllm_engine_<i>.log); no engine to refit")
+        if self._sender is None or self._sender_engines != self.alive:
+            if self._engine_uuids is None:  # asked once, while every engine is there
+                self._engine_uuids = self.engines.call(VLLMEngineAPI).device_uuids()
+            uuids = [u for e in self.alive for u in self._engine_uuids[e]]
             self._sender = RefitSender("cuda_ipc" if self.colocated else "nccl",
                                        self.vllm.refit_bucket_mb << 20, uuids,
                                        self.vllm.tensor_parallel_size)
-        loaded = self.engines.call_each_async(VLLMEngineAPI, ranks=self.alive).load_weights(
-            [[self._sender.receiver_spec(e), version] for e in self.alive])
-        nbytes = sum(policy.call(PolicyAPI).send_hf_weights(self._sender))
-        return Push(nbytes / 1e9, loaded)
+            self._sender_engines = list(self.alive)
+        return self._sender
 
     def _push_host(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> Push:
         """Check ``named_tensors`` against the HF model (all of them, before any engine gets

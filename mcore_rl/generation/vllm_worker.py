@@ -155,15 +155,16 @@ class RefitWorkerExtension:
         return sorted({n for n, _ in model.named_parameters()} - self._mcore_rl_loaded)
 
 
-_NCCL_GROUPS: Dict[Tuple[str, int], Any] = {}
+_NCCL_GROUPS: Dict[str, Any] = {}
 
 
 def nccl_group(transport: Dict[str, Any], rank: int, device: torch.device):
     """The refit's NCCL group as this process's ``rank`` (0: the policy's rank 0; 1..N: the
     engine workers), built once per address and kept: vLLM's ``StatelessProcessGroup`` (a TCP
     store at ``transport["host"]:transport["port"]``, for the bucket entries) and a
-    ``PyNcclCommunicator`` on ``device`` (for the bytes)."""
-    key = (transport["host"], transport["port"])
+    ``PyNcclCommunicator`` on ``device`` (for the bytes). Keyed by the sender's tag: a sender
+    made anew (engines died) is a new group even where the OS hands out the old port again."""
+    key = transport["tag"]
     if key not in _NCCL_GROUPS:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup

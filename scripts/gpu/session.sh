@@ -32,6 +32,23 @@
 #               side (TOOLS_STEPS, default 100): held-out accuracy and tool use (issue 24)
 #   table       the tables of every result under $OUT so far
 #
+# Stages of two GPUs (issue 27; nvidia-h100-x2 or nvidia-h200-x2):
+#   parity2     the policy layout parity at TP=2, PP=2, DP=2 in bf16 against one GPU
+#               (scripts/gpu/layout_parity.py; local and torch layer specs)
+#   stream2     streaming against synchronous GRPO with the rollout engine on a GPU of its own
+#               (bench/streaming.py): STREAM2_RUNS of syn (grpo_synthetic_gpu, hf engine),
+#               smol_hf, smol_vllm (grpo_smollm2_arith with the hf engine, with vLLM)
+#   ppo2        PPO on SmolLM2 (ppo_smollm2_arith): PPO2_PLACEMENTS of colocated (policy and
+#               critic on one GPU) and separate (a GPU each): seconds per step, held-out curve
+#   refit2      the NCCL refit to a vLLM engine on a GPU of its own: speed, parity, a killed
+#               engine (scripts/gpu/vllm_refit.py)
+#   decode3     rollout tokens/s of megatron, hf and vLLM on one GPU at 256 x 512 (the 0.5B
+#               Qwen2 shape of scripts/gpu/megatron_generation.py; issue 23)
+#
+# A stage written gpuN:STAGE runs in the background on GPU N alone (CUDA_VISIBLE_DEVICES=N) while
+# the stages after it run; `wait` waits for the background ones. E.g. two one-GPU jobs side by
+# side: `session.sh gpu1:ppo2 gpu0:gsm8k wait` (with PPO2_PLACEMENTS=colocated).
+#
 # Results: $OUT/<name>.json and logs (they come back with the call); tables printed last.
 # The stage_* functions are called by name (the loop at the end).
 # shellcheck disable=SC2329
@@ -188,6 +205,57 @@ stage_vllm_runs() {  # learning with vLLM rollouts on the real model, and the de
     STEPS=6 steps syn_vllm grpo_synthetic_gpu "syn vllm" sft.steps=20 "${v[@]}"
 }
 
+stage_parity2() {  # issue 27: layout parity on two GPUs, bf16, against one GPU
+    local spec
+    for spec in local torch; do
+        timeout 300 python3 scripts/gpu/layout_parity.py --layouts 2,1,1 1,2,1 1,1,2 --steps 2 \
+            --layer-spec "$spec" > "$RES/parity2_$spec.log" 2>&1 || status=1
+        echo "== parity2 ($spec spec)"; quiet < "$RES/parity2_$spec.log" | tail -n 9
+    done
+}
+
+stage_stream2() {  # issue 27: the engine on a GPU of its own; STREAM2_RUNS: syn smol_hf smol_vllm
+    local run args
+    for run in ${STREAM2_RUNS:-syn smol_hf}; do
+        case $run in
+            syn) args=(--config grpo_synthetic_gpu --modes "sync1,stream0,stream1" --set
+                       generation.backend=hf generation.max_new_tokens=128
+                       data.max_total_length=136 model.arch.max_position_embeddings=160) ;;
+            smol_hf) args=(--config grpo_smollm2_arith --modes "sync1,stream0,stream1" --set
+                           model.hf_path="$MODEL" generation.backend=hf) ;;
+            smol_vllm) args=(--config grpo_smollm2_arith --modes "sync,stream0,stream1" --set
+                             model.hf_path="$MODEL" generation.backend=vllm) ;;
+            *) echo "stream2: unknown run $run"; status=1; continue ;;
+        esac
+        timeout "${STREAM2_TIMEOUT:-420}" python3 bench/streaming.py --steps "${STREAM_STEPS:-6}" \
+            "${args[@]}" > "$RES/stream2_$run.log" 2>&1 || status=1
+        echo "== stream2 $run"; quiet < "$RES/stream2_$run.log" | tail -n 7
+    done
+}
+
+stage_ppo2() {  # issue 27: PPO2_PLACEMENTS of colocated separate, one after the other
+    local p
+    for p in ${PPO2_PLACEMENTS:-colocated separate}; do
+        timeout "${PPO2_TIMEOUT:-360}" python3 -m mcore_rl train --config-name ppo_smollm2_arith \
+            "${common[@]}" model.hf_path="$MODEL" run.output_dir="/tmp/runs/ppo_$p" \
+            cluster.placement="$p" ppo.max_steps="${PPO2_STEPS:-20}" ppo.val_every=10 \
+            > "$RES/ppo_$p.log" 2>&1 || { status=1; quiet < "$RES/ppo_$p.log" | tail -n 8; }
+        cp "/tmp/runs/ppo_$p/metrics.jsonl" "$RES/arith_ppo_$p.metrics.jsonl" 2>/dev/null
+    done
+}
+
+stage_refit2() {  # issue 27: NCCL refit to a vLLM engine on GPU 1
+    timeout 420 python3 scripts/gpu/vllm_refit.py --config grpo_smollm2_arith \
+        --set model.hf_path="$MODEL" cluster.device=cuda > "$RES/refit2.log" 2>&1 || status=1
+    echo "== refit2"; quiet < "$RES/refit2.log" | tail -n 14
+}
+
+stage_decode3() {  # issue 23: megatron vs hf vs vLLM rollouts at 256 x 512 on one GPU
+    timeout 420 python3 scripts/gpu/megatron_generation.py --rollouts 256 --batch-size 256 \
+        --prompt-length 64 128 --max-new-tokens 512 --vllm > "$RES/decode3.log" 2>&1 || status=1
+    echo "== decode3"; grep -E "tokens/s|PASS|FAIL|Error" "$RES/decode3.log" | tail -n 10
+}
+
 stage_table() {
     echo "== seconds per RL step and phase (median over the steps after the first ${WARMUP:-2})"
     python3 bench/peers/summarize.py phases "$RES"/*.json 2>/dev/null
@@ -216,9 +284,19 @@ PY
 
 for stage in "$@"; do
     t0=$SECONDS
+    case $stage in
+        wait) wait; echo "== background stages done: $((SECONDS - t0)) s"; continue ;;
+        gpu[0-9]:*)
+            gpu=${stage%%:*}
+            ( export CUDA_VISIBLE_DEVICES=${gpu#gpu}; "stage_${stage#*:}" > "$RES/bg_${stage#*:}.out" 2>&1
+              echo "== stage $stage (background): $((SECONDS - t0)) s" >> "$RES/bg_${stage#*:}.out" ) &
+            continue ;;
+    esac
     "stage_$stage"
     echo "== stage $stage: $((SECONDS - t0)) s"
 done
+wait
+for f in "$RES"/bg_*.out; do [ -f "$f" ] && cat "$f" && rm -f "$f"; done
 # $OUT comes back with at most 8 files: everything in one archive, the tables on stdout.
 cp "$OUT"/*.json "$OUT"/*.log "$RES"/ 2>/dev/null
 tar -czf /tmp/results.tgz -C "$RES" . && rm -rf "${OUT:?}"/* && cp /tmp/results.tgz "$OUT"/
