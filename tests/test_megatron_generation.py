@@ -175,6 +175,35 @@ def test_decoding_turns_the_compiled_fusions_off_and_restores_them():
     assert (config.bias_dropout_fusion, config.bias_activation_fusion, model.training) == (True, True, True)
 
 
+def test_decoding_runs_compiled_layers_eagerly():
+    """policy.megatron.compile_layers compiles each layer for training; inside decoding the
+    compiled module runs its eager forward (nothing is compiled: each layer would be a
+    recompile, ``_inference_mode``), and after it the compiled one again."""
+    from mcore_rl.generation.megatron import _inference_mode
+
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    class Layer(torch.nn.Linear):  # defined here: torch.compile skips torch's own modules
+        def forward(self, x):
+            return super().forward(x) * 1
+
+    layer = Layer(3, 3)
+    layer.compile(backend=backend)
+    x = torch.randn(2, 3)
+    config = SimpleNamespace(bias_dropout_fusion=True, bias_activation_fusion=True)
+    with _inference_mode(layer, config):
+        eager = layer(x)
+        layer(torch.randn(5, 3))  # another shape: still nothing compiled
+    assert compiled == []
+    torch.testing.assert_close(eager, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    layer(x)
+    assert len(compiled) == 1
+
+
 def test_controller_keeps_shared_weights_on_device_and_exports_nothing():
     calls = []
     policy = SimpleNamespace(call=typed(lambda method, *a: calls.append(method) or [{}]))

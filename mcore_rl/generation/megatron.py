@@ -97,14 +97,22 @@ _SYNC_EVERY = 4
 def _inference_mode(model: torch.nn.Module, config):
     """The model in eval mode without autograd and with the :data:`_DECODE_OFF` switches of its
     ``TransformerConfig`` ``config`` off (Megatron's layers read them at each forward); all
-    restored afterwards, also on an exception."""
+    restored afterwards, also on an exception.
+
+    Compiled code runs eagerly inside (``torch.compiler.set_stance("force_eager")``): with
+    ``policy.megatron.compile_layers`` the layers are ``torch.compile``-d for training, and a
+    decoding forward through them would recompile for every layer (the KV-cache attention reads
+    the cache of its ``layer_number``, an int torch.compile specializes on), for grad mode, for
+    prefill and for each row bucket, past torch.compile's recompile limit, whose cache the
+    training shapes share. Decode steps are replayed as CUDA graphs, so eager layers cost no
+    host time there."""
     was_training = model.training
     switches = {name: getattr(config, name) for name in _DECODE_OFF}
     model.eval()
     try:
         for name in _DECODE_OFF:
             setattr(config, name, False)
-        with torch.no_grad():
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             yield
     finally:
         model.train(was_training)
