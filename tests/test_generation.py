@@ -15,7 +15,7 @@ from mcore_rl.distributed.worker_group import typed
 from mcore_rl.generation.base import BackendContext, assemble_rollout
 from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.generation.registry import backend_class, backend_names, build_backend
-from mcore_rl.generation.sampling import Sampler, row_uniforms
+from mcore_rl.generation.sampling import Sampler, last_with_mass, row_uniforms
 
 VOCAB = 50
 PAD = 0
@@ -276,3 +276,59 @@ def test_sampler_draws_by_inversion_with_unfiltered_logprobs(top_p):
     assert int(greedy) == 0 and greedy_lp.item() == pytest.approx(float(torch.log_softmax(logits, -1)[0]))
     with pytest.raises(ValueError, match="generation.temperature"):
         Sampler(GenerationConfig(temperature=0.0))
+
+
+
+def _reference_sample(logits, uniforms, temperature, top_p):
+    """The sampler as first written (a pass for the division by the temperature, an int cumsum
+    for the last token with mass): the reference :class:`Sampler` must match token for token."""
+    scaled = logits.float() / temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    if top_p < 1:
+        from transformers import TopPLogitsWarper
+
+        scaled = TopPLogitsWarper(top_p)(None, scaled)
+    probs = torch.softmax(scaled, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    target = (uniforms.float() * cdf[:, -1]).unsqueeze(-1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    tokens = torch.minimum(tokens, (probs > 0).to(torch.int32).cumsum(dim=-1).argmax(dim=-1))
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampler_draws_the_reference_tokens(temperature, top_p):
+    """Random logits (fp32; bf16-cast, with ties; rows spread wide enough that tokens underflow
+    to probability 0; -inf tails and heads) and uniforms from 0 to the largest float32 below 1:
+    the same tokens and logprobs, bit for bit, as the reference."""
+    g = torch.Generator().manual_seed(11)
+    n, vocab = 512, 300
+    scale = torch.tensor([1.0, 4.0, 60.0, 200.0]).repeat(n // 4)[:, None]
+    logits = torch.randn(n, vocab, generator=g) * scale
+    logits[::3, -7:] = float("-inf")
+    logits[1::5, :5] = float("-inf")
+    uniforms = torch.rand(n, generator=g)
+    uniforms[::2] = 1 - 2.0 ** -24
+    uniforms[1::8] = 0.0
+    sampler = Sampler(GenerationConfig(temperature=temperature, top_p=top_p))
+    for x in (logits, logits.bfloat16()):
+        tokens, logprobs = sampler(x, uniforms)
+        expected, expected_lp = _reference_sample(x, uniforms, temperature, top_p)
+        assert torch.equal(tokens, expected) and torch.equal(logprobs, expected_lp)
+    assert ((logits.softmax(-1) == 0).sum(-1) > 0).float().mean() > 0.4  # zero-mass tokens
+
+
+def test_last_with_mass_is_the_int_cumsum_argmax():
+    """The scan-free index of the last token with mass against the int cumsum + argmax it
+    replaced: random zero patterns, zero tails, a row with one token, a row with none."""
+    g = torch.Generator().manual_seed(3)
+    probs = torch.rand(64, 97, generator=g) * (torch.rand(64, 97, generator=g) < 0.3)
+    probs[::4, -20:] = 0
+    probs[1] = 0
+    probs[1, 0] = 0.5
+    probs[2] = 0
+    expected = (probs > 0).to(torch.int32).cumsum(dim=-1).argmax(dim=-1)
+    got = last_with_mass(probs)
+    assert torch.equal(got.long(), expected) and got[1] == 0 and got[2] == 0
+    assert got[0] == int((probs[0] > 0).nonzero().max())

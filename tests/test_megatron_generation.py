@@ -6,6 +6,7 @@ through the GRPO CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from types import SimpleNamespace
 
@@ -94,14 +95,22 @@ def test_rollouts_equal_hf_backend_and_do_not_depend_on_layout(groups, eos):
 
 
 def test_compacted_batch_gives_the_rollouts_of_small_chunks(groups, eos):
-    """21 prompts in one chunk (a 32-row bucket): rows end at different steps, so the batch is
-    compacted mid-chunk (32 -> 16 -> 8 rows, cache rows moved); the rollouts are those of chunks
-    of 3 rows, and the logprobs those of get_logprobs."""
-    group, prompts = groups["tp2_local"], PROMPTS * 3
-    one_chunk = MegatronGenerationBackend(group, dataclasses.replace(GEN, batch_size=32), eos, PAD,
-                                          MAX_TOTAL, VOCAB).generate(prompts, seed=4)
-    small = _megatron(group, eos).generate(prompts, seed=4)
-    assert len(set(one_chunk["response_lengths"].tolist())) > 2  # rows end at different steps
+    """21 prompts in one chunk (a 32-row bucket), up to 30 tokens each: rows end at different
+    steps, so the batch is compacted mid-chunk (cache rows moved; the rule is checked on a stub
+    model in test_decode_loop_acts_on_the_done_flags_of_the_previous_sync_point); the rollouts
+    are those of chunks of 3 rows, and the logprobs those of get_logprobs."""
+    from mcore_rl.generation.megatron import _SYNC_EVERY
+
+    group, prompts, total = groups["tp2_local"], PROMPTS * 3, 40
+    long = dataclasses.replace(GEN, max_new_tokens=30)
+    one_chunk = MegatronGenerationBackend(group, dataclasses.replace(long, batch_size=32), eos,
+                                          PAD, total, VOCAB).generate(prompts, seed=4)
+    small = MegatronGenerationBackend(group, long, eos, PAD, total, VOCAB).generate(prompts, seed=4)
+    lengths = one_chunk["response_lengths"].tolist()
+    assert len(set(lengths)) > 2  # rows end at different steps
+    # a sync point acted on flags (sent a period earlier) with 1 to 16 rows running: compacted
+    assert any(0 < sum(n > k - _SYNC_EVERY for n in lengths) <= 16
+               for k in range(1 + _SYNC_EVERY, max(lengths), _SYNC_EVERY))
     assert torch.equal(one_chunk["input_ids"], small["input_ids"])
     assert (one_chunk["generation_logprobs"] - small["generation_logprobs"]).abs().max() < 1e-5
     logprobs = group.gather_rows("get_logprobs", one_chunk, 8)
@@ -164,6 +173,35 @@ def test_decoding_turns_the_compiled_fusions_off_and_restores_them():
             raise RuntimeError("in decoding")
     assert seen == [(False, False, False, False)]
     assert (config.bias_dropout_fusion, config.bias_activation_fusion, model.training) == (True, True, True)
+
+
+def test_decoding_runs_compiled_layers_eagerly():
+    """policy.megatron.compile_layers compiles each layer for training; inside decoding the
+    compiled module runs its eager forward (nothing is compiled: each layer would be a
+    recompile, ``_inference_mode``), and after it the compiled one again."""
+    from mcore_rl.generation.megatron import _inference_mode
+
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    class Layer(torch.nn.Linear):  # defined here: torch.compile skips torch's own modules
+        def forward(self, x):
+            return super().forward(x) * 1
+
+    layer = Layer(3, 3)
+    layer.compile(backend=backend)
+    x = torch.randn(2, 3)
+    config = SimpleNamespace(bias_dropout_fusion=True, bias_activation_fusion=True)
+    with _inference_mode(layer, config):
+        eager = layer(x)
+        layer(torch.randn(5, 3))  # another shape: still nothing compiled
+    assert compiled == []
+    torch.testing.assert_close(eager, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    layer(x)
+    assert len(compiled) == 1
 
 
 def test_controller_keeps_shared_weights_on_device_and_exports_nothing():
@@ -241,3 +279,115 @@ def test_per_call_stop_tokens_equal_hf_backend(groups, eos):
         assert torch.equal(batch["truncated"], expected["truncated"]), name
         diff = (batch["generation_logprobs"] - expected["generation_logprobs"]).abs().max()
         assert diff < 1e-5, name
+
+
+# ---------------------------------------------------------------- the decode loop, stub model
+MARKOV_VOCAB, MARKOV_STATES = 12, 97
+
+
+class _MarkovDecoder:
+    """A :class:`~mcore_rl.generation.megatron.MegatronDecoder` (real buffers, KV cache, decode
+    loop, sampler) whose model is a stub: the state of a row is the sum of its tokens so far,
+    which the stub keeps in the row's KV-cache keys (each forward writes its tokens at their
+    positions and sums the row's cached keys up to its position), and the logits are row
+    ``state % MARKOV_STATES`` of a fixed random table. A row's response depends only on its own
+    prompt, random stream and cache row: a compaction that moved a cache row wrongly, or a
+    response read from the wrong slot, changes it."""
+
+    @staticmethod
+    def build(table: torch.Tensor):
+        from mcore_rl.generation.megatron import MegatronDecoder
+
+        class Stub(MegatronDecoder):
+            def _hidden(self, tokens, rope, mask):
+                keys, cache = self._cache.keys[1], self._cache
+                if cache._prefill_rows is not None:  # tokens [b, s]: whole prompts from 0
+                    b, s = tokens.shape
+                    keys[cache._prefill_rows, 0, :s, 0] = tokens.float()
+                    return tokens.float().cumsum(1).t()[:, :, None]  # [s, b, 1]
+                positions, b = rope.view(-1).long(), tokens.shape[0]  # one token per row
+                keys[torch.arange(b), 0, positions, 0] = tokens[:, 0].float()
+                upto = torch.arange(cache.slots)[None, :] <= positions[:, None]
+                return (keys[:b, 0, :, 0] * upto).sum(1)[None, :, None]  # [1, b, 1]
+
+            def _logits(self, hidden):
+                return table[hidden[0, :, 0].long() % MARKOV_STATES]
+
+        dec = Stub.__new__(Stub)
+        config = SimpleNamespace(bias_dropout_fusion=False, bias_activation_fusion=False,
+                                 params_dtype=torch.float32, num_moe_experts=None)
+        param = torch.nn.Parameter(torch.zeros(1))
+        dec.model = torch.nn.Module()
+        dec.gpt = SimpleNamespace(config=config, parameters=lambda: iter([param]),
+                                  rotary_pos_emb=lambda n: torch.arange(n).float().view(n, 1, 1, 1))
+        dec.megatron, dec.vocab_size, dec.device = MegatronConfig(), MARKOV_VOCAB, torch.device("cpu")
+        dec.attentions = [SimpleNamespace(layer_number=1, num_query_groups_per_partition=1,
+                                          key_hidden_size=1, val_hidden_size=1)]
+        dec._slots = dec._cache = dec._rope = dec._pool = dec._stream = None
+        dec._graphs, dec._weights = {}, ()
+        return dec
+
+    @staticmethod
+    def reference(table, prompt, budget, uniforms, greedy, sampler, eos):
+        """The row decoded alone, token by token, from the same table: (tokens, logprobs)."""
+        tokens, logprobs, state = [], [], sum(prompt)
+        for k in range(budget):
+            token, logprob = sampler(table[state % MARKOV_STATES][None],
+                                     None if greedy else uniforms[k:k + 1])
+            tokens.append(int(token))
+            logprobs.append(float(logprob))
+            state += int(token)
+            if int(token) == eos:
+                break
+        return tokens, logprobs
+
+
+def test_decode_loop_acts_on_the_done_flags_of_the_previous_sync_point(monkeypatch):
+    """The decode loop on a stub model (:class:`_MarkovDecoder`): 50 rows of different prompt
+    lengths and budgets (a 64-row bucket), sampled and greedy. Each response equals the row
+    decoded alone; the buckets stepped are exactly those of the rule (at each sync point after
+    the first, compact to the bucket of the rows that still ran at the previous sync point; stop
+    when none ran), so the loop compacts 64 -> 32 -> 16 -> 8 one sync period late and stops at
+    most two periods after the last row ended."""
+    from mcore_rl.generation import megatron as decoder
+    from mcore_rl.generation.base import response_budgets
+    from mcore_rl.generation.sampling import Sampler, row_uniforms
+    from mcore_rl.megatron import attention
+
+    monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(MARKOV_STATES, MARKOV_VOCAB, generator=g) * 2.5
+    eos, max_total, n = 3, 75, 50
+    prompts = [torch.randint(4, MARKOV_VOCAB, (1 + i % 9,), generator=g).tolist() for i in range(n)]
+    cfg = GenerationConfig(temperature=0.9, max_new_tokens=70, batch_size=64)
+    budgets = response_budgets(prompts, cfg.max_new_tokens, max_total)
+    for greedy in (False, True):
+        dec = _MarkovDecoder.build(table)
+        stepped = []
+        real_step = dec._step_once
+        monkeypatch.setattr(dec, "_step_once", lambda bucket, *a: (stepped.append(bucket),
+                                                                   real_step(bucket, *a)))
+        out = dec.generate(prompts, 3, 8, greedy, cfg, eos, 0, max_total)
+        uniforms = row_uniforms(8, range(3, 3 + n), max(budgets))
+        lengths = []
+        for i, (prompt, response) in enumerate(zip(prompts, out)):
+            tokens, logprobs = _MarkovDecoder.reference(table, prompt, budgets[i], uniforms[i],
+                                                        greedy, Sampler(cfg), eos)
+            assert response.tokens.tolist() == tokens, i
+            torch.testing.assert_close(response.logprobs, torch.tensor(logprobs), rtol=0, atol=1e-6)
+            assert response.truncated == (tokens[-1] != eos)
+            lengths.append(len(tokens))
+        # The rule, from the responses' lengths: before step k a row still runs iff it has
+        # more than k tokens; sync points at k = 1, 5, 9, ...
+        expected, bucket = [], 64
+        for k in range(1, max(budgets)):
+            if (k - 1) % decoder._SYNC_EVERY == 0 and k > 1:
+                running = sum(length > k - decoder._SYNC_EVERY for length in lengths)
+                if running == 0:
+                    break
+                bucket = min(bucket, decoder._bucket(running, decoder._MIN_ROWS))
+            expected.append(bucket)
+        assert stepped == expected, greedy
+        assert stepped[0] == 64 and {32, 16, 8} <= set(stepped)
+        assert len(stepped) <= max(lengths) + 2 * decoder._SYNC_EVERY
+        assert len(set(lengths)) > 10 and min(lengths) < 10 < max(budgets) - 10

@@ -54,6 +54,44 @@ def test_math_verifier_on_reference_solutions():
     assert all(fn(a.solution, b) == 0.0 for a, b in shifted)
 
 
+def _typical_responses(ex: Example, other: str):
+    """A GSM8K example's reference solution and model-like answers to it: right and wrong, with
+    units, ``$``, thousands commas, trailing text, ``####`` lines, no number at all."""
+    n = ex.answer
+    big = f"{int(n):,}" if n.lstrip("-").isdigit() else n
+    return [ex.solution, f"#### {n}", f"#### ${big} dollars", f"So the total is {big} apples.",
+            f"The answer is {other}.", f"{n} + 1 = {other}, so she has {other} left.",
+            f"#### {other}\nThe answer is {n}.", f"\\boxed{{{n}}}", "I am not sure.", ""]
+
+
+def test_math_verifier_keeps_the_parsed_ground_truth(monkeypatch):
+    """Each answer is parsed once per process (then kept), and every reward is the one of
+    math-verify parsing both texts afresh, on the package's GSM8K examples and model-like
+    responses."""
+    from math_verify import parse, verify
+
+    from mcore_rl.rewards import math as math_module
+
+    examples = [ex for split in ("train", "test")
+                for ex in load_gsm8k(GSM8K_SAMPLE_DIR / f"{split}.jsonl")]
+    math_module._parsed_gold.cache_clear()
+    parsed = []
+    monkeypatch.setattr(math_module, "parse", lambda text, **kw: parsed.append(text) or parse(text, **kw))
+    fn, rewards = get_reward_fn("math"), []
+    for ex, nxt in zip(examples, examples[1:] + examples[:1]):
+        for response in _typical_responses(ex, nxt.answer if nxt.answer != ex.answer else "7"):
+            got = fn(response, ex)
+            _, sep, after = response.partition("####")
+            candidate = after.split("\n", 1)[0] if sep else response
+            assert got == float(verify(parse(ex.answer), parse(candidate))), (response, ex.answer)
+            rewards.append(got)
+    # no candidate text is a bare answer (they carry a space, words or LaTeX): these are the
+    # ground-truth parses, one per distinct answer over all its responses
+    answers = {ex.answer for ex in examples}
+    assert sorted(t for t in parsed if t in answers) == sorted(answers)
+    assert 0.3 < sum(rewards) / len(rewards) < 0.7  # both outcomes, in numbers
+
+
 @pytest.mark.parametrize("response,reward", [
     ("68", 1.0), (" 68\n1+2=", 1.0), ("068", 1.0),
     ("67", 0.0), ("68 1", 0.0), ("+68", 0.0), ("68.0", 0.0), ("sixty-eight", 0.0), ("", 0.0),

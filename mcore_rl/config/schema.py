@@ -195,7 +195,8 @@ class MegatronConfig:
     moe_z_loss_coeff: float = bounded(0.0, ge=0)
     # torch.compile every transformer layer (GPU only): fuses RoPE, residual adds and the
     # activation; ~8% faster train steps on the 0.85B bench (bench/RESULTS.md), compile time
-    # at the first step and at new sequence-length shapes.
+    # at the first step and at new sequence-length shapes. Training and logprob passes only:
+    # generation.backend=megatron decodes with the layers' eager forward (CUDA graphs).
     compile_layers: bool = False
     ddp: DDPConfig = field(default_factory=DDPConfig)
 

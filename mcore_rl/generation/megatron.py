@@ -27,10 +27,15 @@ step that needs it (that step runs eagerly on the capture stream and is the warm
 between ``generate`` calls while the parameters stay at their addresses (a colocated run frees
 them with the KV cache before training: :meth:`MegatronGenerationBackend.offload`). Sampling
 (temperature, top-p, per-row random streams) and the bookkeeping (eos, budgets, response
-buffers) are part of the step, so replays need no host work beyond reading how many rows still
-run (every :data:`_SYNC_EVERY` steps). When at most half the rows of a bucket still run, the
-batch is compacted into the next smaller bucket (their cache rows and states moved to the
-front), so rows that ended stop costing.
+buffers) are part of the step, so replays need no host work beyond reading which rows still
+run. That read never waits for the device to drain: every :data:`_SYNC_EVERY` steps the done
+flags are copied to pinned host memory without blocking (a CUDA event marks the copy), and the
+host acts on the copy of the previous such point, by then long done while the device still has
+the steps queued since. When at most half the rows of a bucket still ran there, the batch is
+compacted into the next smaller bucket (those rows' cache rows and states moved to the front),
+so rows that ended stop costing; when none ran, the chunk ends. Acting on flags one period old
+only compacts and stops up to :data:`_SYNC_EVERY` steps later; a row that ended steps on without
+effect (nothing of it is read), so the responses are the same.
 
 Why not Megatron-Core's inference engines or CUDA graphs: its static-batching KV cache keeps one
 sequence offset for the whole batch (prompt tokens past the shortest prompt were fed one position
@@ -82,8 +87,9 @@ _PREFILL_TOKENS = 16384
 # Smallest row bucket and smallest attended span (powers of two): smaller ones would only add
 # graphs to capture for steps that cost no less.
 _MIN_ROWS, _MIN_SPAN = 8, 128
-# The host reads how many rows still run (a device sync) every this many decode steps; in
-# between, a row that ended steps on without effect (nothing of it is read).
+# Every this many decode steps the host sends the done flags to itself (a copy without waiting)
+# and acts on those it sent the previous time (module docstring); in between, a row that ended
+# steps on without effect (nothing of it is read).
 _SYNC_EVERY = 4
 
 
@@ -91,14 +97,22 @@ _SYNC_EVERY = 4
 def _inference_mode(model: torch.nn.Module, config):
     """The model in eval mode without autograd and with the :data:`_DECODE_OFF` switches of its
     ``TransformerConfig`` ``config`` off (Megatron's layers read them at each forward); all
-    restored afterwards, also on an exception."""
+    restored afterwards, also on an exception.
+
+    Compiled code runs eagerly inside (``torch.compiler.set_stance("force_eager")``): with
+    ``policy.megatron.compile_layers`` the layers are ``torch.compile``-d for training, and a
+    decoding forward through them would recompile for every layer (the KV-cache attention reads
+    the cache of its ``layer_number``, an int torch.compile specializes on), for grad mode, for
+    prefill and for each row bucket, past torch.compile's recompile limit, whose cache the
+    training shapes share. Decode steps are replayed as CUDA graphs, so eager layers cost no
+    host time there."""
     was_training = model.training
     switches = {name: getattr(config, name) for name in _DECODE_OFF}
     model.eval()
     try:
         for name in _DECODE_OFF:
             setattr(config, name, False)
-        with torch.no_grad():
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             yield
     finally:
         model.train(was_training)
@@ -128,14 +142,21 @@ class _Slots:
     ``steps`` [rows] int64 (the response index of the token the next step samples), ``budgets``
     [rows] int64, ``done`` [rows] bool, ``counts`` [rows] int64 (response tokens so far),
     ``uniforms`` [rows, slots] float32 (the row's random stream), ``out_tokens`` [rows, slots]
-    int64 and ``out_logprobs`` [rows, slots] float32 (response token ``k`` in column ``k``)."""
+    int64 and ``out_logprobs`` [rows, slots] float32 (response token ``k`` in column ``k``).
+
+    On the host: ``seen`` [rows] bool, the done flags as last sent by :meth:`send_done` (pinned
+    memory on CUDA, written by the device when the copy runs; :meth:`received_done` waits for
+    it)."""
 
     PER_ROW = ("tokens", "positions", "steps", "budgets", "done", "counts", "uniforms",
                "out_tokens", "out_logprobs")
 
     def __init__(self, rows: int, slots: int, device: torch.device):
         long = dict(dtype=torch.long, device=device)
-        self.rows, self.slots = rows, slots
+        self.rows, self.slots, self.device = rows, slots, device
+        cuda = device.type == "cuda"
+        self.seen = torch.ones(rows, dtype=torch.bool, pin_memory=cuda)
+        self._sent, self._event = 0, torch.cuda.Event() if cuda else None
         self.tokens, self.positions = torch.zeros(rows, **long), torch.zeros(rows, **long)
         self.steps, self.budgets = torch.zeros(rows, **long), torch.zeros(rows, **long)
         self.counts = torch.zeros(rows, **long)
@@ -150,6 +171,29 @@ class _Slots:
         for name in self.PER_ROW:
             t = getattr(self, name)
             t[:m] = t[index]
+
+    def send_done(self, bucket: int) -> None:
+        """Queue the copy of ``done[:bucket]`` into ``seen`` behind the work queued so far,
+        without waiting for it (on the CPU the copy is made at once)."""
+        self.seen[:bucket].copy_(self.done[:bucket], non_blocking=True)
+        self._sent = bucket
+        if self._event is not None:
+            self._event.record()
+
+    def received_done(self) -> List[bool]:
+        """The done flags of the last :meth:`send_done` (of its ``bucket`` rows), once the copy
+        has run (waits for the device up to that point only)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self.seen[:self._sent].tolist()
+
+    def to_device(self, values: List[int]) -> torch.Tensor:
+        """``values`` as an int64 tensor on the device, copied without waiting for the device
+        (from pinned memory on CUDA: ``torch.tensor(values, device=...)`` would drain it)."""
+        t = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
 
 class MegatronDecoder:
@@ -302,19 +346,21 @@ class MegatronDecoder:
         k = 1  # response index sampled by the next step (the same for every row of a chunk)
         while k < steps:
             if (k - 1) % _SYNC_EVERY == 0:
-                running = int((~s.done[:bucket]).sum())
-                if running == 0:
-                    break
-                smaller = _bucket(running, _MIN_ROWS, s.rows)
-                if smaller < bucket:  # compaction: the running rows to the front
-                    self._collect(results, row_of)
-                    keep = (~s.done[:bucket]).nonzero().squeeze(1)
-                    s.keep_rows(keep)
-                    self._cache.keep_rows(keep)
-                    s.done[running:smaller] = True
-                    row_of = [row_of[i] for i in keep.tolist()] + [-1] * (smaller - running)
-                    bucket = smaller
-                    longest = max(lengths[r] for r in row_of if r >= 0)
+                if k > 1:  # the flags sent at the previous sync point (module docstring)
+                    keep = [i for i, done in enumerate(s.received_done()) if not done]
+                    if not keep:
+                        break
+                    smaller = _bucket(len(keep), _MIN_ROWS, s.rows)
+                    if smaller < bucket:  # compaction: the rows that ran then to the front
+                        self._collect(results, row_of)
+                        index = s.to_device(keep)
+                        s.keep_rows(index)
+                        self._cache.keep_rows(index)
+                        s.done[len(keep):smaller] = True
+                        row_of = [row_of[i] for i in keep] + [-1] * (smaller - len(keep))
+                        bucket = smaller
+                        longest = max(lengths[r] for r in row_of if r >= 0)
+                s.send_done(bucket)
             span = _bucket(longest + k, _MIN_SPAN, s.slots)
             self._step_once(bucket, span, greedy, sampler, eos, graphs)
             k += 1
@@ -330,10 +376,9 @@ class MegatronDecoder:
     def _collect(self, results, row_of: List[int]) -> None:
         """Copy the responses of the slots that hold chunk rows into ``results`` (tokens,
         logprobs, counts per chunk row)."""
-        slots = [i for i, r in enumerate(row_of) if r >= 0]
-        index = torch.tensor(slots, device=self.device)
-        target = torch.tensor([row_of[i] for i in slots], device=self.device)
         s = self._slots
+        slots = [i for i, r in enumerate(row_of) if r >= 0]
+        index, target = s.to_device(slots), s.to_device([row_of[i] for i in slots])
         for out, src in zip(results, (s.out_tokens, s.out_logprobs, s.counts)):
             out.index_copy_(0, target, src[index])
 

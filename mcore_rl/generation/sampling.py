@@ -75,6 +75,16 @@ def check_sampling(cfg: GenerationConfig) -> None:
     check(cfg, "generation")
 
 
+def last_with_mass(probs: torch.Tensor) -> torch.Tensor:
+    """The index of each row's last token with probability > 0: ``[n]`` int32 of ``probs``
+    ``[n, V]`` (0 for a row with none), by one max over ``where(probs > 0, index, 0)`` (no scan;
+    the same numbers as ``(probs > 0).int().cumsum(-1).argmax(-1)``, whose first maximum is that
+    token). The index tensor is made at each call, not kept: a CUDA graph of a decode step must
+    own every buffer it reads."""
+    index = torch.arange(probs.shape[-1], dtype=torch.int32, device=probs.device)
+    return (probs > 0).mul(index).amax(dim=-1)
+
+
 class Sampler:
     """Picks next tokens from last-position logits under the module's conventions.
 
@@ -113,7 +123,8 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
             logprobs = torch.log_softmax(logits, dim=-1)
         else:
-            scaled = logits / self.temperature
+            # x / 1.0 == x exactly: temperature 1 skips a pass over [n, V].
+            scaled = logits if self.temperature == 1.0 else logits / self.temperature
             logprobs = torch.log_softmax(scaled, dim=-1)  # before top-p: see the module docstring
             if self._top_p is not None:
                 scaled = self._top_p(None, scaled)
@@ -121,7 +132,7 @@ class Sampler:
             cdf = probs.cumsum(dim=-1)
             target = (uniforms.to(cdf.device, torch.float32) * cdf[:, -1]).unsqueeze(-1)
             tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-            # Rounding can put the target at the total mass: take the last token with mass then.
-            last = (probs > 0).to(torch.int32).cumsum(dim=-1).argmax(dim=-1)
-            tokens = torch.minimum(tokens, last)
+            # Rounding (of a parallel scan's cdf) can put the draw past the last token with
+            # mass: take that token then.
+            tokens = torch.minimum(tokens, last_with_mass(probs))
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)

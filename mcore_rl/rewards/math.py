@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 
 from math_verify import parse, verify
@@ -10,6 +11,16 @@ from mcore_rl.data.example import Example
 
 # Seconds math-verify may spend parsing or comparing one answer.
 TIMEOUT_SECONDS = 5
+
+
+@functools.lru_cache(maxsize=65536)
+def _parsed_gold(answer: str, timeout) -> tuple:
+    """math-verify's ``parse`` of a ground-truth answer, kept per process: a prompt's
+    ``grpo.num_generations`` responses (and every later step that samples it) share one answer,
+    whose parse was a third of a sample's verification. ``parse`` is a pure function of the
+    text and its results (SymPy objects, strings) are immutable, so a kept one verifies as a
+    fresh one; a parse that raises (a timeout) is not kept."""
+    return tuple(parse(answer, parsing_timeout=timeout))
 
 
 def math_reward(response: str, example: Example) -> float:
@@ -23,12 +34,13 @@ def math_reward(response: str, example: Example) -> float:
 
     math-verify enforces its timeouts with ``signal.alarm``, which only works in the main
     thread; in any other thread (a threaded Ray actor, a thread pool) the timeouts are off.
+    The parsed ground truth is kept per process (:func:`_parsed_gold`).
 
     Raises:
         ValueError: ``example.answer`` cannot be parsed (names ``example.source``).
     """
     timeout = TIMEOUT_SECONDS if threading.current_thread() is threading.main_thread() else None
-    gold = parse(example.answer, parsing_timeout=timeout)
+    gold = list(_parsed_gold(example.answer, timeout))
     if not gold:
         raise ValueError(f"{example.source}: cannot parse the ground-truth answer "
                          f"{example.answer!r}")

@@ -17,8 +17,11 @@
 #   gsm8k       the SmolLM2 GSM8K RL step (bench/peers/mcore_rl_step.sh): GSM8K_VARIANTS of
 #               before (micro-batches of 16/32 rows), mbs64 (64/128), packed (32k tokens), fwd
 #               (mbs64 with loss.prev_logprobs=train_forward: no logprob forward), fwdpk (the
-#               same, packed in 64k-token micro-batches), hf
-#               and vllm (mbs64 with those rollout backends; vllm after the vllm stage)
+#               same, packed in 64k-token micro-batches), fwd128 (fwd with 128-row train
+#               micro-batches), fwdc (fwd with policy.megatron.compile_layers), fwdrw (fwd with 14
+#               reward processes), fwd2 (fwd128 + compile_layers + 14 reward processes), hf
+#               and vllm (mbs64 with those rollout backends; vllm after the vllm stage);
+#               GSM8K_TIMEOUT seconds a variant (240)
 #   profile     the mbs64 GSM8K step with MCORE_RL_PROFILE_DIR (a profiler table per worker call)
 #   trl         TRL 1.16 GRPOTrainer on the same step, its own generation (bench/peers)
 #   memory      the memory planner against measured peaks (scripts/gpu/memory_check.py):
@@ -138,7 +141,7 @@ stage_tools() {  # issue 24: SmolLM2 on the arithmetic chat task with the calcul
     done
 }
 
-stage_gsm8k() {  # GSM8K_VARIANTS: a subset of "before mbs64 packed"
+stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed")
     local step=bench/peers/mcore_rl_step.sh v
     declare -A variant_args=(
         [before]="policy.micro_batch_size=16 policy.logprob_micro_batch_size=32"
@@ -146,11 +149,15 @@ stage_gsm8k() {  # GSM8K_VARIANTS: a subset of "before mbs64 packed"
         [packed]="policy.sequence_packing=true policy.max_tokens_per_microbatch=32768"
         [fwd]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward"
         [fwdpk]="policy.sequence_packing=true policy.max_tokens_per_microbatch=65536 loss.prev_logprobs=train_forward"
+        [fwd128]="policy.micro_batch_size=128 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward"
+        [fwdc]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward policy.megatron.compile_layers=true"
+        [fwdrw]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward reward.num_workers=14"
+        [fwd2]="policy.micro_batch_size=128 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward policy.megatron.compile_layers=true reward.num_workers=14"
         [hf]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=hf"
         [vllm]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=vllm cluster.colocate_generation=true")
     for v in ${GSM8K_VARIANTS:-mbs64 packed}; do
         # shellcheck disable=SC2086
-        NAME=gsm8k_$v MODE="gsm8k $v" timeout 240 bash $step "$MODEL" "$DATA/train.jsonl" \
+        NAME=gsm8k_$v MODE="gsm8k $v" timeout "${GSM8K_TIMEOUT:-240}" bash $step "$MODEL" "$DATA/train.jsonl" \
             "$DATA/test.jsonl" logging.progress=false ${variant_args[$v]} > /dev/null 2>&1 || status=1
     done
     cp "$OUT"/gsm8k_*.json "$OUT"/gsm8k_*.log "$RES/" 2>/dev/null
