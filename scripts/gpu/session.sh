@@ -21,7 +21,8 @@
 #               micro-batches), fwdc (fwd with policy.megatron.compile_layers), fwdrw (fwd with 14
 #               reward processes), fwd2 (fwd128 + compile_layers + 14 reward processes), hf
 #               and vllm (mbs64 with those rollout backends; vllm after the vllm stage);
-#               GSM8K_TIMEOUT seconds a variant (240)
+#               GSM8K_TIMEOUT seconds a variant (240); base<variant> runs a variant on the code
+#               in .base/ (`git archive <commit> mcore_rl bench configs | tar -x -C .base`, carried)
 #   profile     the mbs64 GSM8K step with MCORE_RL_PROFILE_DIR (a profiler table per worker call)
 #   trl         TRL 1.16 GRPOTrainer on the same step, its own generation (bench/peers)
 #   memory      the memory planner against measured peaks (scripts/gpu/memory_check.py):
@@ -48,9 +49,10 @@
 #   decode3     rollout tokens/s of megatron, hf and vLLM on one GPU at 256 x 512 (the 0.5B
 #               Qwen2 shape of scripts/gpu/megatron_generation.py; issue 23)
 #
-# A stage written gpuN:STAGE runs in the background on GPU N alone (CUDA_VISIBLE_DEVICES=N) while
-# the stages after it run; `wait` waits for the background ones. E.g. two one-GPU jobs side by
-# side: `session.sh gpu1:ppo2 gpu0:gsm8k wait` (with PPO2_PLACEMENTS=colocated).
+# A stage written gpuN:STAGE (or gpuN:STAGE+STAGE..., one after the other) runs in the background
+# on GPU N alone (CUDA_VISIBLE_DEVICES=N) while the stages after it run; `wait` waits for the
+# background ones. E.g. one-GPU jobs side by side: `session.sh gpu1:ppo2+gsm8k gpu0:gsm8k wait`
+# (PPO2_PLACEMENTS=colocated; GSM8K_VARIANTS_GPU<N> is GPU N's variant list).
 #
 # Results: $OUT/<name>.json and logs (they come back with the call); tables printed last.
 # The stage_* functions are called by name (the loop at the end).
@@ -155,10 +157,18 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
         [fwd2]="policy.micro_batch_size=128 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward policy.megatron.compile_layers=true reward.num_workers=14"
         [hf]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=hf"
         [vllm]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=vllm cluster.colocate_generation=true")
-    for v in ${GSM8K_VARIANTS:-mbs64 packed}; do
+    # base<variant>: the variant on the code in .base/ (a carried `git archive` of an earlier
+    # commit's mcore_rl/ bench/ configs/), run from there: before and after on the same machine.
+    local name dir
+    local own=GSM8K_VARIANTS_GPU${CUDA_VISIBLE_DEVICES:-}
+    for v in ${!own:-${GSM8K_VARIANTS:-mbs64 packed}}; do
+        name=gsm8k_$v${CUDA_VISIBLE_DEVICES:+_gpu$CUDA_VISIBLE_DEVICES}  # gpuN: stages side by side
+        dir=$PWD
+        [[ $v == base* ]] && { dir=$PWD/.base; v=${v#base}; }
         # shellcheck disable=SC2086
-        NAME=gsm8k_$v MODE="gsm8k $v" timeout "${GSM8K_TIMEOUT:-240}" bash $step "$MODEL" "$DATA/train.jsonl" \
-            "$DATA/test.jsonl" logging.progress=false ${variant_args[$v]} > /dev/null 2>&1 || status=1
+        (cd "$dir" && PYTHONPATH=/tmp/site:$dir NAME=$name MODE="${name#gsm8k_}" \
+            timeout "${GSM8K_TIMEOUT:-240}" bash $step "$MODEL" "$DATA/train.jsonl" \
+            "$DATA/test.jsonl" logging.progress=false ${variant_args[$v]}) > /dev/null 2>&1 || status=1
     done
     cp "$OUT"/gsm8k_*.json "$OUT"/gsm8k_*.log "$RES/" 2>/dev/null
 }
@@ -295,15 +305,19 @@ for stage in "$@"; do
         wait) wait; echo "== background stages done: $((SECONDS - t0)) s"; continue ;;
         gpu[0-9]:*)
             gpu=${stage%%:*}
-            ( export CUDA_VISIBLE_DEVICES=${gpu#gpu}; "stage_${stage#*:}" > "$RES/bg_${stage#*:}.out" 2>&1
-              echo "== stage $stage (background): $((SECONDS - t0)) s" >> "$RES/bg_${stage#*:}.out" ) &
+            ( export CUDA_VISIBLE_DEVICES=${gpu#gpu}
+              IFS=+ read -r -a chain <<< "${stage#*:}"
+              for one in "${chain[@]}"; do
+                  "stage_$one"
+                  echo "== stage $gpu:$one (background): $((SECONDS - t0)) s"
+              done > "$RES/bg_$gpu.out" 2>&1 ) &
             continue ;;
     esac
     "stage_$stage"
     echo "== stage $stage: $((SECONDS - t0)) s"
 done
 wait
-for f in "$RES"/bg_*.out; do [ -f "$f" ] && cat "$f" && rm -f "$f"; done
+for f in "$RES"/bg_*.out; do [ -f "$f" ] && quiet < "$f" && rm -f "$f"; done
 # $OUT comes back with at most 8 files: everything in one archive, the tables on stdout.
 cp "$OUT"/*.json "$OUT"/*.log "$RES"/ 2>/dev/null
 tar -czf /tmp/results.tgz -C "$RES" . && rm -rf "${OUT:?}"/* && cp /tmp/results.tgz "$OUT"/
