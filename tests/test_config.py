@@ -207,6 +207,21 @@ def test_impossible_combination(overrides, expected):
     assert expected in _error(overrides)
 
 
+def test_fp32_value_head_in_a_bf16_critic_needs_the_distributed_optimizer():
+    """megatron-core's Float16 optimizer cannot checkpoint an fp32 parameter in a bf16 model
+    (seen on an H100): refused at load time unless the distributed optimizer holds it; the
+    default, a bf16 head, loads."""
+    ppo = ["algorithm=ppo", "cluster.device=cuda", "value.megatron.precision=bf16"]
+    message = ("value.head_fp32=true with value.megatron.precision=bf16 needs "
+               "value.megatron.ddp.use_distributed_optimizer=true")
+    assert message in _error(ppo + ["value.head_fp32=true"], name="ppo_synthetic")
+    for ok in ([], ["value.head_fp32=true", "value.megatron.ddp.use_distributed_optimizer=true"],
+               ["value.head_fp32=true", "value.megatron.precision=fp32"]):
+        load_config("ppo_synthetic", ppo + ok)
+    load_config("grpo_synthetic", ["cluster.device=cuda", "value.head_fp32=true",
+                                   "value.megatron.precision=bf16"])  # no critic: no check
+
+
 def test_gpu_only_features_on_auto_without_cuda(monkeypatch):
     import torch
 

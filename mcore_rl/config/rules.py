@@ -338,6 +338,24 @@ def ppo_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
             f"({ppo.num_mini_batches})"]
 
 
+def value_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """A float32 value head in a bf16 critic checkpoints only with Megatron's distributed
+    optimizer: megatron-core's ``Float16OptimizerWithFloat16Params.sharded_state_dict`` maps
+    checkpoint entries to the ids of the bf16 parameters alone, while the optimizer's state
+    numbers the fp32 ones among them, so the first save fails with a ``KeyError`` (seen on an
+    H100 with megatron-core 0.19.2: PPO on SmolLM2, the critic's id 182 = its 182 bf16
+    parameters + the head)."""
+    v = cfg.value
+    if cfg.algorithm != CRITIC_ALGORITHM or not v.head_fp32 or v.megatron.precision != "bf16" \
+            or v.megatron.ddp.use_distributed_optimizer:
+        return []
+    return ["value.head_fp32=true with value.megatron.precision=bf16 needs "
+            "value.megatron.ddp.use_distributed_optimizer=true: megatron-core's other optimizer "
+            "cannot checkpoint an fp32 parameter in a bf16 model (its first save fails); set "
+            "value.head_fp32=false (the head in bf16 with fp32 main weights in the optimizer) or "
+            "use the distributed optimizer"]
+
+
 # What validate runs after the field checks, in this order (the order of the messages).
 RULES: Tuple[Rule, ...] = (
     model_rules,
@@ -354,6 +372,7 @@ RULES: Tuple[Rule, ...] = (
     grpo_rules,
     loss_rules,
     ppo_rules,
+    value_rules,
 )
 
 

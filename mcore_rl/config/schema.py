@@ -586,8 +586,12 @@ class ValueConfig:
     # the policy's weights (model.hf_path or the same seeded init; after an sft warm start, the
     # warm-started policy's).
     hf_path: Optional[str] = None
-    # Keep the value head in float32 whatever value.megatron.precision is.
-    head_fp32: bool = True
+    # Keep the value head in float32 whatever value.megatron.precision is. With precision bf16
+    # this needs value.megatron.ddp.use_distributed_optimizer=true: megatron-core's other
+    # optimizer (Float16OptimizerWithFloat16Params) numbers a bf16 model's fp32 parameters out of
+    # step with their checkpoint entries and fails at the first save (KeyError, seen on an H100
+    # with megatron-core 0.19.2); the load-time check refuses that combination.
+    head_fp32: bool = False
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # Sequences per training forward/backward on each DP rank.

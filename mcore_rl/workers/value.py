@@ -108,7 +108,7 @@ class ValueWorker(MegatronTrainWorker):
     """
 
     def __init__(self, *, hf_path: Optional[str], hf_config: Dict[str, Any], vocab_size: int,
-                 head_fp32: bool = True, **kwargs):
+                 head_fp32: bool = False, **kwargs):
         self.hf_path = hf_path
         self.hf_config_dict = hf_config
         self.vocab_size = vocab_size
