@@ -6,7 +6,9 @@ checkpoint, resumed after a critic warm-up step."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import types
 from pathlib import Path
 
@@ -304,3 +306,59 @@ def test_ppo_gsm8k_two_steps_from_hf_checkpoint_with_resume(qwen2_checkpoint, tm
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and "val_accuracy_end" in summary
     assert Path(out / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_separate_placement_trains_critic_and_policy_at_once():
+    """The critic's and the policy's updates of a PPO step depend on the rollout only: with
+    cluster.placement=separate every critic update is sent before the policy's first (the
+    critic's GPUs work while the policy trains), colocated they alternate; each update gets the
+    same mini-batch either way and the step's metrics are the same."""
+    from concurrent.futures import Future
+
+    from mcore_rl.controller.loops import algorithm
+
+    def run(placement):
+        cfg = load_config("ppo_synthetic", [f"cluster.placement={placement}", "ppo.ppo_epochs=2",
+                                            "ppo.num_mini_batches=2", "ppo.critic_warmup_steps=0"])
+        alg = algorithm(cfg)
+        events, pending = [], []
+
+        class Critic:
+            def train_async(self, part, loss_fn, micro_batch_size):
+                events.append(("critic", part["row"].tolist()))
+                f = Future()
+                pending.append((f, float(part["row"].float().mean())))
+                if placement == "colocated":  # answered at once: the loop waits for each
+                    f.set_result({"loss": pending[-1][1]})
+                else:  # answered after the policy's last update, or 5 s on (a waiting loop
+                    # then fails the order assertions below instead of hanging)
+                    answer = lambda f=f, loss=pending[-1][1]: f.done() or f.set_result({"loss": loss})  # noqa: E731
+                    timer = threading.Timer(5.0, answer)
+                    timer.daemon = True
+                    timer.start()
+                return f
+
+        class Trainer:
+            step, groups = 3, {"value": Critic()}
+            timer = type("T", (), {"phase": staticmethod(lambda name: contextlib.nullcontext())})()
+
+            @staticmethod
+            def train_policy(part, loss_fn):
+                events.append(("policy", part["row"].tolist()))
+                if placement == "separate":
+                    assert not any(f.done() for f, _ in pending)  # the critic still works
+                    if len(pending) == sum(e[0] == "policy" for e in events) == 4:
+                        for f, loss in pending:  # the critic answers after the policy's last
+                            if not f.done():
+                                f.set_result({"loss": loss})
+                return {"loss": -float(part["row"].float().mean())}
+
+        rollout = {"row": torch.arange(8)}
+        return events, alg.train_step(Trainer(), rollout)
+
+    (seq, seq_metrics), (both, both_metrics) = run("colocated"), run("separate")
+    assert [kind for kind, _ in seq] == ["critic", "policy"] * 4
+    assert [kind for kind, _ in both] == ["critic"] * 4 + ["policy"] * 4
+    assert [rows for kind, rows in both if kind == "critic"] == [rows for kind, rows in seq if kind == "critic"]
+    assert [rows for kind, rows in both if kind == "policy"] == [rows for kind, rows in seq if kind == "policy"]
+    assert both_metrics == seq_metrics and set(both_metrics) == {"critic/loss", "train/loss"}

@@ -159,18 +159,34 @@ class PPO(Algorithm):
         return step >= self.cfg.ppo.critic_warmup_steps
 
     def train_step(self, trainer: "RLTrainer", rollout: B.Batch) -> Dict[str, float]:
-        """``ppo.ppo_epochs`` passes over :meth:`mini_batches`, each a critic update (timed as
-        ``train_critic``) then, after the warm-up, a policy update (``train``); their mean
-        metrics as ``critic/<metric>`` and ``train/<metric>``."""
+        """``ppo.ppo_epochs`` passes over :meth:`mini_batches`, each a critic update then, after
+        the warm-up, a policy update; their mean metrics as ``critic/<metric>`` and
+        ``train/<metric>``. The two updates depend on the rollout only, not on each other, so
+        with ``cluster.placement=separate`` (critic and policy on GPUs of their own) every
+        critic update is sent at once (the critic's ranks run them in order) and the policy
+        trains meanwhile: ``train`` times the policy's updates, ``train_critic`` what is left
+        of the critic's after them. Colocated (one GPU each rank, two processes time-slicing
+        it) they alternate: ``train_critic`` then ``train`` per mini-batch. The numbers are
+        the same either way."""
         p, t = self.cfg.ppo, trainer.timer
         train_policy = self.trains_policy(trainer.step)
         value = trainer.groups["value"]
+        parts = [part for epoch in range(p.ppo_epochs)
+                 for part in self.mini_batches(rollout, trainer.step, epoch)]
+        critic = lambda part: value.train_async(part, self.value_loss_fn,  # noqa: E731
+                                                self.cfg.value.micro_batch_size)
         value_metrics, policy_metrics = [], []
-        for epoch in range(p.ppo_epochs):
-            for part in self.mini_batches(rollout, trainer.step, epoch):
+        if self.cfg.cluster.placement == "separate":
+            pending = [critic(part) for part in parts]
+            if train_policy:
+                with t.phase("train"):
+                    policy_metrics = [trainer.train_policy(part, self.loss_fn) for part in parts]
+            with t.phase("train_critic"):
+                value_metrics = [f.result() for f in pending]
+        else:
+            for part in parts:
                 with t.phase("train_critic"):
-                    value_metrics.append(value.train(part, self.value_loss_fn,
-                                                     self.cfg.value.micro_batch_size))
+                    value_metrics.append(critic(part).result())
                 if train_policy:
                     with t.phase("train"):
                         policy_metrics.append(trainer.train_policy(part, self.loss_fn))

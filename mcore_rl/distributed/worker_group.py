@@ -679,8 +679,13 @@ class DataParallelGroup:
     def call_sharded(self, method: str, batch: B.Batch, *args) -> List[Any]:
         """``method(shard, *args)`` on every rank with its DP shard of ``batch``; the per-rank
         results."""
+        return self.call_sharded_async(method, batch, *args).result()
+
+    @_typed_method
+    def call_sharded_async(self, method: str, batch: B.Batch, *args) -> Future:
+        """:meth:`call_sharded` started: a future of the per-rank results."""
         shards = B.shard(batch, self.dp_size)
-        return self.group.call_each(method, [[shards[d], *args] for d in self.dp_rank_of])
+        return self.group.call_each_async(method, [[shards[d], *args] for d in self.dp_rank_of])
 
     @_typed_method
     def call_per_dp_async(self, method: str, args_per_dp: Sequence[Sequence[Any]],
@@ -721,8 +726,14 @@ class DataParallelGroup:
 
     def train(self, batch: B.Batch, loss_fn, micro_batch_size: int) -> Dict[str, float]:
         """One optimizer step on ``batch`` (the global batch); the step's metrics."""
-        return self.call_sharded(TrainWorkerAPI).train(batch, loss_fn, B.batch_size(batch),
-                                                       micro_batch_size)[0]
+        return self.train_async(batch, loss_fn, micro_batch_size).result()
+
+    def train_async(self, batch: B.Batch, loss_fn, micro_batch_size: int) -> Future:
+        """:meth:`train` started (the group's calls run in the order sent, so several steps may
+        be queued): a future of the step's metrics."""
+        future = self.call_sharded_async(TrainWorkerAPI).train(batch, loss_fn, B.batch_size(batch),
+                                                               micro_batch_size)
+        return then(future, lambda outs: outs[0])
 
     # The split train step (the workers' begin_train_step / train_microbatch /
     # finish_train_step / abort_train_step): one optimizer step whose rows arrive over time,
