@@ -18,7 +18,7 @@ shards them: q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, TP slices),
 layerwise reload (``initialize_layerwise_reload`` ... ``finalize_layerwise_reload``), which
 re-runs each layer's post-load processing (on CPU the weights are repacked for the CPU kernels;
 plain ``load_weights`` after start-up would leave the packed copies stale). The GPU transports
-are written against vLLM's API and not run in this repository's tests (README).
+ran on H100s (bench/RESULTS.md) and are not run in this repository's tests (CPU).
 """
 
 from __future__ import annotations

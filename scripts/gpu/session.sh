@@ -38,7 +38,8 @@
 #
 # Stages of two GPUs (issue 27; nvidia-h100-x2 or nvidia-h200-x2):
 #   parity2     the policy layout parity at TP=2, PP=2, DP=2 in bf16 against one GPU
-#               (scripts/gpu/layout_parity.py; local and torch layer specs)
+#               (scripts/gpu/layout_parity.py; local and torch layer specs: 466 s on two H100s,
+#               process starts dominate)
 #   stream2     streaming against synchronous GRPO with the rollout engine on a GPU of its own
 #               (bench/streaming.py): STREAM2_RUNS of syn (grpo_synthetic_gpu, hf engine),
 #               smol_hf, smol_vllm (grpo_smollm2_arith with the hf engine, with vLLM)
