@@ -173,8 +173,10 @@ class PPO(Algorithm):
         value = trainer.groups["value"]
         parts = [part for epoch in range(p.ppo_epochs)
                  for part in self.mini_batches(rollout, trainer.step, epoch)]
-        critic = lambda part: value.train_async(part, self.value_loss_fn,  # noqa: E731
-                                                self.cfg.value.micro_batch_size)
+
+        def critic(part: B.Batch):
+            return value.train_async(part, self.value_loss_fn, self.cfg.value.micro_batch_size)
+
         value_metrics, policy_metrics = [], []
         if self.cfg.cluster.placement == "separate":
             pending = [critic(part) for part in parts]
