@@ -617,7 +617,7 @@ class RayWorkerGroup(_Group):
 
     def _signal(self, node: Optional[str], pid: int, signum: int) -> None:
         ray = self._ray
-        if node is None or node == ray.get_runtime_context().get_node_id():
+        if node is None or node == self._this_node():
             os.kill(pid, signum)
             return
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

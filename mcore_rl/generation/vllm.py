@@ -44,8 +44,8 @@ map; on GPUs the policy's ranks send them themselves (:meth:`PolicyWorker.send_h
 through CUDA IPC handles from the policy rank on the same GPU when the engines sit on the
 policy's GPUs
 (``cluster.colocate_generation``), over an NCCL group of policy rank 0 and every engine worker
-otherwise (one NCCL group while the engines live, made anew when one dies; the policy's ranks wait until every engine has decoded
-the calls it held before the refit). Colocated GPU engines sleep (``generation.vllm.sleep_level``)
+otherwise (one NCCL group while the engines live, made anew when one dies; the policy's ranks
+wait until every engine has decoded the calls it held before the refit). Colocated GPU engines sleep (``generation.vllm.sleep_level``)
 while the policy computes logprobs and trains, and wake for the refit (they cannot stream: the
 config loader refuses ``grpo.streaming`` with ``cluster.colocate_generation``). The GPU paths
 ran on H100s (CUDA IPC on one GPU, NCCL on two; bench/RESULTS.md), not in the tests (CPU).
