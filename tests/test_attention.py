@@ -234,3 +234,33 @@ def test_config_validation_of_layer_spec_and_compile():
         validate(cfg)
     assert "policy.megatron.layer_spec must be one of local, torch, transformer_engine" in str(err.value)
     assert "policy.megatron.compile_layers needs a GPU" in str(err.value)
+
+
+def test_decode_attention_equals_megatron_order_of_operations_in_bf16():
+    """``decode_attention`` (scale in the product's accumulator, softmax written in bf16 by one
+    kernel) against Megatron's order (query scaled in bf16, fp32 softmax, then cast): equal bit
+    for bit at a power-of-two scale (head dim 64), within bf16 rounding at another."""
+    from mcore_rl.megatron.attention import decode_attention
+
+    def megatron_order(query, keys, values, mask, scale):
+        b, ng, s, hn = keys.shape
+        q = query[0].reshape(b, ng, -1, hn) * scale
+        scores = torch.matmul(q, keys.transpose(2, 3)).masked_fill(mask[:, None, None, :],
+                                                                   float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.matmul(probs, values).reshape(1, b, -1)
+
+    g = torch.Generator().manual_seed(0)
+    rows, ng, np_, span = 16, 3, 9, 128
+    for hn, exact in ((64, True), (48, False)):
+        cache = [torch.randn(32, ng, 256, hn, generator=g).bfloat16() for _ in range(2)]
+        keys, values = (c[:rows][:, :, :span] for c in cache)  # strided views, as the decoder's
+        query = torch.randn(1, rows, np_, hn, generator=g).bfloat16()
+        mask = torch.arange(span)[None] > torch.randint(0, span, (rows,), generator=g)[:, None]
+        got = decode_attention(query, keys, values, mask, hn ** -0.5)
+        want = megatron_order(query, keys, values, mask, hn ** -0.5)
+        assert got.shape == (1, rows, np_ * hn) and got.dtype == torch.bfloat16
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

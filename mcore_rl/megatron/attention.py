@@ -419,8 +419,11 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     Grouped-query attention (Ainslie et al. 2023) without repeating the KV heads: the ``np / ng``
     query heads of a group (Megatron's head order: head ``h`` is in group ``h // (np / ng)``) form
     the rows of one batched matrix product with that group's keys, so each key is read once.
-    Scores in the input dtype (fp32 accumulation; the query scaled first), softmax in fp32 (as
-    Megatron's ``DotProductAttention``).
+    Scores in the input dtype, scaled in the product's fp32 accumulator (``baddbmm``'s ``alpha``,
+    as Megatron's ``DotProductAttention``); softmax computed in fp32 and written in the input
+    dtype by one kernel (the same numbers as Megatron's fp32 softmax and cast). Four kernels: a
+    decode step of a small model is a string of small launches (bench/RESULTS.md), and scaling
+    the query, then casting the probabilities, were two more per layer.
 
     Args:
         query: ``[1, B, np, hn]``.
@@ -434,11 +437,13 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """
     b, ng, s, hn = keys.shape
     np_ = query.shape[2]
-    q = query[0].reshape(b, ng, np_ // ng, hn) * scale
-    scores = torch.matmul(q, keys.transpose(2, 3))  # [B, ng, np/ng, S]
-    scores = scores.masked_fill(attention_mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.matmul(probs, values).reshape(1, b, np_ * hn)
+    q = query[0].reshape(b * ng, np_ // ng, hn)
+    k = keys.reshape(b * ng, s, hn).transpose(1, 2)  # a view: rows and groups are adjacent
+    scores = torch.baddbmm(q.new_empty(b * ng, np_ // ng, s), q, k, beta=0.0, alpha=scale)
+    scores = scores.view(b, ng, np_ // ng, s).masked_fill_(attention_mask[:, None, None, :],
+                                                           float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b * ng, np_ // ng, s)
+    return torch.bmm(probs, values.reshape(b * ng, s, hn)).reshape(1, b, np_ * hn)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,8 @@
 #               (mbs64 with loss.prev_logprobs=train_forward: no logprob forward), fwdpk (the
 #               same, packed in 64k-token micro-batches), fwd128 (fwd with 128-row train
 #               micro-batches), fwdc (fwd with policy.megatron.compile_layers), fwdrw (fwd with 14
-#               reward processes), fwd2 (fwd128 + compile_layers + 14 reward processes), hf
+#               reward processes), fwd2 (fwd128 + compile_layers + 14 reward processes), best
+#               (fwdpk with 14 reward processes), hf
 #               and vllm (mbs64 with those rollout backends; vllm after the vllm stage);
 #               GSM8K_TIMEOUT seconds a variant (240); base<variant> runs a variant on the code
 #               in .base/ (`git archive <commit> mcore_rl bench configs | tar -x -C .base`, carried)
@@ -155,6 +156,7 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
         [fwd128]="policy.micro_batch_size=128 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward"
         [fwdc]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward policy.megatron.compile_layers=true"
         [fwdrw]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward reward.num_workers=14"
+        [best]="policy.sequence_packing=true policy.max_tokens_per_microbatch=65536 loss.prev_logprobs=train_forward reward.num_workers=14"
         [fwd2]="policy.micro_batch_size=128 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward policy.megatron.compile_layers=true reward.num_workers=14"
         [hf]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=hf"
         [vllm]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=vllm cluster.colocate_generation=true")
