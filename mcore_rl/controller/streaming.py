@@ -455,6 +455,7 @@ class StreamingLoop(Loop):
         dp_rows = {name: [0] * group.dp_size for name, group in self.trainer._groups().items()}
         waiting: Dict[Future, _Chunk] = {}  # a forward call -> the chunk that waits for it
         training: set = set()  # train_microbatch calls outstanding
+        calls: List[Future] = []  # every worker call of this try, in the order made
         chunks: List[B.Batch] = []
 
         def flush(d: int) -> None:
@@ -469,6 +470,7 @@ class StreamingLoop(Loop):
             for key, call in c.calls.items():  # watched as the synchronous loop's phases
                 self.trainer.watchdog.track("values" if key.endswith("values") else "logprobs", call)
             waiting.update((f, c) for f in c.calls.values())
+            calls.extend(c.calls.values())
 
         def forwarded(f: Future) -> None:
             c = waiting.pop(f)
@@ -479,10 +481,12 @@ class StreamingLoop(Loop):
                 c.rows[key] = call.result()[0]
             self.algorithm.prepare_chunk(c.rows)
             chunks.append(c.rows)
-            training.update(self.trainer.watchdog.track(
+            made = [self.trainer.watchdog.track(
                 "train" if name == "policy" else "train_critic",
                 step.group.train_microbatch(c.rows, c.dp_ranks[name]))
-                for name, step in steps.items())
+                for name, step in steps.items()]
+            training.update(made)
+            calls.extend(made)
 
         try:
             for step in steps.values():
@@ -525,5 +529,11 @@ class StreamingLoop(Loop):
                 step.group.abort_train_step()
             self.ready.extendleft(reversed(fed))
             if isinstance(e, WorkerError):
+                # Report the first call that failed, in the order they were made, not the first
+                # answer read: a rank's later micro-batch fails only because the failure before
+                # it closed that rank's step ("no split train step is open").
+                e = next((f.exception() for f in calls
+                          if f.done() and not f.cancelled()
+                          and isinstance(f.exception(), WorkerError)), e)
                 raise _Fault(str(e)) from e
             raise
