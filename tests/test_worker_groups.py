@@ -11,8 +11,11 @@ must the parameters.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import socket
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 
@@ -168,3 +171,78 @@ def test_signals_ignored_and_a_dead_worker_fails_its_calls():
         assert group.gone_ranks() == [0, 1]
     finally:
         group.shutdown()
+
+
+class Rendezvous:
+    """Rank 0 hosts a TCPStore on the group's port, the others join it (the rendezvous of
+    ``torch.distributed`` start-up); rank 0 raises first with ``fail``."""
+
+    def __init__(self, rank, world_size, master_addr, master_port, fail=False, **kwargs):
+        from datetime import timedelta
+
+        if fail and rank == 0:
+            raise ValueError("rank 0 cannot build")
+        self.store = torch.distributed.TCPStore(master_addr, master_port, world_size,
+                                                is_master=rank == 0,
+                                                timeout=timedelta(seconds=300))
+        self.rank = rank
+
+    def port(self):
+        return self.store.port
+
+
+def _start_in_thread(*args, **kwargs):
+    """ProcessWorkerGroup(*args, **kwargs) in a thread; returns (thread, outcome dict)."""
+    outcome = {}
+
+    def start():
+        try:
+            outcome["group"] = ProcessWorkerGroup(*args, **kwargs)
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+STALL = 300  # a start-up that waits for a rank that will never answer waits forever
+
+
+def test_start_up_fails_at_the_first_rank_that_fails_and_kills_the_others():
+    """Rank 0 fails to build while rank 1 waits for the store rank 0 was to host: the group's
+    start-up fails with rank 0's error at once instead of waiting for rank 1's rendezvous
+    timeout, and rank 1's process is killed."""
+    before = set(p.pid for p in multiprocessing.active_children())
+    thread, outcome = _start_in_thread(Rendezvous, 2, {"fail": True})
+    thread.join(STALL)
+    assert not thread.is_alive()
+    err = outcome["error"]
+    assert isinstance(err, WorkerError) and "rank 0 cannot build" in str(err)
+    assert "[rank 1]" not in str(err)
+    assert not [p for p in multiprocessing.active_children() if p.pid not in before]
+
+
+def test_start_up_takes_a_new_port_when_the_rendezvous_port_was_taken(monkeypatch):
+    """Another process binds the port free_port() found before rank 0 listens on it
+    (EADDRINUSE): the start-up is tried again on a new port and the group works."""
+    from mcore_rl.distributed import worker_group
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = worker_group.free_port
+    monkeypatch.setattr(worker_group, "free_port", lambda: next(ports, None) or real())
+    try:
+        thread, outcome = _start_in_thread(Rendezvous, 2, {})
+        thread.join(STALL)
+        assert not thread.is_alive() and "error" not in outcome, outcome.get("error")
+        group = outcome["group"]
+        try:
+            port = group.call("port")
+            assert port[0] == port[1] != taken.getsockname()[1]
+        finally:
+            group.shutdown()
+    finally:
+        taken.close()

@@ -159,6 +159,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Start-ups of a process group: a retry takes a new rendezvous port when another process took
+# the one free_port() found before rank 0 could listen on it (a race between finding and binding).
+_START_TRIES = 3
+
+
+def _port_taken(error: str) -> bool:
+    """Whether a start-up error is rank 0 failing to listen on the rendezvous port (torch's
+    TCPStore: ``EADDRINUSE``)."""
+    return "EADDRINUSE" in error or "ddress already in use" in error
+
+
 class WorkerError(RuntimeError):
     """A worker method raised (the message carries the rank and the remote traceback), or a
     worker is gone.
@@ -191,9 +202,14 @@ class _Gather:
     is the list of answers in the order of the ranks called, its exception a
     :class:`WorkerError` with every failed rank's traceback."""
 
-    def __init__(self, ranks: Sequence[int], method: str = ""):
+    def __init__(self, ranks: Sequence[int], method: str = "", fail_fast: bool = False):
         self.future: Future = Future()
         self.method = method
+        # fail_fast: the first error fails the future at once (the answers still due are then
+        # dropped), for calls whose other ranks may never answer once one failed (start-up:
+        # they wait in a rendezvous the failed rank was to host).
+        self.fail_fast = fail_fast
+        self._finished = False
         self.sent = time.monotonic()
         self._ranks = list(ranks)
         self._answered = [False] * len(self._ranks)
@@ -217,8 +233,9 @@ class _Gather:
                 if gone:
                     self._gone.append(self._ranks[slot])
             self._left -= 1
-            if self._left:
+            if self._finished or (self._left and not (self.fail_fast and self._errors)):
                 return
+            self._finished = True
         if self._errors:
             self.future.set_exception(WorkerError(
                 "\n".join(f"[rank {r}]\n{e}" for r, e in sorted(self._errors.items())),
@@ -254,9 +271,9 @@ class _Group:
         self._calls: set = set()
         _LIVE_GROUPS.add(self)
 
-    def _gather(self, ranks: Sequence[int], method: str) -> "_Gather":
+    def _gather(self, ranks: Sequence[int], method: str, fail_fast: bool = False) -> "_Gather":
         """A :class:`_Gather` for a call of ``method`` on ``ranks``, kept until answered."""
-        gather = _Gather(ranks, method)
+        gather = _Gather(ranks, method, fail_fast)
         if not gather.future.done():
             with self._calls_lock:
                 self._calls.add(gather)
@@ -441,7 +458,11 @@ def _process_main(conn, worker_cls, kwargs, env, dump_file=None):
 class ProcessWorkerGroup(_Group):
     """``world_size`` spawned processes, rank r built with ``worker_cls(**kwargs, rank=r,
     world_size=..., master_addr=..., master_port=...)``. Raises :class:`WorkerError` when a
-    worker fails to build; a call that raises fails its future (the worker stays usable).
+    worker fails to build, at the first rank that fails (the others, which may be waiting in
+    the rendezvous it was to host, are killed); a start-up whose rank 0 found the rendezvous
+    port taken (``EADDRINUSE``: another process bound it after :func:`free_port` found it
+    free) is tried again on a new port, up to :data:`_START_TRIES` times. A call that raises
+    fails its future (the worker stays usable).
 
     Args:
         env_per_rank: environment variables set in rank r's process before its worker is
@@ -455,14 +476,33 @@ class ProcessWorkerGroup(_Group):
                  env_per_rank: Optional[Sequence[Dict[str, str]]] = None,
                  name: str = "workers", dump_dir: Optional[str] = None):
         self._watch(name, dump_dir)
+        self._send_lock = threading.Lock()
+        for attempt in range(1, _START_TRIES + 1):
+            built = self._start(worker_cls, world_size, kwargs, env_per_rank, name, dump_dir)
+            try:
+                built.future.result()
+                return
+            except WorkerError as e:
+                # The other ranks may wait for good in a rendezvous the failed rank was to host:
+                # every process is killed, not asked to stop.
+                self._stop(kill=True)
+                if attempt < _START_TRIES and _port_taken(str(e)):
+                    continue  # another process took the rendezvous port first: a new one
+                _LIVE_GROUPS.discard(self)
+                raise
+
+    def _start(self, worker_cls, world_size: int, kwargs: Dict[str, Any],
+               env_per_rank: Optional[Sequence[Dict[str, str]]], name: str,
+               dump_dir: Optional[str]) -> "_Gather":
+        """Spawn the ranks on a fresh rendezvous port; returns the gather of their start-up
+        (failed at the first rank that fails to build)."""
         ctx = mp.get_context("spawn")
         port = free_port()
         self._conns = []
         self._procs = []
         # Per rank: the calls waiting for its answer, in order; a thread per rank reads them.
         self._waiting: List[queue.Queue] = [queue.Queue() for _ in range(world_size)]
-        self._send_lock = threading.Lock()
-        built = self._gather(range(world_size), "__init__")
+        built = self._gather(range(world_size), "__init__", fail_fast=True)
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             kw = dict(kwargs, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
@@ -479,33 +519,32 @@ class ProcessWorkerGroup(_Group):
             self._conns.append(parent)
             self._procs.append(p)
             self._waiting[rank].put((built, rank))
-        self._readers = [threading.Thread(target=self._read, args=(r,), daemon=True)
-                         for r in range(world_size)]
+        self._readers = [threading.Thread(target=self._read, daemon=True, args=(
+            self._conns[r], self._waiting[r], self._procs[r])) for r in range(world_size)]
         for t in self._readers:
             t.start()
-        try:
-            built.future.result()
-        except WorkerError:
-            self.shutdown()
-            raise
+        return built
 
     @property
     def world_size(self) -> int:
         return len(self._conns)
 
-    def _read(self, rank: int) -> None:
-        """Rank ``rank``'s answers, handed to its waiting calls in order."""
+    @staticmethod
+    def _read(conn, waiting: queue.Queue, proc) -> None:
+        """One rank's answers on ``conn``, handed to its calls waiting in ``waiting`` in order
+        (``proc``: its process). The objects are the thread's own: a start-up tried again
+        makes new ones."""
         while True:
-            item = self._waiting[rank].get()
+            item = waiting.get()
             if item is None:
                 return
             gather, slot = item
             try:
-                status, value = self._conns[rank].recv()
+                status, value = conn.recv()
             except (EOFError, OSError):
-                self._procs[rank].join(timeout=5)
+                proc.join(timeout=5)
                 gather.put(slot, False, f"the worker process is gone (exit code "
-                                        f"{self._procs[rank].exitcode})", gone=True)
+                                        f"{proc.exitcode})", gone=True)
                 continue
             gather.put(slot, status == "ok", value)
 
@@ -535,13 +574,21 @@ class ProcessWorkerGroup(_Group):
 
     def shutdown(self) -> None:
         _LIVE_GROUPS.discard(self)
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
+        self._stop(kill=False)
+
+    def _stop(self, kill: bool) -> None:
+        """End the ranks' processes (asked to stop, killed after 30 s; at once with ``kill``)
+        and their reader threads."""
+        if not kill:
+            for conn in self._conns:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
         for p in self._procs:
-            p.join(timeout=30)
+            if kill and p.is_alive():
+                p.kill()
+            p.join(timeout=5 if kill else 30)
             if p.is_alive():
                 p.kill()
         for waiting in self._waiting:
