@@ -165,6 +165,10 @@ PAR = "policy.megatron."
       PAR + "virtual_pipeline_model_parallel_size=2"],
      "model.arch.num_layers (2) must be divisible by policy.megatron.pipeline_model_parallel_size"
      " x virtual_pipeline_model_parallel_size (2 x 2)"),
+    ([PAR + "recompute_granularity=full", PAR + "recompute_num_layers=5"],
+     "policy.megatron.recompute_num_layers (5) must be at most the layers of one pipeline stage (4"),
+    (["env.name=tool_use", "generation.ignore_eos=true"],
+     "generation.ignore_eos=true cannot run env.name=tool_use (a multi-turn environment)"),
     (["model.arch.num_layers=2", "cluster.num_workers=4", PAR + "pipeline_model_parallel_size=4"],
      "model.arch.num_layers (2) must be divisible by policy.megatron.pipeline_model_parallel_size"
      " x virtual_pipeline_model_parallel_size (4 x 1)"),

@@ -26,6 +26,7 @@ from transformers import (
 
 from mcore_rl.config.schema import MegatronConfig, ModelArchConfig
 from mcore_rl.megatron.conversion import (
+    SeededNormalInit,
     arch_to_hf_config,
     export_hf_weights,
     hf_checkpoint_state_dict,
@@ -190,6 +191,22 @@ def _error_checks():
     }
 
 
+SEEDED_LAYOUTS = ("tp1", "tp2", "pp2")
+
+
+def _seeded_check(megatron: MegatronConfig) -> list:
+    """model.init=normal in this layout: the weights exported after loading the lazily drawn
+    state, against the same state drawn whole (names that differ; [] when equal bit for bit)."""
+    model = hf_model("llama_mqa_v101")
+    arch = hf_config_to_arch(model.config)
+    chunks = build_model(arch, megatron, arch.vocab_size, "cpu")
+    load_hf_weights(chunks, SeededNormalInit(arch, arch.vocab_size, seed=5), arch)
+    drawn = dict(SeededNormalInit(arch, arch.vocab_size, seed=5))
+    exported = dict(export_hf_weights(chunks, arch, arch.vocab_size))
+    assert set(exported) == set(drawn)
+    return [n for n, t in exported.items() if not torch.equal(t, drawn[n])]
+
+
 def _all_checks():
     results = {}
     for layout, fields, names in LAYOUTS:
@@ -200,6 +217,8 @@ def _all_checks():
                    expert_tensor_parallel_size=megatron.expert_tensor_parallel_size)
         for name in names:
             results[(layout, name)] = _check(name, megatron)
+        if layout in SEEDED_LAYOUTS:
+            results[("seeded", layout)] = _seeded_check(megatron)
         if layout == "tp1":
             results["errors"] = _error_checks()
     return results
@@ -208,6 +227,36 @@ def _all_checks():
 @pytest.fixture(scope="module")
 def results():
     return run_distributed(_all_checks, 2)
+
+
+@pytest.mark.parametrize("layout", SEEDED_LAYOUTS)
+def test_seeded_normal_init_loads_the_same_weights_in_every_layout(results, layout):
+    """model.init=normal: each rank draws every tensor it loads and keeps its slice; the
+    exported model is the whole drawn state, bit for bit, at TP=1, TP=2 and PP=2."""
+    assert [r[("seeded", layout)] for r in results] == [[], []]  # every rank exports it all
+
+
+def test_seeded_normal_init_draws_each_tensor_from_its_own_seed():
+    arch = hf_config_to_arch(hf_model("qwen2_tied").config)
+    state = SeededNormalInit(arch, arch.vocab_size, seed=3, std=0.02)
+    names = list(state)
+    assert len(state) == len(names) and "lm_head.weight" not in names  # tied
+    forward = {n: state[n] for n in names}
+    backward = {n: state[n] for n in reversed(names)}
+    assert all(torch.equal(forward[n], backward[n]) for n in names)  # read order does not matter
+    other = SeededNormalInit(arch, arch.vocab_size, seed=4)
+    emb = "model.embed_tokens.weight"
+    assert not torch.equal(other[emb], forward[emb])
+    assert state.shape(emb) == forward[emb].shape == (arch.vocab_size, arch.hidden_size)
+    for n, t in forward.items():  # transformers' _init_weights for these decoders
+        if n.endswith(".bias"):
+            assert not t.any(), n
+        elif "norm" in n:
+            assert torch.equal(t, torch.ones_like(t)), n
+        else:
+            assert abs(t.std().item() - 0.02) < 0.2 * 0.02 and abs(t.mean().item()) < 0.01, n
+    assert not torch.equal(forward["model.layers.0.mlp.up_proj.weight"][:8],
+                           forward["model.layers.1.mlp.up_proj.weight"][:8])
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])

@@ -64,6 +64,14 @@ LAYOUTS = {
     "pp2_dp2": (4, dict(pipeline_model_parallel_size=2)),
     "pp2_vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    # activation recomputation changes no number: every layer's forward again in the backward
+    # (groups of 2 layers), and on a pipeline the first layer of each stage plus the core
+    # attention of the others
+    "tp2_recompute_full": (2, dict(tensor_model_parallel_size=2, recompute_granularity="full",
+                                   recompute_method="uniform", recompute_num_layers=2)),
+    "pp2_recompute_block": (2, dict(pipeline_model_parallel_size=2, recompute_granularity="full",
+                                    recompute_method="block", recompute_num_layers=1)),
+    "dp2_recompute_selective": (2, dict(recompute_granularity="selective")),
 }
 PP_LAYOUTS = [n for n, (_, m) in LAYOUTS.items() if m.get("pipeline_model_parallel_size", 1) > 1]
 TP_LAYOUTS = [n for n, (_, m) in LAYOUTS.items() if m.get("tensor_model_parallel_size", 1) > 1]
@@ -92,6 +100,9 @@ class LayoutProbe(PolicyWorker):
         ddp = self.model[0].ddp_config
         return {"ddp": {f.name: getattr(ddp, f.name) for f in dataclasses.fields(DDPConfig)},
                 "sequence_parallel": self.model_config.sequence_parallel,
+                "recompute": (self.model_config.recompute_granularity,
+                              self.model_config.recompute_method,
+                              self.model_config.recompute_num_layers),
                 "calculate_per_token_loss": self.model_config.calculate_per_token_loss}
 
     def rng_draws(self):
@@ -280,6 +291,11 @@ def test_ddp_options_and_sequence_parallel_reach_megatron(results):
         assert options["ddp"] == dataclasses.asdict(LAYOUTS["dp2"][1]["ddp"])
         assert options["calculate_per_token_loss"] and not options["sequence_parallel"]
     assert all(o["sequence_parallel"] for o in results("tp2_sp")["options"])
+    assert all(o["recompute"] == (None, None, None) for o in results("tp2_sp")["options"])
+    assert {o["recompute"] for o in results("tp2_recompute_full")["options"]} == {("full", "uniform", 2)}
+    assert {o["recompute"] for o in results("pp2_recompute_block")["options"]} == {("full", "block", 1)}
+    assert {o["recompute"] for o in results("dp2_recompute_selective")["options"]} == {
+        ("selective", None, None)}
 
 
 CLI_BUDGET = 13  # data.max_total_length of the default config: one whole sequence fits

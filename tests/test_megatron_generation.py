@@ -281,6 +281,24 @@ def test_per_call_stop_tokens_equal_hf_backend(groups, eos):
         assert diff < 1e-5, name
 
 
+def test_ignore_eos_decodes_every_row_to_its_budget_as_hf(groups, eos):
+    """generation.ignore_eos: no row stops at eos (nor at a call's stop tokens); every response
+    has its full budget, and the tokens are the hf backend's under the same setting."""
+    cfg = dataclasses.replace(GEN, ignore_eos=True)
+    hf = HFGenerationBackend(arch_to_hf_config(ARCH, VOCAB), cfg, eos_token_id=eos,
+                             pad_token_id=PAD, max_total_length=MAX_TOTAL)
+    hf.update_weights(groups["dp2_torch"].call("get_hf_weights")[0].items())
+    expected = hf.generate(PROMPTS, seed=1, stop_token_ids=[eos, 3])
+    budgets = torch.tensor([min(GEN.max_new_tokens, MAX_TOTAL - len(p)) for p in PROMPTS])
+    assert torch.equal(expected["response_lengths"], budgets)
+    assert bool(expected["truncated"].all())
+    for name, group in groups.items():
+        batch = _megatron(group, eos, cfg).generate(PROMPTS, seed=1)
+        assert torch.equal(batch["input_ids"], expected["input_ids"]), name
+        diff = (batch["generation_logprobs"] - expected["generation_logprobs"]).abs().max()
+        assert diff < 1e-5, name
+
+
 # ---------------------------------------------------------------- the decode loop, stub model
 MARKOV_VOCAB, MARKOV_STATES = 12, 97
 

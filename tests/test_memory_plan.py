@@ -111,6 +111,40 @@ def test_bytes_follow_precision_grad_dtype_and_the_distributed_optimizer():
         5 * 14 * 64 * 64 + repeated_kv)
 
 
+def test_activation_recompute_keeps_what_megatron_keeps():
+    """policy.megatron.recompute_*: full uniform keeps each group's input ([s, b, h]) per
+    micro-batch in flight plus one group recomputed; block keeps the first k layers' inputs and
+    the others whole; selective drops the core attention's output copy (and, for the local
+    spec, the s^2 scores and the repeated KV heads)."""
+    cfg = load_config("grpo_llama8b", [])
+    arch, m = cfg.model.arch, cfg.policy.megatron  # 32 layers, bf16, torch spec, TP=2
+    rows, seq = 4, 1000
+    per_layer = memory.activation_bytes_per_layer(arch, m, rows, seq)
+    layer_input = 4096 * 2 * rows * seq  # h elements a token, bf16
+    assert memory.stage_activation_bytes(arch, m, rows, seq, 1) == 32 * per_layer
+    full = dataclasses.replace(m, recompute_granularity="full", recompute_num_layers=4)
+    assert memory.stage_activation_bytes(arch, full, rows, seq, 2) == (
+        2 * 8 * layer_input + 4 * per_layer)
+    block = dataclasses.replace(full, recompute_method="block", recompute_num_layers=30)
+    assert memory.stage_activation_bytes(arch, block, rows, seq, 1) == (
+        30 * layer_input + 2 * per_layer + per_layer)
+    selective = dataclasses.replace(m, recompute_granularity="selective")
+    attention_copy = 32 * 128 * 2 // 2 * rows * seq  # a d / t elements a token, bf16
+    assert memory.activation_bytes_per_layer(arch, selective, rows, seq) == per_layer - attention_copy
+    local = dataclasses.replace(m, layer_spec="local")
+    local_selective = dataclasses.replace(local, recompute_granularity="selective")
+    scores = 5 * 32 * seq * seq * rows // 2
+    repeated_kv = 2 * (32 - 8) * 128 // 2 * 2 * rows * seq
+    assert memory.activation_bytes_per_layer(arch, local_selective, rows, seq) == (
+        memory.activation_bytes_per_layer(arch, local, rows, seq) - scores - repeated_kv
+        - attention_copy)
+    # the plan of the 8B config shrinks by the recomputed activations
+    plan = memory.plan_memory(cfg, arch)
+    recomputed = memory.plan_memory(load_config("grpo_llama8b", [
+        "policy.megatron.recompute_granularity=full"]), arch)
+    assert recomputed.phases["train"] < plan.phases["train"] - 8 * 2**30
+
+
 def test_plan_cli_prints_the_roles_and_the_layouts_that_fit(capsys):
     assert main(["plan", "--config-name", "grpo_synthetic_gpu", "cluster.num_workers=4",
                  "cluster.gpu_memory_gb=5"]) == 0

@@ -298,8 +298,13 @@ def test_controller_calls_the_lifecycle_in_order():
                                   colocation=Colocation(policy, _RecordingEngine(calls), colocate))
         RLTrainer.policy_logprobs(trainer, {})
         RLTrainer.train_policy(trainer, {}, LOSS)
-        RLTrainer.refit(trainer)
+        refit = RLTrainer.refit(trainer)
         RLTrainer.policy_logprobs(trainer, {})
+        parts = {f"refit/{p}_s" for p in ("offload_train", "wake_weights", "transfer",
+                                           "offload_weights", "wake_kv")}
+        assert parts <= set(refit) if colocate else not parts & set(refit)
+        if colocate:  # the hand-overs add up to the refit's seconds
+            assert sum(refit[k] for k in parts) <= refit["refit/seconds"]
         expected = ["engine.offload", "prepare_for_lp_inference", "get_logprobs",
                     "prepare_for_training", "train",
                     "offload_before_refit", "engine.prepare_for_refit", "get_hf_weights",

@@ -7,6 +7,7 @@ backend for the module (a vLLM engine takes tens of seconds to start on CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -315,3 +316,67 @@ def test_per_call_stop_tokens_equal_hf_greedy(groups, engine, eos):
     assert torch.equal(got["input_ids"], expected["input_ids"])
     assert torch.equal(got["truncated"], expected["truncated"])
     assert (got["generation_logprobs"] - expected["generation_logprobs"]).abs().max() < 1e-4
+
+
+def test_ignore_eos_runs_every_row_to_its_budget_as_hf(groups, engine, eos, monkeypatch):
+    """generation.ignore_eos: vLLM must not stop at eos (nor at the call's stop tokens); the
+    greedy rows equal the hf backend's under the same setting, each of its full budget."""
+    weights = groups["dp2"].call("get_hf_weights")[0]
+    engine.update_weights(weights.items())
+    cfg = dataclasses.replace(GEN, ignore_eos=True)
+    hf = HFGenerationBackend(arch_to_hf_config(ARCH, VOCAB), cfg, eos_token_id=eos, pad_token_id=PAD,
+                             max_total_length=MAX_TOTAL)
+    hf.update_weights(weights.items())
+    expected = hf.generate(PROMPTS, seed=0, greedy=True)
+    budgets = torch.tensor([min(GEN.max_new_tokens, MAX_TOTAL - len(p)) for p in PROMPTS])
+    assert torch.equal(expected["response_lengths"], budgets)
+    monkeypatch.setattr(engine, "cfg", cfg)
+    got = engine.generate(PROMPTS, seed=0, greedy=True, stop_token_ids=[eos])
+    assert torch.equal(got["input_ids"], expected["input_ids"])
+    assert bool(got["truncated"].all())
+    assert (got["generation_logprobs"] - expected["generation_logprobs"]).abs().max() < 1e-4
+
+
+def test_tensor_parallel_engine_refits_and_keeps_parity(groups, eos, tmp_path):
+    """One vLLM engine at TP=2 (two CPU workers, threads bound by cpu_threads_bind): a refit of
+    the TP=2 policy reaches both workers' shards, before and after a training step."""
+    gen = dataclasses.replace(GEN, vllm=dataclasses.replace(GEN.vllm, num_engines=1,
+                                                            tensor_parallel_size=2))
+    backend = VLLMGenerationBackend(arch_to_hf_config(ARCH, VOCAB), gen, eos_token_id=eos,
+                                    pad_token_id=PAD, max_total_length=MAX_TOTAL,
+                                    run_dir=str(tmp_path))
+    try:
+        group = groups["tp2"]
+        backend.refit(group)
+        before = backend.generate(PROMPTS, seed=1)
+        _check_rollout(before, eos)
+        assert _mismatch(group, before) < 1e-4
+        batch = dict(before, sample_mask=torch.ones(len(PROMPTS)))
+        assert group.train(batch, NLLLoss(), 4)["grad_norm"] > 0
+        backend.refit(group)
+        after = backend.generate(PROMPTS, seed=1)
+        assert _mismatch(group, after) < 1e-4
+        assert not torch.equal(after["generation_logprobs"], before["generation_logprobs"])
+    finally:
+        backend.shutdown()
+
+
+def test_cpu_threads_bind_shares_the_cpus():
+    from mcore_rl.generation.vllm import cpu_threads_bind
+
+    assert cpu_threads_bind([0, 1], 2) == "0|1"
+    assert cpu_threads_bind([0, 1, 2, 3, 4], 2) == "0,1|2,3"
+    assert cpu_threads_bind([3], 2) == "3|3"
+
+
+def test_tokens_per_second_per_gpu_is_nemo_rls():
+    """perf/tokens_per_s_per_gpu: the step's prompt + response tokens / step seconds / GPUs of
+    the placement (NeMo RL's Tokens/sec/GPU); nothing without both figures."""
+    from types import SimpleNamespace
+
+    from mcore_rl.controller.trainer import RLTrainer
+
+    trainer = SimpleNamespace(placement=SimpleNamespace(plan=SimpleNamespace(num_gpus=4)))
+    m = RLTrainer.throughput(trainer, {"train/num_tokens": 462272.0, "timing/step_s": 31.64})
+    assert m["perf/tokens_per_s_per_gpu"] == pytest.approx(462272 / 31.64 / 4)
+    assert RLTrainer.throughput(trainer, {"timing/step_s": 1.0}) == {}

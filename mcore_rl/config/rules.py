@@ -99,6 +99,11 @@ def megatron_section_rules(cfg: TrainConfig, section: str,
           f"{key}.tensor_model_parallel_size > 1 (got {tp})")
     check(not mg.compile_layers or device != "cpu",
           f"{key}.compile_layers needs a GPU: cluster.device is 'cpu'")
+    if mg.recompute_granularity == "full" and pp >= 1 and (vpp or 1) >= 1:
+        per_stage = arch.num_layers // (pp * (vpp or 1)) if cfg.model.hf_path is None else None
+        check(per_stage is None or mg.recompute_num_layers <= per_stage,
+              f"{key}.recompute_num_layers ({mg.recompute_num_layers}) must be at most the layers "
+              f"of one pipeline stage ({per_stage}: model.arch.num_layers / PP / VPP)")
     check(not ddp.overlap_param_gather or ddp.use_distributed_optimizer,
           f"{key}.ddp.overlap_param_gather needs {key}.ddp.use_distributed_optimizer")
     check(not ddp.average_in_collective,
@@ -274,6 +279,9 @@ def env_errors(cfg: TrainConfig) -> List[str]:
         errors.append(f"env.name={env.name} (a multi-turn environment) cannot run with "
                       f"{cfg.algorithm}.streaming=true: the streaming loop decodes one turn per "
                       f"prompt group; set {cfg.algorithm}.streaming=false or env.name=single_turn")
+    if cfg.generation.ignore_eos:
+        errors.append(f"generation.ignore_eos=true cannot run env.name={env.name} (a multi-turn "
+                      f"environment): a turn ends at its stop tokens, which ignore_eos ignores")
     if pretrained and not cfg.data.use_chat_template:
         errors.append(f"env.name={env.name} with a pretrained tokenizer (model.hf_path / "
                       f"model.tokenizer) needs data.use_chat_template=true: the episode's tool "

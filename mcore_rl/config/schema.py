@@ -140,6 +140,12 @@ class ModelConfig:
     # Tokenizer directory or "char" (built-in); null: hf_path's, or "char" if hf_path is null.
     tokenizer: Optional[str] = None
     arch: ModelArchConfig = field(default_factory=ModelArchConfig)
+    # Random initial weights when hf_path is null: "transformers" (a seeded transformers model
+    # of model.arch built on the host, then loaded: the small models' default) or "normal"
+    # (each tensor drawn on its worker's device from its own seed, transformers' distribution:
+    # N(0, 0.02) weights, unit norms; for shapes too large to build on the host, e.g. 8B).
+    # Either is the same in every parallel layout.
+    init: str = one_of("transformers", ("transformers", "normal"))
 
 
 @dataclass
@@ -198,6 +204,17 @@ class MegatronConfig:
     # at the first step and at new sequence-length shapes. Training and logprob passes only:
     # generation.backend=megatron decodes with the layers' eager forward (CUDA graphs).
     compile_layers: bool = False
+    # Activation recomputation (Korthikanti et al. 2022): null keeps every layer's activations
+    # for the backward; "full" keeps only each recomputed layer's input and runs its forward
+    # again in the backward (about a third more compute for most of the activation memory);
+    # "selective" recomputes the core attention only (Megatron's recompute_modules=core_attn;
+    # the torch and TE specs' fused attention keeps no s^2 scores, so it saves little there).
+    recompute_granularity: Optional[str] = one_of(None, ("full", "selective"))
+    # With "full": "uniform" (layers in groups of recompute_num_layers, each group's input
+    # kept) or "block" (the first recompute_num_layers layers of each pipeline stage only).
+    recompute_method: str = one_of("uniform", ("uniform", "block"))
+    # With "full": layers per group ("uniform") or layers recomputed per stage ("block").
+    recompute_num_layers: int = bounded(1, ge=1)
     ddp: DDPConfig = field(default_factory=DDPConfig)
 
 
@@ -299,6 +316,10 @@ class GenerationConfig:
     batch_size: int = bounded(256, ge=1)
     # Validation decoding: greedy when true.
     greedy_validation: bool = True
+    # Decode every response to its token budget (max_new_tokens, or what data.max_total_length
+    # leaves), never stopping at eos or a stop token (vLLM's ignore_eos): fixed-length rollouts
+    # for throughput benchmarks, e.g. random weights at a measured mean response length.
+    ignore_eos: bool = False
     # Processes of the rollout engine's own (Ray actors, or plain processes with
     # cluster.use_ray=false), prompt groups spread over them; 0: it runs in the controller's
     # process. generation.backend=hf only; grpo/ppo.streaming with hf need >= 1.

@@ -23,6 +23,7 @@ backend's refit alone. The controller calls only these; which side moves is deci
 
 from __future__ import annotations
 
+import time
 from typing import Dict
 
 from mcore_rl.generation.base import GenerationBackend
@@ -62,17 +63,33 @@ class Colocation:
     def refit(self) -> Dict[str, float]:
         """The backend's refit from the policy (:meth:`GenerationBackend.refit`), colocated in
         the order of the module docstring; after it the backend holds the device. Returns the
-        backend's stats."""
+        backend's stats and, colocated, the seconds of each hand-over: ``refit/offload_train_s``
+        (the policy's gradients and optimizer state leave), ``refit/wake_weights_s``,
+        ``refit/transfer_s`` (the backend's refit itself), ``refit/offload_weights_s``,
+        ``refit/wake_kv_s`` (the backend takes back its decoding memory)."""
         if not self.enabled:
             return self.backend.refit(self.policy)
+        times, start = {}, time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal start
+            now = time.perf_counter()
+            times[f"refit/{name}_s"] = now - start
+            start = now
+
         self.policy.call(PolicyAPI).offload_before_refit()
+        lap("offload_train")
         self.backend.prepare_for_refit()
         self._backend_on_device = True
+        lap("wake_weights")
         stats = self.backend.refit(self.policy)
+        lap("transfer")
         if not self.backend.shares_policy_weights:
             self.policy.call(PolicyAPI).offload_after_refit()
+        lap("offload_weights")
         self.backend.prepare_for_generation()
-        return stats
+        lap("wake_kv")
+        return {**stats, **times}
 
     def prepare_for_generation(self) -> None:
         """Colocated: the policy leaves the device (as after a refit), the backend takes it

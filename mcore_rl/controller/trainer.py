@@ -162,7 +162,7 @@ class RLTrainer:
             dump_dir=hang_dir(self.run_dir) if cfg.watchdog.enabled else None)
         self.policy = self.megatron_group(
             "policy", PolicyWorker, cfg.policy.megatron, cfg.policy.optimizer,
-            *algorithm.policy_schedule(), hf_path=cfg.model.hf_path,
+            *algorithm.policy_schedule(), hf_path=cfg.model.hf_path, init=cfg.model.init,
             temperature=cfg.generation.temperature, use_reference=self.use_reference,
             max_tokens_per_microbatch=cfg.policy.max_tokens_per_microbatch,
             sequence_packing=cfg.policy.sequence_packing)
@@ -309,6 +309,19 @@ class RLTrainer:
         out = {"timing/reward_busy_s": self.reward_busy_seconds, **self.producer.pop_metrics()}
         self.reward_busy_seconds = 0.0
         return out
+
+    def throughput(self, metrics: Dict[str, float]) -> Dict[str, float]:
+        """``perf/tokens_per_s_per_gpu`` of a step's metrics: the tokens of its rollouts
+        (prompt + response, ``train/num_tokens``) per second of the whole step
+        (``timing/step_s``) per GPU the run reserves (the placement's, engines on GPUs of their
+        own included; on CPU, per worker slot). NeMo RL's "Tokens / sec / GPU" of its
+        performance summary (docs/about/performance-summary.md, v0.5: total tokens in the
+        step's batch / step time / number of GPUs). Empty when either figure is missing."""
+        tokens, seconds = metrics.get("train/num_tokens"), metrics.get("timing/step_s")
+        gpus = max(1, self.placement.plan.num_gpus)
+        if not tokens or not seconds:
+            return {}
+        return {"perf/tokens_per_s_per_gpu": tokens / seconds / gpus}
 
     @staticmethod
     def rollout_metrics(rollout: B.Batch, reward_errors: int,
@@ -607,6 +620,7 @@ class Loop:
                 if preemption.received:
                     raise self._checkpoint_for_preemption(preemption.received)
                 metrics = self.rl_step()
+                metrics.update(tr.throughput(metrics))
                 tr.step += 1
                 if loop.val_every > 0 and (tr.step % loop.val_every == 0 or tr.step == loop.max_steps):
                     start = time.perf_counter()

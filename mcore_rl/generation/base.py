@@ -377,6 +377,15 @@ def check_prompts(prompts: List[List[int]], vocab_size: int, max_total_length: i
             raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab_size}): {bad[:8]}")
 
 
+def stop_ids(cfg: GenerationConfig, eos_token_id: int,
+             stop_token_ids: Optional[Sequence[int]] = None) -> List[int]:
+    """The tokens that end a response in one call: ``stop_token_ids`` when given, else the eos
+    token; none with ``generation.ignore_eos`` (every response runs to its budget)."""
+    if cfg.ignore_eos:
+        return []
+    return [int(eos_token_id)] if stop_token_ids is None else [int(t) for t in stop_token_ids]
+
+
 def response_budgets(prompts: List[List[int]], max_new_tokens: int, max_total_length: int) -> List[int]:
     """Per prompt, the most response tokens it may get: ``min(max_new_tokens,
     max_total_length - len(prompt))``."""

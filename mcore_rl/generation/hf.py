@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from mcore_rl.config.schema import GenerationConfig
 from mcore_rl.generation.base import (BackendContext, FinishedGroup, GenerationBackend,
                                       GroupAssembler, Response, check_lengths, check_prompts,
-                                      response_budgets)
+                                      response_budgets, stop_ids)
 from mcore_rl.generation.remote import RemoteGeneration
 from mcore_rl.generation.sampling import Sampler, row_uniforms
 from mcore_rl.workers.interfaces import PolicyAPI
@@ -152,7 +152,7 @@ class HFGenerationBackend(GenerationBackend):
                 "(refit from the policy) first"
             )
         check_prompts(prompts, self.vocab_size, self.max_total_length)
-        stops = [self.eos_token_id] if stop_token_ids is None else [int(t) for t in stop_token_ids]
+        stops = stop_ids(self.cfg, self.eos_token_id, stop_token_ids)
         return self._decode(prompts, seed, greedy, GroupAssembler(len(prompts), group_size),
                             first_row, stops)
 
@@ -184,7 +184,7 @@ class HFGenerationBackend(GenerationBackend):
         steps = int(budget.max())
         uniforms = None if greedy else row_uniforms(seed, rows, steps, self.device)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
-        stop_ids = torch.tensor(stops, dtype=torch.long, device=self.device)
+        stop_tensor = torch.tensor(stops, dtype=torch.long, device=self.device)
         tokens, logprobs, active = [], [], []
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1)
@@ -194,7 +194,7 @@ class HFGenerationBackend(GenerationBackend):
             tokens.append(token)
             logprobs.append(logprob)
             active.append(~done)
-            done = done | torch.isin(token, stop_ids) | (budget <= step + 1)
+            done = done | torch.isin(token, stop_tensor) | (budget <= step + 1)
             if bool(done.all()):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((n, 1))], dim=1)

@@ -59,7 +59,7 @@ import torch
 from mcore_rl.config.schema import GenerationConfig, MegatronConfig
 from mcore_rl.generation.base import (BackendContext, FinishedGroup, GenerationBackend,
                                       GroupAssembler, Response, check_lengths, check_prompts,
-                                      response_budgets)
+                                      response_budgets, stop_ids)
 from mcore_rl.generation.checks import megatron_layout_errors
 from mcore_rl.generation.sampling import Sampler, check_sampling, row_uniforms
 from mcore_rl.workers.interfaces import PolicyAPI
@@ -272,9 +272,10 @@ class MegatronDecoder:
         if weights != self._weights:  # moved (offload and restore): the graphs read old addresses
             self._graphs, self._weights = {}, weights
         ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
-        # One id: compared as an int (the one-turn path, unchanged); several: a device tensor.
+        # One id: compared as an int (the one-turn path, unchanged); several (or none:
+        # generation.ignore_eos) a device tensor.
         stops = int(ids[0]) if len(ids) == 1 else torch.tensor(sorted({int(t) for t in ids}),
-                                                               device=self.device)
+                                                               dtype=torch.long, device=self.device)
         out = []
         for start in range(0, len(prompts), cfg.batch_size):
             chunk = prompts[start:start + cfg.batch_size]
@@ -544,8 +545,7 @@ class MegatronGenerationBackend(GenerationBackend):
                 future = self.policy.call_per_dp_async(PolicyAPI, dp_ranks=[d]).generate(
                     [[prompts[bounds[d]:bounds[d + 1]], bounds[d], seed, greedy]],
                     decoder=MegatronDecoder, cfg=self.cfg,
-                    eos_token_id=(self.eos_token_id if stop_token_ids is None
-                                  else [int(t) for t in stop_token_ids]),
+                    eos_token_id=stop_ids(self.cfg, self.eos_token_id, stop_token_ids),
                     pad_token_id=self.pad_token_id, max_total_length=self.max_total_length)
                 first_row[future] = bounds[d]
         return self._collect(first_row, groups)

@@ -69,7 +69,7 @@ import torch
 
 from mcore_rl.config.schema import GenerationConfig, TrainConfig
 from mcore_rl.generation.base import (BackendContext, FinishedGroup, GroupAssembler, Push, Response,
-                                      StreamingBackend, check_lengths, response_budgets)
+                                      StreamingBackend, check_lengths, response_budgets, stop_ids)
 from mcore_rl.generation.sampling import check_sampling, row_seed
 from mcore_rl.generation.vllm_worker import bucket_layout, nccl_group, pack_bucket
 from mcore_rl.megatron import cpu_backend
@@ -94,6 +94,18 @@ def logprobs_mode(cfg: GenerationConfig) -> str:
         f"generation.top_p={cfg.top_p} is not supported: vLLM reports logprobs before "
         f"temperature (raw) or after top-p (processed), not after temperature and before top-p "
         f"as the trainer computes them; set one of the two to 1")
+
+
+def cpu_threads_bind(cpus: List[int], tp: int) -> str:
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of ``tp`` workers over the CPUs
+    this process may use: consecutive equal shares, ``"0-3|4-7"`` (vLLM binds its CPU workers
+    by NUMA node otherwise, and refuses TP > 1 on one node). With fewer CPUs than workers the
+    workers share them round-robin (one CPU each)."""
+    if len(cpus) < tp:
+        return "|".join(str(cpus[i % len(cpus)]) for i in range(tp))
+    share = len(cpus) // tp
+    parts = [cpus[i * share:(i + 1) * share] for i in range(tp)]
+    return "|".join(",".join(str(c) for c in part) for part in parts)
 
 
 def visible_devices(gpus: List[int]) -> str:
@@ -142,6 +154,9 @@ class VLLMEngine:
         self.device = device
         if device == "cpu":  # inherited from the controller already; pinned as every worker does
             cpu_backend.pin_arithmetic()
+            if vllm.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
+                    sorted(os.sched_getaffinity(0)), vllm.tensor_parallel_size)
         self.sleep_level = vllm.sleep_level
         self.sampling = sampling
         self.version = -1  # the policy version of its weights; -1: none (or a failed refit)
@@ -196,10 +211,12 @@ class VLLMEngine:
         s = self.sampling
         stops = [int(t) for t in eos_token_id] if isinstance(eos_token_id, (list, tuple)) \
             else [int(eos_token_id)]
+        # No stop token (generation.ignore_eos): vLLM must not stop at the model's eos either.
         params = [SamplingParams(
             max_tokens=budget, temperature=0.0 if greedy else s.temperature,
             top_p=1.0 if greedy else s.top_p, seed=None if greedy else seed, logprobs=0,
-            stop_token_ids=stops, detokenize=False) for seed, budget in zip(seeds, budgets)]
+            stop_token_ids=stops, ignore_eos=not stops, detokenize=False)
+            for seed, budget in zip(seeds, budgets)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                  use_tqdm=False)
         results = []
@@ -520,8 +537,8 @@ class VLLMGenerationBackend(StreamingBackend):
         groups = GroupAssembler(len(prompts), group_size)
         budgets = response_budgets(prompts, self.cfg.max_new_tokens, self.max_total_length)
         seeds = [row_seed(seed, first_row + i) for i in range(len(prompts))]
-        stops = self.eos_token_id if stop_token_ids is None else [int(t) for t in stop_token_ids]
-        ends = {stops} if isinstance(stops, int) else set(stops)
+        stops = stop_ids(self.cfg, self.eos_token_id, stop_token_ids)
+        ends = set(stops)
         future = self.engines.call_each_async(VLLMEngineAPI, ranks=[worker]).generate(
             [[prompts, seeds, budgets, greedy, stops]])
 

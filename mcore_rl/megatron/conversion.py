@@ -342,6 +342,61 @@ def _hf_shapes_cached(arch_key: tuple, vocab_size: int) -> tuple:
     return tuple(shapes.items())
 
 
+class SeededNormalInit(Mapping):
+    """A random initial state under the HF checkpoint names whose tensors are drawn when read,
+    on ``device``, each from a generator of its own: ``model.init=normal`` (a model too large
+    to initialise as a transformers model on the host, e.g. an 8B shape without a checkpoint).
+
+    The distribution is transformers' ``_init_weights`` of the decoders converted here (Llama,
+    Qwen2/3, Mistral): every weight of a linear layer and of the embedding
+    ``N(0, std^2)`` with ``std`` the config's ``initializer_range``; RMSNorm weights (``*norm*``)
+    1; biases 0. Tensor ``name`` is drawn by a ``torch.Generator`` on ``device`` seeded with
+    ``crc32(f"{seed}:{name}")``, in float32, so it does not depend on the order the tensors are
+    read in, on the TP/PP/DP layout (every rank draws the full tensor and keeps its slice), or
+    on which other tensors are read: every layout of one device type starts from the same
+    weights. CPU and CUDA generators give different numbers for one seed.
+
+    :func:`load_hf_weights` reads it without materialising the whole model (each tensor is
+    drawn when its parameter is loaded, then dropped). ``shape(name)`` gives a shape without
+    drawing.
+
+    Args:
+        arch: the model shape (``model.arch``).
+        vocab_size: embedding rows.
+        seed: ``run.seed``.
+        std: the normal's standard deviation (transformers' ``initializer_range``, 0.02 for
+            these families).
+        device: where tensors are drawn (the worker's device).
+    """
+
+    def __init__(self, arch: ModelArchConfig, vocab_size: int, seed: int, std: float = 0.02,
+                 device: torch.device | str = "cpu"):
+        self._shapes = _hf_shapes(arch, vocab_size)
+        self.seed, self.std, self.device = int(seed), float(std), torch.device(device)
+
+    def shape(self, name: str) -> torch.Size:
+        """The HF checkpoint shape of ``name`` (``KeyError`` if the model has none)."""
+        return self._shapes[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import zlib
+
+        shape = self._shapes[name]
+        if name.endswith(".bias"):
+            return torch.zeros(shape, device=self.device)
+        if "norm" in name.rsplit(".", 2)[-2]:  # input_layernorm, q_norm, model.norm, ...
+            return torch.ones(shape, device=self.device)
+        g = torch.Generator(device=self.device)
+        g.manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
+        return torch.empty(shape, device=self.device).normal_(0.0, self.std, generator=g)
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+
 # ---------------------------------------------------------------------------------------------
 # Layouts
 # ---------------------------------------------------------------------------------------------
@@ -523,7 +578,8 @@ def load_hf_weights(
             ``model.embed_tokens.weight``. Any dtype; values are cast to the param dtype. A
             :class:`HFCheckpointState` (from :func:`load_hf_checkpoint`) is loaded by
             megatron-bridge's ``AutoBridge.load_hf_weights`` from its files when megatron-bridge
-            imports.
+            imports; a :class:`SeededNormalInit` is drawn tensor by tensor on its device as the
+            parameters are loaded (never the whole model at once).
         arch: the model shape; ``arch.vocab_size`` (if set) must equal the embedding rows.
 
     Vocab pad rows (``>= vocab_size``) are set to zero.
@@ -540,15 +596,17 @@ def load_hf_weights(
         path = str(hf_state_dict.path)
         bridge.from_hf_config(AutoConfig.from_pretrained(path)).load_hf_weights(chunks, hf_path=path)
         return
-    hf = dict(hf_state_dict)
+    lazy = isinstance(hf_state_dict, SeededNormalInit)  # tensors drawn when read: no dict
+    hf = hf_state_dict if lazy else dict(hf_state_dict)
+    shape_of = hf.shape if lazy else (lambda n: hf[n].shape)
     if _EMBED not in hf:
         raise ValueError(f"HF state dict has no {_EMBED}")
-    vocab_size = hf[_EMBED].shape[0]
+    vocab_size = shape_of(_EMBED)[0]
     if arch.vocab_size is not None and arch.vocab_size != vocab_size:
         raise ValueError(
             f"model.arch.vocab_size={arch.vocab_size} but {_EMBED} has {vocab_size} rows"
         )
-    if arch.tie_word_embeddings and _LM_HEAD in hf:
+    if arch.tie_word_embeddings and _LM_HEAD in hf and not lazy:
         if not torch.equal(hf.pop(_LM_HEAD), hf[_EMBED]):
             raise ValueError(f"tied embeddings, but {_LM_HEAD} differs from {_EMBED}")
     shapes = _hf_shapes(arch, vocab_size)
@@ -559,7 +617,7 @@ def load_hf_weights(
             f"tie_word_embeddings={arch.tie_word_embeddings}): missing {missing}, "
             f"unexpected {extra}"
         )
-    wrong = {n: (tuple(hf[n].shape), tuple(s)) for n, s in shapes.items() if hf[n].shape != s}
+    wrong = {n: (tuple(shape_of(n)), tuple(s)) for n, s in shapes.items() if shape_of(n) != s}
     if wrong:
         raise ValueError(f"HF tensor shapes (got, expected from model.arch): {wrong}")
     for index, chunk in enumerate(chunks):

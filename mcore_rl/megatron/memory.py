@@ -25,7 +25,10 @@ The model of one GPU of the policy's workers (and the critic's, colocated) in by
   ``s^2`` term. Checked against bench/RESULTS.md (0.85B, seq 2048, H100): peak 23.6 GiB at
   micro-batch 4 and 32.7 at 8 measured, 23.2 and 32.0 predicted; ``local`` 49.2 measured, 43.9
   predicted (Korthikanti's 5 bytes per ``a s^2 b`` count is short there by ~1 byte). A
-  pipeline's first stage keeps ``min(PP, micro-batches)`` micro-batches in flight (1F1B);
+  pipeline's first stage keeps ``min(PP, micro-batches)`` micro-batches in flight (1F1B).
+  Activation recomputation (``policy.megatron.recompute_granularity``) keeps less:
+  :func:`stage_activation_bytes`; at 8B (Llama-3.1 shape, TP=2, 8192-token packed micro-batches,
+  4 H200s) the train phase allocated 69.6 GiB, 68.8 predicted;
 - **logits** ``[b, s, V/t]`` in the activation dtype and their gradient (the fused logprob
   kernels of :mod:`mcore_rl.megatron.logprobs` keep no fp32 copy);
 - a micro-batch's tokens (:func:`micro_batch_tokens`, as the workers cut them): ``b x s`` with
@@ -147,13 +150,43 @@ def activation_bytes_per_layer(arch: ModelArchConfig, megatron: MegatronConfig, 
         + (arch.moe_shared_expert_ffn_hidden_size or 0))
     e = 2 if megatron.precision == "bf16" else 4
     replicated = 4 * h / (tp if megatron.sequence_parallel else 1)
-    per_token = replicated + (3 * a * d + 2 * g * d) / tp + 3 * f / tp
-    if megatron.layer_spec == "local":  # DotProductAttention repeats the KV heads (GQA)
+    selective = megatron.recompute_granularity == "selective"  # core attention recomputed
+    # q, k, v after RoPE are the recomputed core attention's inputs (kept); its own output
+    # copy (a d / t) and, for ``local``, the repeated KV heads and the s^2 matrices go.
+    per_token = replicated + ((2 if selective else 3) * a * d + 2 * g * d) / tp + 3 * f / tp
+    if megatron.layer_spec == "local" and not selective:  # DotProductAttention repeats KV heads
         per_token += 2 * (a - g) * d / tp
     out = per_token * e * rows * seq
-    if megatron.layer_spec == "local":
+    if megatron.layer_spec == "local" and not selective:
         out += 5 * a * seq * seq * rows / tp
     return int(out)
+
+
+def stage_activation_bytes(arch: ModelArchConfig, megatron: MegatronConfig, rows: float,
+                           seq: int, in_flight: int) -> int:
+    """Saved activations of one pipeline stage's ``ceil(L / PP)`` layers for ``in_flight``
+    micro-batches of ``rows x seq`` tokens (:func:`activation_bytes_per_layer` each), under
+    ``megatron.recompute_granularity``:
+
+    - none or ``"selective"``: every layer's activations, for every micro-batch in flight;
+    - ``"full"``, ``recompute_method=uniform`` with ``k = recompute_num_layers``: per micro-batch
+      in flight the input ``[s, b, h]`` of each group of ``k`` layers (``h`` elements a token,
+      ``/t`` with sequence parallelism), plus one group's activations while the backward
+      recomputes it;
+    - ``"full"``, ``block``: the first ``k`` layers keep their input only, the others all their
+      activations, plus one recomputed layer's in the backward.
+    """
+    layers = _ceil_div(arch.num_layers, megatron.pipeline_model_parallel_size)
+    per_layer = activation_bytes_per_layer(arch, megatron, rows, seq)
+    if megatron.recompute_granularity != "full":
+        return int(layers * in_flight * per_layer)
+    e = 2 if megatron.precision == "bf16" else 4
+    sp = megatron.tensor_model_parallel_size if megatron.sequence_parallel else 1
+    layer_input = arch.hidden_size / sp * e * rows * seq
+    k = min(megatron.recompute_num_layers, layers)
+    if megatron.recompute_method == "uniform":
+        return int(in_flight * _ceil_div(layers, k) * layer_input + k * per_layer)
+    return int(in_flight * (k * layer_input + (layers - k) * per_layer) + per_layer)
 
 
 @dataclasses.dataclass
@@ -260,8 +293,7 @@ def role_memory(name: str, cfg: TrainConfig, arch: ModelArchConfig, vocab_size: 
     tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
     micro_batches = _ceil_div(train_rows, b)
     in_flight = min(pp, micro_batches)
-    acts = (_ceil_div(arch.num_layers, pp) * in_flight
-            * activation_bytes_per_layer(arch, megatron, t_rows, seq))
+    acts = stage_activation_bytes(arch, megatron, t_rows, seq, in_flight)
     vocab_cols = 1 if value_head else padded_vocab(vocab_size, tp) // tp
     return RoleMemory(
         name=name, parameters=p, weights=p * e, grads=p * grad_bytes,

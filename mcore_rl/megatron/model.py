@@ -151,8 +151,22 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        **recompute_options(megatron),
         **moe,
     )
+
+
+def recompute_options(megatron: MegatronConfig) -> dict:
+    """``TransformerConfig`` arguments of ``megatron.recompute_granularity`` (Korthikanti et al.
+    2022, sec. 5): none without it; ``"full"`` with ``recompute_method`` and
+    ``recompute_num_layers``; ``"selective"`` with Megatron's default ``recompute_modules``
+    (the core attention) and no method (Megatron refuses one)."""
+    if megatron.recompute_granularity is None:
+        return {}
+    if megatron.recompute_granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": megatron.recompute_method,
+            "recompute_num_layers": megatron.recompute_num_layers}
 
 
 def layer_spec(name: str, num_experts: int | None = None, qk_layernorm: bool = False) -> ModuleSpec:

@@ -44,11 +44,17 @@ class PolicyWorker(MegatronTrainWorker):
         temperature: logits are divided by it before logprobs (the rollout's sampling
             temperature, so trainer and rollout logprobs describe the same distribution).
         use_reference: keep a frozen copy of the initial weights for reference logprobs.
+        init: without ``hf_path``, ``"transformers"`` (a seeded transformers model built on the
+            host: :func:`initial_hf_state_dict`) or ``"normal"`` (each tensor drawn on this
+            worker's device from its own seed: :class:`~mcore_rl.megatron.conversion.
+            SeededNormalInit`, for models too large for the first); ``model.init``.
     """
 
     def __init__(self, *, hf_path: Optional[str], hf_config: Dict[str, Any], vocab_size: int,
-                 temperature: float = 1.0, use_reference: bool = False, **kwargs):
+                 temperature: float = 1.0, use_reference: bool = False, init: str = "transformers",
+                 **kwargs):
         self.hf_path = hf_path
+        self.init = init
         self.hf_config_dict = hf_config
         self.vocab_size = vocab_size
         self.temperature = temperature
@@ -73,6 +79,10 @@ class PolicyWorker(MegatronTrainWorker):
         chunks = build_model(self.arch, self.megatron_cfg, self.vocab_size, self.device)
         if self.hf_path:
             _, state = conversion.load_hf_checkpoint(self.hf_path)
+        elif self.init == "normal":
+            state = conversion.SeededNormalInit(
+                self.arch, self.vocab_size, self._seed,
+                std=self.hf_config_dict.get("initializer_range", 0.02), device=self.device)
         else:
             state = initial_hf_state_dict(self._hf_config(), self._seed)
         conversion.load_hf_weights(chunks, state, self.arch)
