@@ -19,12 +19,17 @@ and exits 1 when one is over its bf16 tolerance:
   rounding step of the largest weight (``2^-8 max|w|``).
 
 The model is a Qwen2-shaped decoder with tied embeddings (PP's copy of the embedding on the
-last stage) and an odd vocabulary (padded for TP); sizes are options.
+last stage) and an odd vocabulary (padded for TP); sizes are options. ``--preset llama8b`` is
+the Llama-3.1-8B shape (untied, vocabulary 128256) with ``--init normal`` (each tensor drawn on
+the GPU from its own seed, ``model.init=normal``: no 8B model is built on the host) and, since
+one GPU cannot train it, a reference layout of several GPUs (``--reference 2,1,2``).
 
 Usage (repository installed, ``pip install -e .``), on a machine with 4 GPUs::
 
     python scripts/gpu/layout_parity.py
     python scripts/gpu/layout_parity.py --layouts 2,1,1 2,2,1 --steps 2
+    python scripts/gpu/layout_parity.py --preset llama8b --reference 2,1,2 --layouts 4,1,1 \
+        --layer-spec torch --rows 16 --max-length 1024
 """
 
 from __future__ import annotations
@@ -77,10 +82,27 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--rel-tol", type=float, default=2e-2, help="logprobs and loss")
     p.add_argument("--grad-norm-tol", type=float, default=5e-2)
-    return p.parse_args(argv)
+    p.add_argument("--preset", choices=("llama8b",), default=None,
+                   help="a model shape replacing the size options (module docstring)")
+    p.add_argument("--init", choices=("transformers", "normal"), default="transformers",
+                   help="the seeded random start (model.init)")
+    p.add_argument("--reference", type=parse_layout, default=(1, 1, 1), metavar="TP,PP,DP",
+                   help="the layout the others are compared with (default 1,1,1: one GPU)")
+    args = p.parse_args(argv)
+    if args.preset == "llama8b":
+        args.num_layers, args.hidden_size, args.ffn_hidden_size = 32, 4096, 14336
+        args.heads, args.query_groups, args.vocab_size = 32, 8, 128256
+        args.init = "normal"
+    return args
 
 
 def _arch(args) -> ModelArchConfig:
+    if args.preset == "llama8b":
+        return ModelArchConfig(family="llama", num_layers=32, hidden_size=4096,
+                               num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
+                               max_position_embeddings=131072, rope_theta=500000.0,
+                               rope_scaling_factor=8.0, rms_norm_eps=1e-5, qkv_bias=False,
+                               tie_word_embeddings=False, vocab_size=128256)
     return ModelArchConfig(family="qwen2", num_layers=args.num_layers, hidden_size=args.hidden_size,
                            num_attention_heads=args.heads, num_query_groups=args.query_groups,
                            ffn_hidden_size=args.ffn_hidden_size,
@@ -97,7 +119,8 @@ def worker_kwargs(args, tp: int, pp: int) -> dict:
         ddp=DDPConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True,
                       use_distributed_optimizer=True, overlap_param_gather=True))
     return dict(hf_path=None, hf_config=arch_to_hf_config(arch, args.vocab_size).to_dict(),
-                vocab_size=args.vocab_size, temperature=1.0, use_reference=False, arch=arch,
+                vocab_size=args.vocab_size, temperature=1.0, use_reference=False, init=args.init,
+                arch=arch,
                 megatron=megatron, optimizer=OptimizerConfig(lr=args.lr, clip_grad=1.0),
                 device="cuda", seed=args.seed, total_optimizer_steps=args.steps,
                 global_batch_size=args.rows)
@@ -140,12 +163,12 @@ def run_layout(args, tp: int, pp: int, dp: int, batch: B.Batch, loss) -> parity.
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the reference and every layout, print the table; 0 when all are within tolerance."""
     args = parse_args(argv)
-    need = max(tp * pp * dp for tp, pp, dp in args.layouts)
+    need = max(tp * pp * dp for tp, pp, dp in args.layouts + [args.reference])
     if torch.cuda.device_count() < need:
         print(f"needs {need} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     batch, loss = make_batch(args), ClippedPGLoss(LossConfig(kl_coef=0.05))
-    reference = run_layout(args, 1, 1, 1, batch, loss)
+    reference = run_layout(args, *args.reference, batch, loss)
     largest = max(w.abs().max().item() for w in reference.weights.values())
     params_tol = 2 * args.lr * args.steps + 2.0 ** -8 * largest
     tolerances = {"logprobs_rel": args.rel_tol, "loss_rel": args.rel_tol,
@@ -158,7 +181,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    for k, tol in tolerances.items() if not rows[name][k] <= tol]
     print(f"{args.precision}, distributed optimizer, overlap_grad_reduce, overlap_param_gather; "
           f"{args.rows} rows up to {args.max_length} tokens, {args.steps} step(s), lr {args.lr}; "
-          f"reference: 1 GPU (loss {reference.metrics['loss']:.5f}, grad norm "
+          f"reference: TP{args.reference[0]} PP{args.reference[1]} DP{args.reference[2]} "
+          f"(loss {reference.metrics['loss']:.5f}, grad norm "
           f"{reference.metrics['grad_norm']:.5f})")
     print(parity.parity_table({**rows, "tolerance": tolerances}))
     for line in failed:

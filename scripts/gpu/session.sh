@@ -51,6 +51,19 @@
 #   decode3     rollout tokens/s of megatron, hf and vLLM on one GPU at 256 x 512 (the 0.5B
 #               Qwen2 shape of scripts/gpu/megatron_generation.py; issue 23)
 #
+# Stages of four GPUs (issue 33; nvidia-h100-x4 or nvidia-h200-x4), the Llama-3.1-8B shape from
+# random weights (configs/grpo_llama8b.yaml; the tokenizer carried in .tok/, copied to /tmp/tok):
+#   parity8     logprobs, loss, grad norm and weights after a step at TP=4 against TP=2 x DP=2
+#               (scripts/gpu/layout_parity.py --preset llama8b)
+#   l8sync      GRPO, 10 steps (L8_STEPS), policy TP=2 x DP=2, two colocated vLLM engines at TP=2
+#               (scripts/gpu/llama8b.py: tokens/s/GPU, phases, refit, memory against the plan)
+#   l8off       one-step off-policy: the streaming loop (staleness 1), policy TP=2 on GPUs 0-1,
+#               two vLLM engines (TP=1) on GPUs 2-3, NCCL refit
+#   l8meg       the megatron in-place backend at TP=2 x DP=2 (L8MEG_STEPS steps)
+# A stage written bg:STAGE starts in a process session of its own (setsid) and outlives the call
+# while the machine stays warm; `watch` prints the background logs every 30 s until they end or
+# WATCH_SECONDS (540) pass. Their results land in /tmp/results like any stage's.
+#
 # A stage written gpuN:STAGE (or gpuN:STAGE+STAGE..., one after the other) runs in the background
 # on GPU N alone (CUDA_VISIBLE_DEVICES=N) while the stages after it run; `wait` waits for the
 # background ones. E.g. one-GPU jobs side by side: `session.sh gpu1:ppo2+gsm8k gpu0:gsm8k wait`
@@ -276,6 +289,52 @@ stage_decode3() {  # issue 23: megatron vs hf vs vLLM rollouts at 256 x 512 on o
     echo "== decode3"; grep -E "tokens/s|PASS|FAIL|Error" "$RES/decode3.log" | tail -n 10
 }
 
+L8=(model.tokenizer=/tmp/tok cluster.device=cuda)
+
+l8run() {  # l8run NAME TIMEOUT [overrides...]: scripts/gpu/llama8b.py, its log in $RES/NAME.log
+    local name=$1 limit=$2; shift 2
+    rm -rf "/tmp/runs/$name"
+    timeout "$limit" python3 scripts/gpu/llama8b.py --name "$name" --steps "${L8_STEPS:-10}" \
+        --set "${L8[@]}" "$@" > "$RES/$name.log" 2>&1 || status=1
+    cp "$OUT/$name.json" "$RES/" 2>/dev/null
+    cp "/tmp/runs/$name/vllm_engine_0.log" "$RES/${name}_engine0.log" 2>/dev/null
+    quiet < "$RES/$name.log" | tail -n 30
+}
+
+stage_parity8() {
+    timeout 420 python3 scripts/gpu/layout_parity.py --preset llama8b --reference 2,1,2 \
+        --layouts 4,1,1 --layer-spec torch --rows 16 --max-length 1024 --micro-batch-size 4 \
+        --lr 5e-7 > "$RES/parity8.log" 2>&1 || status=1
+    echo "== parity8"; quiet < "$RES/parity8.log" | tail -n 12
+}
+
+stage_l8sync() { l8run l8_colocated "${L8_TIMEOUT:-1500}"; }
+
+stage_l8off() {  # L8OFF_SET: more overrides, space-separated
+    # shellcheck disable=SC2086
+    l8run l8_offpolicy "${L8_TIMEOUT:-1500}" cluster.colocate_generation=false \
+        cluster.num_workers=2 generation.vllm.num_engines=2 generation.vllm.tensor_parallel_size=1 \
+        generation.vllm.kv_cache_gb=40 generation.vllm.gpu_memory_utilization=0.9 \
+        grpo.streaming=true grpo.max_staleness=1 loss.prev_logprobs=recompute \
+        policy.megatron.recompute_granularity=full \
+        ${L8OFF_SET:-}
+}
+
+stage_l8meg() {
+    L8_STEPS=${L8MEG_STEPS:-3} l8run l8_megatron "${L8_TIMEOUT:-900}" generation.backend=megatron \
+        generation.batch_size=128
+}
+
+stage_watch() {
+    local end=$((SECONDS + ${WATCH_SECONDS:-540}))
+    while [ "$SECONDS" -lt "$end" ] && pgrep -f "session.sh bgrun:" > /dev/null; do
+        sleep 30
+        for f in "$RES"/bg_*.log; do [ -f "$f" ] && echo "[$f] $(grep -a -E "^ +[0-9]+ |Error|error" "$f" | tail -n 2 | tr '\n' ' ')"; done
+    done
+    pgrep -f "session.sh bgrun:" > /dev/null && echo "== watch: background stages still running" \
+        || echo "== watch: background stages done"
+}
+
 stage_table() {
     echo "== seconds per RL step and phase (median over the steps after the first ${WARMUP:-2})"
     python3 bench/peers/summarize.py phases "$RES"/*.json 2>/dev/null
@@ -302,10 +361,17 @@ PY
     grep -h -E "accuracy" "$RES/eval_gsm8k.log" 2>/dev/null | tail -n 2
 }
 
+[ -d .tok ] && mkdir -p /tmp/tok && cp .tok/* /tmp/tok/
 for stage in "$@"; do
     t0=$SECONDS
     case $stage in
         wait) wait; echo "== background stages done: $((SECONDS - t0)) s"; continue ;;
+        bg:*)  # its own process session: it outlives this call (module comment)
+            one=${stage#bg:}
+            OUT=/tmp/bgout/$one setsid nohup bash "$0" "bgrun:$one" > "$RES/bg_$one.log" 2>&1 &
+            echo "== $one started in the background (log $RES/bg_$one.log)"
+            continue ;;
+        bgrun:*) "stage_${stage#bgrun:}"; exit $status ;;
         gpu[0-9]:*)
             gpu=${stage%%:*}
             ( export CUDA_VISIBLE_DEVICES=${gpu#gpu}
