@@ -84,9 +84,11 @@ def _lifecycle_checks() -> dict:
     out = {}
     batch = _rollout(8, seed=1)
     plain, lifecycle = _policy(), _policy()
+    out["weights_start"] = plain.get_hf_weights()
     _step(plain, batch)
     _step(lifecycle, batch)
     out["bytes_start"] = _device_bytes(lifecycle)
+    out["plain_weights_step1"] = plain.get_hf_weights()  # what the refit must read
 
     lifecycle.offload_before_refit()
     out["flags_before_refit"] = (lifecycle._weights_offloaded, lifecycle._train_state_offloaded)
@@ -217,7 +219,18 @@ def test_offload_frees_weights_grads_and_optimizer_state(results):
     assert before["weights"] == start["weights"] and before["grads"] == 0 and before["optimizer"] == 0
     assert r["bytes_after_refit"] == {"weights": 0, "grads": 0, "optimizer": 0}
     assert r["bytes_training"] == start
-    assert r["refit_weights"] is not None and len(r["refit_weights"]) > 0
+
+
+def test_refit_reads_the_trained_weights_between_the_offloads(results):
+    # between offload_before_refit and offload_after_refit the export must give the weights of
+    # the step just taken: those of the worker that took it without any offload
+    r = results["lifecycle"]
+    refit, plain = r["refit_weights"], r["plain_weights_step1"]
+    assert refit.keys() == plain.keys() and len(plain) > 0
+    for k in plain:
+        torch.testing.assert_close(refit[k], plain[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    # the step moved them, so the weights before it (stale ones) would not pass
+    assert any(not torch.equal(plain[k], v) for k, v in r["weights_start"].items())
 
 
 def test_every_guarded_method_names_itself_and_the_prepare_step(results):
