@@ -189,7 +189,7 @@ def _bf16_checks() -> dict:
         "export_names": sorted(exported) == sorted(state),
         "output_dtype": logits["bf16"].dtype,
         "logit_diff": (logits["bf16"] - logits["fp32"]).abs().max().item(),
-        "logit_std": logits["fp32"].std().item(),
+        "logit_max": logits["fp32"].abs().max().item(),
     }
 
 
@@ -268,7 +268,12 @@ def test_bf16_wraps_in_float16_module_and_converts(results):
     assert set(r["dtypes"].values()) == {torch.bfloat16}
     assert r["export_names"] and r["export_equal_bf16"]
     assert r["output_dtype"] == torch.float32  # Float16Module's fp32 output on the last stage
-    assert r["logit_diff"] < 0.05 * r["logit_std"] + 0.05  # bf16 weights and activations
+    # bf16 keeps 8 significant bits: a rounding moves a value by at most u = 2**-8 of it. The
+    # residual stream is rounded at the embedding and in each layer, the logits once more, and
+    # its errors reach the logits at their scale: (layers + 2) roundings of the largest logit.
+    # Measured: 0.0019, 1.6 roundings (bound 0.0048; the fp32 logits' largest is 0.31).
+    u = torch.finfo(torch.bfloat16).eps / 2
+    assert 0 < r["logit_diff"] < (ARCH.num_layers + 2) * u * r["logit_max"]
 
 
 class _RecordingEngine:
