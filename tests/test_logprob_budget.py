@@ -50,6 +50,24 @@ def _drifting(generate, when):
     return wrapped
 
 
+def _alternating_drift(generate, expected):
+    """``generate`` whose rollouts' response logprobs are shifted by ``2 * SHIFT`` at odd
+    positions and not at even ones; appends to ``expected`` the token_mult_prob_error this drift
+    alone gives each rollout: the mean of ``exp(drift)`` over its response tokens (1.197 and
+    1.295 in the two-step runs below, where ``exp`` of the mean |gap| gives 1.174 and 1.271, and
+    the trainer's logprobs against themselves 1.0)."""
+
+    def wrapped(*args, **kwargs):
+        rollout = generate(*args, **kwargs)
+        mask = rollout["token_mask"]
+        drift = 2 * SHIFT * (torch.arange(mask.shape[1]) % 2) * mask
+        rollout["generation_logprobs"] = rollout["generation_logprobs"] + drift
+        expected.append(float((drift.exp() * mask).sum() / mask.sum()))
+        return rollout
+
+    return wrapped
+
+
 def test_drift_refused_at_start_up_with_exit_code_3(tmp_path, monkeypatch, capsys):
     original = HFGenerationBackend.generate
     monkeypatch.setattr(HFGenerationBackend, "generate",
@@ -198,17 +216,22 @@ def test_train_forward_loss_equals_recompute_with_detached_logprobs():
 def test_train_forward_same_update_as_recompute_and_budget_stops_after_the_step(tmp_path):
     """Two RL steps with loss.prev_logprobs=train_forward give the parameters of the recompute
     path (fp32; the recomputed logprobs differ from the training forward's only by summation
-    order) and the same mismatch figures; a drift from step 2 with k = 2 stops the run at step
-    3 after its optimizer step (the error says so), saving nothing of step 3."""
+    order) and the same mismatch figures: those of a drift planted per token, which moves the
+    figures and not the loss (generation.logprob_budget=null lets it train); a drift from step 2
+    with k = 2 stops the run at step 3 after its optimizer step (the error says so), saving
+    nothing of step 3."""
     import json
 
-    finals, figures = {}, {}
+    finals, figures, expected = {}, {}, {}
     for mode in ("recompute", "train_forward"):
         cfg = load_config("grpo_synthetic", SMALL + [
             "grpo.max_steps=2", "checkpoint.every=0", "checkpoint.save_final=false",
+            "generation.logprob_budget=null",
             f"loss.prev_logprobs={mode}", f"run.output_dir={tmp_path / mode}"])
         loop = build(cfg)
         trainer = loop.trainer
+        expected[mode] = []
+        trainer.generation.generate = _alternating_drift(trainer.generation.generate, expected[mode])
         try:
             loop.fit()
             trainer.refit()  # the policy's weights into the hf rollout model
@@ -218,7 +241,10 @@ def test_train_forward_same_update_as_recompute_and_budget_stops_after_the_step(
         rows = [json.loads(line) for line in open(tmp_path / mode / "metrics.jsonl")]
         figures[mode] = [r["train/token_mult_prob_error"] for r in rows
                          if "train/token_mult_prob_error" in r]
-    assert len(figures["train_forward"]) == 2
+    assert len(figures["train_forward"]) == len(expected["train_forward"]) == 2
+    assert expected["train_forward"] == pytest.approx(expected["recompute"], rel=1e-6)  # same rollouts
+    for mode in ("recompute", "train_forward"):  # the trainer's own gap: ~1e-7 nats (fp32)
+        assert figures[mode] == pytest.approx(expected[mode], rel=1e-5), mode
     assert figures["train_forward"] == pytest.approx(figures["recompute"], rel=1e-5)
     for k, v in finals["recompute"].items():
         torch.testing.assert_close(finals["train_forward"][k], v, rtol=1e-5, atol=1e-6, msg=k)

