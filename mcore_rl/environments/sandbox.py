@@ -382,9 +382,9 @@ def sandbox_config_errors(cfg: "TrainConfig") -> List[str]:
     if problem is None:
         return []
     return [f"env.sandbox=bwrap cannot isolate model-written code here: {problem}; choose "
-            f"env.sandbox=bwrap where bubblewrap runs (apt-get install bubblewrap, user "
-            f"namespaces allowed) or env.sandbox={UNSAFE_SUBPROCESS} (no isolation: the "
-            f"code runs as the trainer's user, with a warning every step)"]
+            f"env.sandbox=bwrap on a machine where bwrap runs with user namespaces allowed, or "
+            f"env.sandbox={UNSAFE_SUBPROCESS} (no isolation: the code runs as the trainer's "
+            f"user, with a warning every step)"]
 
 
 def unsafe_warning(env: Any) -> Optional[str]:
