@@ -620,14 +620,15 @@ def no_isolation_cache():
 
 
 def _fake_bwrap(tmp_path, monkeypatch, script):
-    """PATH without the real bwrap: ``script`` (None: no bwrap at all) stands in for it."""
+    """``script`` stands in for bwrap, first on PATH; None: no bwrap on PATH at all."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    if script is not None:
+    rest = os.environ["PATH"].split(os.pathsep)
+    if script is None:
+        rest = [d for d in rest if not os.path.exists(os.path.join(d, "bwrap"))]
+    else:
         (bin_dir / "bwrap").write_text("#!/bin/sh\n" + script)
         (bin_dir / "bwrap").chmod(0o755)
-    rest = [d for d in os.environ["PATH"].split(os.pathsep)
-            if not os.path.exists(os.path.join(d, "bwrap"))]
     monkeypatch.setenv("PATH", os.pathsep.join([str(bin_dir), *rest]))
 
 
