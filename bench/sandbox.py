@@ -49,13 +49,14 @@ def load_before(rev: str) -> Callable[..., object]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     source = subprocess.run(["git", "-C", root, "show", f"{rev}:mcore_rl/environments/sandbox.py"],
                             capture_output=True, text=True, check=True).stdout
-    path = os.path.join(tempfile.mkdtemp(prefix="bench_sandbox_"), "sandbox_before.py")
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location("sandbox_before", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory(prefix="bench_sandbox_") as tmp:
+        path = os.path.join(tmp, "sandbox_before.py")
+        with open(path, "w") as f:
+            f.write(source)
+        spec = importlib.util.spec_from_file_location("sandbox_before", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
     return module.run_python
 
 
