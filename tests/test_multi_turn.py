@@ -190,6 +190,28 @@ def test_failing_tools_and_environments_through_the_loop_never_stall_the_step():
     assert eps[0].metadata["env_errors"] == 1 and episode_metrics(eps)["env/env_errors"] == 0.5
 
 
+def test_unsafe_sandbox_warns_every_step(caplog):
+    """env.sandbox=unsafe_subprocess is never silent: a warning each rollout; bwrap: none."""
+    from types import SimpleNamespace
+
+    from mcore_rl.rollout.producer import RolloutProducer
+
+    tok = build_char_tokenizer()
+    dataset = SimpleNamespace(examples=[EXAMPLE], input_ids=[ids(tok, EXAMPLE.prompt)])
+    for sandbox, warnings in (("unsafe_subprocess", 3), ("bwrap", 0)):
+        cfg = load_config("grpo_synthetic", ["env.name=tool_use", "env.num_workers=0",
+                                             f"env.sandbox={sandbox}"])
+        producer = RolloutProducer(cfg, ScriptedBackend(tok, [["1035"]] * 3), tok, None)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            for step in range(3):
+                batch = producer.generate(dataset, [0], seed=step)
+                assert batch["rewards"].tolist() == [1.0]
+        lines = [r.getMessage() for r in caplog.records if "env.sandbox=" in r.getMessage()]
+        assert len(lines) == warnings and all("without isolation" in m for m in lines)
+        producer.close()
+
+
 def test_hf_backend_stops_at_per_call_stop_tokens():
     """stop_token_ids ends a row at any of them; without it, the one-turn path is unchanged."""
     from test_generation import PROMPTS, _backend, _reference

@@ -123,6 +123,15 @@ ENVIRONMENTS: Dict[str, str] = {
     "tool_use": "mcore_rl.environments.tool_use:ToolUseEnvironment",
 }
 
+# env.sandbox -> None, or "module:function" of its load-time check, mapping TrainConfig to the
+# reasons (List[str], each naming env.sandbox and the choices) the machine cannot run it, in a
+# torch-free module. How the Python sandbox isolates model-written code
+# (mcore_rl/environments/sandbox.py); the first is the schema's default.
+SANDBOXES: Dict[str, Optional[str]] = {
+    "bwrap": "mcore_rl.environments.sandbox:sandbox_config_errors",
+    "unsafe_subprocess": None,
+}
+
 
 def load(path: str) -> Any:
     """The attribute ``"module:attribute"`` names, its module imported now."""
@@ -155,3 +164,11 @@ def backend_errors(cfg: Any) -> List[str]:
         return []
     check: Callable[[Any], List[str]] = load(entry.config_check)
     return check(cfg)
+
+
+def sandbox_errors(cfg: Any) -> List[str]:
+    """Why this machine cannot run ``cfg``'s ``env.sandbox`` (its :data:`SANDBOXES` check), one
+    message per reason; empty when it can, when the choice has no check, or when the name is
+    unknown (the choices check reports that)."""
+    check = SANDBOXES.get(cfg.env.sandbox)
+    return [] if check is None else load(check)(cfg)

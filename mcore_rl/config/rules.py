@@ -25,6 +25,7 @@ from mcore_rl.config.families import arch_errors, layout_errors, parallel_shape_
 from mcore_rl.config.paths import hf_checkpoint_errors, tokenizer_dir_error
 from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, ENVIRONMENTS, backend_errors,
                                       task_errors)
+from mcore_rl.config.registry import sandbox_errors
 from mcore_rl.config.schema import CHAR_TOKENIZER, TrainConfig
 
 Rule = Callable[[TrainConfig, Sequence[str]], List[str]]
@@ -290,10 +291,11 @@ def env_errors(cfg: TrainConfig) -> List[str]:
 
 
 def env_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
-    """:func:`env_errors`, then ``env.step_timeout_seconds > env.tool_timeout_seconds`` (unless
-    a field check of the ``env`` section already failed)."""
+    """:func:`env_errors`, ``env.sandbox``'s own check (through its plugin entry:
+    :func:`~mcore_rl.config.registry.sandbox_errors`), then ``env.step_timeout_seconds >
+    env.tool_timeout_seconds`` (unless a field check of the ``env`` section already failed)."""
     env = cfg.env
-    errors = env_errors(cfg)
+    errors = env_errors(cfg) + sandbox_errors(cfg)
     if (any(e.startswith("env.") for e in field_errors)  # then the field checks report it
             or env.step_timeout_seconds > env.tool_timeout_seconds):
         return errors

@@ -19,6 +19,7 @@ from mcore_rl.config.fields import bounded, one_of
 from mcore_rl.config.registry import ALGORITHMS as _ALGORITHM_TABLE
 from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, BACKENDS, ENVIRONMENTS, POLICY_LOSSES,
                                       TASKS, VERIFIERS, names)
+from mcore_rl.config.registry import SANDBOXES
 
 # Choice lists that components take from here rather than repeat.
 # cluster.placement: how mcore_rl.distributed.placement puts worker groups on GPUs.
@@ -426,6 +427,13 @@ class EnvConfig:
     sandbox_memory_mb: int = bounded(512, ge=64)
     # CPU-time limit (RLIMIT_CPU) of the Python sandbox in seconds.
     sandbox_cpu_seconds: int = bounded(5, ge=1, le=3600)
+    # How the Python sandbox isolates model-written code (mcore_rl/config/registry.py
+    # SANDBOXES): "bwrap" (bubblewrap namespaces: no network, no host files but the interpreter
+    # and its standard library read-only, a private /tmp, own PID namespace, uid 65534, no new
+    # processes; refused at load where bwrap cannot run) or "unsafe_subprocess" (a plain
+    # subprocess as the trainer's user: host files, network and processes reachable; warns
+    # every step).
+    sandbox: str = one_of("bwrap", names(SANDBOXES))
     # Processes that run environment steps (mcore_rl/environments/executor.py), so a slow or
     # crashing environment cannot stall or kill the controller; 0: in the controller's process.
     num_workers: int = bounded(4, ge=0, le=256)

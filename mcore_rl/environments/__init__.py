@@ -4,7 +4,8 @@
   :class:`EpisodeState`), after NeMo RL's environments and verl's agent loop;
 - :mod:`~mcore_rl.environments.single_turn`: today's verifiers as one-turn environments;
 - :mod:`~mcore_rl.environments.tools`: the Hermes / Qwen tool-call format, a safe calculator;
-- :mod:`~mcore_rl.environments.sandbox`: a resource-limited Python subprocess tool;
+- :mod:`~mcore_rl.environments.sandbox`: a resource-limited Python tool, isolated by
+  bubblewrap (:mod:`~mcore_rl.environments.isolation`) unless ``env.sandbox`` says otherwise;
 - :mod:`~mcore_rl.environments.tool_use`: tools until an answer, scored by the verifier;
 - :mod:`~mcore_rl.environments.executor`: calls in a process pool with deadlines, never raising
   into the caller.

@@ -1,37 +1,53 @@
-"""A Python sandbox tool: the model's code in a fresh, resource-limited interpreter.
+"""A Python sandbox tool: the model's code in a fresh, isolated, resource-limited interpreter.
 
-:func:`run_python` runs a program in a subprocess ``python -I -S`` (isolated mode: no
-``PYTHON*`` environment variables, no user site directory, the current directory not on
-``sys.path``; ``-S``: no ``site``, so no installed packages, only the standard library), with an
-empty environment except ``PATH`` and ``LANG``, in a fresh temporary working directory deleted
-afterwards, in a session of its own (the whole process group is killed at the end). Before the
-program runs, a small bootstrap sets :mod:`resource` limits:
+:func:`run_python` runs a program with ``python -I -S`` (isolated mode: no ``PYTHON*``
+environment variables, no user site directory, the current directory not on ``sys.path``;
+``-S``: no ``site``, so no installed packages, only the standard library), with an empty
+environment except ``PATH`` and ``LANG``, in a session of its own, by one of two isolations
+(``env.sandbox``):
+
+- ``bwrap`` (the default): in new namespaces with bubblewrap
+  (:mod:`mcore_rl.environments.isolation`): no network, a read-only view of only the
+  interpreter and its standard library, a private ``/tmp`` (its working directory), its own
+  PID namespace killed with the runner, uid/gid 65534 without capabilities inside, and no new
+  process or thread (a seccomp filter: the process bound that holds for root);
+- ``unsafe_subprocess``: a plain subprocess in a fresh temporary directory, as the trainer's
+  user: it reads and writes what that user can, uses the network, sees and signals the host's
+  processes, and as root forks without bound (``RLIMIT_NPROC`` does not bind root). Chosen
+  explicitly only; the rollout logs a warning every step (:func:`unsafe_warning`).
+
+Before the program runs, a small bootstrap sets :mod:`resource` limits:
 
 - ``RLIMIT_CPU``: CPU seconds (``env.sandbox_cpu_seconds``); past it the kernel kills it
   (``SIGXCPU``/``SIGKILL``), reported as a timeout;
 - ``RLIMIT_AS``: address space (``env.sandbox_memory_mb``); past it allocations fail
   (``MemoryError``, a nonzero exit status);
 - ``RLIMIT_FSIZE``: 16 MiB per file written; ``RLIMIT_NOFILE``: 64 open files;
-  ``RLIMIT_NPROC``: 0 new processes or threads for an unprivileged user (root is exempt);
-  ``RLIMIT_CORE``: no core files.
+  ``RLIMIT_NPROC``: 0 new processes or threads for an unprivileged user (root is exempt: under
+  ``bwrap`` the seccomp filter is the bound); ``RLIMIT_CORE``: no core files.
 
 On top, a wall-clock limit (``env.tool_timeout_seconds``) kills the process group (a program
-that sleeps uses no CPU). Standard output and error are read as they come and truncated at
-``env.max_output_chars`` characters each (the rest is read and dropped, so a program printing
-without end is stopped by its limits, never by a full pipe, and costs no memory here).
+that sleeps uses no CPU; under ``bwrap`` the namespace dies with it). Standard output and error
+are read as they come and truncated at ``env.max_output_chars`` characters each (the rest is
+read and dropped, so a program printing without end is stopped by its limits, never by a full
+pipe, and costs no memory here).
 
-What this does **not** isolate, honestly: the program runs as the same user as the trainer, so
-it can read every file that user can read and write wherever that user can (bounded in size
-per file, not in count); the network is not blocked (no network namespace: it is simply not
-offered anything); it sees the host's processes. For untrusted code at scale put the
-environment workers in a container or a VM (gVisor, Firecracker, a Kubernetes job) - the
-executor's process boundary is where such a sandbox plugs in.
+Where ``bwrap`` cannot run (not installed, user namespaces not allowed), the config loader
+refuses ``env.sandbox=bwrap`` with one line (:func:`sandbox_config_errors`, after one probe
+run: :func:`isolation_problem`). What ``bwrap`` does not isolate: the kernel (a kernel exploit
+escapes any namespace: for hostile code at scale use a VM sandbox such as gVisor or
+Firecracker around the environment workers), the CPU time and memory of the machine beyond the
+limits above, and timing side channels.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,9 +55,23 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
+from mcore_rl.environments.isolation import (PROGRAM, IsolationUnavailable, bwrap_command,
+                                             seccomp_program)
 from mcore_rl.environments.tools import ToolResult, error_content
+
+if TYPE_CHECKING:
+    from mcore_rl.config.schema import TrainConfig
+
+logger = logging.getLogger("mcore_rl.environments")
+
+# env.sandbox: the isolations of run_python (the first is the default).
+BWRAP, UNSAFE_SUBPROCESS = "bwrap", "unsafe_subprocess"
+ISOLATIONS = (BWRAP, UNSAFE_SUBPROCESS)
+BWRAP_MISSING = ("bubblewrap (bwrap) is not installed (apt-get install bubblewrap; make setup "
+                 "does as root)")
+_MAX_SIGNAL = 64
 
 # Sets the limits, then runs the program file (argv[1]) as __main__. Runs under -I -S.
 _BOOTSTRAP = """\
@@ -133,7 +163,8 @@ class _Reader(threading.Thread):
 
 
 def run_python(code: str, *, timeout_seconds: float = 10.0, cpu_seconds: int = 5,
-               memory_mb: int = 512, max_output_chars: int = 4096) -> SandboxResult:
+               memory_mb: int = 512, max_output_chars: int = 4096,
+               isolation: str = BWRAP) -> SandboxResult:
     """Run ``code`` as a Python program in the sandbox described in this module's docstring.
 
     Args:
@@ -143,30 +174,43 @@ def run_python(code: str, *, timeout_seconds: float = 10.0, cpu_seconds: int = 5
         memory_mb: address-space limit (``RLIMIT_AS``) in MiB (the interpreter itself takes
             about 20 of them).
         max_output_chars: characters kept of stdout and of stderr each.
+        isolation: ``"bwrap"`` (namespaces, :mod:`mcore_rl.environments.isolation`) or
+            ``"unsafe_subprocess"`` (none): ``env.sandbox``.
 
     Returns:
         A :class:`SandboxResult`; a program that raises, runs out of memory, or is killed is a
-        result (exit status, stderr, ``timed_out``), not an exception here.
+        result (exit status, stderr, ``timed_out``), not an exception here; so is a sandbox
+        that cannot start (``exit_code`` None, the reason in ``stderr``). Under ``bwrap`` a
+        program killed by signal N reports ``-N`` (bubblewrap exits 128 + N, as a shell does:
+        a program's own exit status above 128 reads as a signal too).
 
     Raises:
-        ValueError: a limit is not positive.
+        ValueError: a limit is not positive, or an unknown ``isolation``.
     """
     if timeout_seconds <= 0 or cpu_seconds < 1 or memory_mb < 1 or max_output_chars < 1:
         raise ValueError(f"run_python: limits must be positive (timeout_seconds="
                          f"{timeout_seconds}, cpu_seconds={cpu_seconds}, memory_mb={memory_mb}, "
                          f"max_output_chars={max_output_chars})")
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"env.sandbox must be one of {', '.join(ISOLATIONS)} (got "
+                         f"{isolation!r})")
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="mcore_rl_sandbox_") as workdir:
-        path = os.path.join(workdir, "main.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(code)
-        argv = [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, path, str(int(cpu_seconds)),
-                str(int(memory_mb) << 20), str(FILE_SIZE_LIMIT)]
+    limits = [str(int(cpu_seconds)), str(int(memory_mb) << 20), str(FILE_SIZE_LIMIT)]
+    with contextlib.ExitStack() as stack:
+        try:
+            if isolation == BWRAP:
+                launch = _bwrap_launch(code, limits, stack)
+            else:
+                launch = _subprocess_launch(code, limits, stack)
+        except (OSError, IsolationUnavailable) as e:
+            return SandboxResult("", f"could not start the sandbox: {e}", None, False, False,
+                                 time.monotonic() - start)
+        argv, cwd, fds = launch
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         try:
-            proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True, close_fds=True)
+                                    start_new_session=True, close_fds=True, pass_fds=fds)
         except OSError as e:
             return SandboxResult("", f"could not start the sandbox: {e}", None, False, False,
                                  time.monotonic() - start)
@@ -185,12 +229,58 @@ def run_python(code: str, *, timeout_seconds: float = 10.0, cpu_seconds: int = 5
             r.join(timeout=5)
         for pipe in (proc.stdout, proc.stderr):
             pipe.close()
+    returncode = proc.returncode
+    if isolation == BWRAP and 128 < returncode <= 128 + _MAX_SIGNAL:
+        returncode = 128 - returncode  # bwrap's 128 + N for a program killed by signal N
     # Not stopped by us but killed by SIGXCPU (RLIMIT_CPU's soft limit) or SIGKILL (its hard
     # limit; the OOM killer's reads the same, rare under RLIMIT_AS): the CPU limit.
-    cpu_limit = not timed_out and proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL)
+    cpu_limit = not timed_out and returncode in (-signal.SIGXCPU, -signal.SIGKILL)
     (stdout, cut_out), (stderr, cut_err) = (r.text(max_output_chars) for r in readers)
-    return SandboxResult(stdout, stderr, proc.returncode, timed_out or cpu_limit,
+    return SandboxResult(stdout, stderr, returncode, timed_out or cpu_limit,
                          cut_out or cut_err, time.monotonic() - start)
+
+
+def _memfd(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding ``data``, its offset at 0 (the descriptor)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+_Launch = Tuple[List[str], Optional[str], Tuple[int, ...]]  # argv, working directory, pass_fds
+
+
+def _bwrap_launch(code: str, limits: List[str], stack: contextlib.ExitStack) -> _Launch:
+    """``(argv, cwd, pass_fds)`` of a ``bwrap`` run: the program and the seccomp filter in
+    memory files that ``bwrap`` copies in (closed by ``stack``)."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise IsolationUnavailable(BWRAP_MISSING)
+    program = _memfd("mcore_rl_sandbox_program", code.encode("utf-8", "surrogatepass"))
+    stack.callback(os.close, program)
+    seccomp = _memfd("mcore_rl_sandbox_seccomp", seccomp_program())
+    stack.callback(os.close, seccomp)
+    argv = bwrap_command(bwrap, program, seccomp, ["-I", "-S", "-c", _BOOTSTRAP, PROGRAM,
+                                                    *limits])
+    return argv, None, (program, seccomp)
+
+
+def _subprocess_launch(code: str, limits: List[str], stack: contextlib.ExitStack) -> _Launch:
+    """``(argv, cwd, pass_fds)`` of a plain subprocess: the program in a fresh temporary
+    directory (its working directory, removed by ``stack``)."""
+    workdir = tempfile.mkdtemp(prefix="mcore_rl_sandbox_")
+    stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+    path = os.path.join(workdir, "main.py")
+    with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
+        f.write(code)
+    return [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, path, *limits], workdir, ()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -205,12 +295,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
 class PythonSandbox:
     """The ``python`` tool: ``{"code": "print(2**100)"}`` -> the run's
     :meth:`SandboxResult.to_json`; a nonzero exit status counts as an error, a run stopped at
-    a limit as a timeout."""
+    a limit as a timeout. The fields are :func:`run_python`'s limits and ``isolation``
+    (``env.sandbox``)."""
 
     timeout_seconds: float = 10.0
     cpu_seconds: int = 5
     memory_mb: int = 512
     max_output_chars: int = 4096
+    isolation: str = BWRAP
     name: str = "python"
     description: str = ("Run a Python program (standard library only, no input) and return its "
                         "exit code, stdout and stderr; print what you need to see.")
@@ -226,6 +318,82 @@ class PythonSandbox:
             return ToolResult(error_content("python needs {\"code\": <string>}"), error=True)
         result = run_python(code, timeout_seconds=self.timeout_seconds,
                             cpu_seconds=self.cpu_seconds, memory_mb=self.memory_mb,
-                            max_output_chars=self.max_output_chars)
+                            max_output_chars=self.max_output_chars, isolation=self.isolation)
         return ToolResult(result.to_json(), error=result.exit_code != 0 and not result.timed_out,
                           timed_out=result.timed_out)
+
+
+# ---------------------------------------------------------------------------- env.sandbox
+
+# Environments (env.name) that run model-written code in this sandbox: their env.sandbox is
+# checked at load.
+CODE_ENVIRONMENTS = ("tool_use",)
+
+# The probe's program: prints "ok", or what the sandbox failed to hold.
+_PROBE = """\
+import os, socket
+problems = []
+if os.getuid() == 0 or os.path.exists("/etc"):
+    problems.append("runs as uid 0 or sees the host's /etc")
+try:
+    pid = os.fork()
+except OSError:
+    pass
+else:
+    if pid == 0:
+        os._exit(0)
+    problems.append("forks")
+try:
+    os.setuid(0)
+    problems.append("can take uid 0")
+except OSError:
+    pass
+print("; ".join(problems) or "ok")
+"""
+
+
+@functools.cache
+def isolation_problem() -> Optional[str]:
+    """Why ``env.sandbox=bwrap`` cannot run here (``bwrap`` missing, user namespaces not
+    allowed, the interpreter's view not buildable, a probe program that was not isolated), as
+    one sentence; None when it can. Runs one probe program under ``bwrap`` (a tenth of a second
+    on an idle machine), once per process."""
+    if shutil.which("bwrap") is None:
+        return BWRAP_MISSING
+    result = run_python(_PROBE, timeout_seconds=120.0, cpu_seconds=60, memory_mb=256,
+                        isolation=BWRAP)
+    if result.exit_code == 0 and result.stdout == "ok\n":
+        return None
+    lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+    why = lines[-1].strip() if lines else f"exit status {result.exit_code}"
+    if result.timed_out:
+        why = "the probe program did not finish in 120 s"
+    return f"a probe program under bwrap failed: {why}"
+
+
+def sandbox_config_errors(cfg: "TrainConfig") -> List[str]:
+    """The load-time check of ``env.sandbox`` (through its entry in
+    :data:`mcore_rl.config.registry.SANDBOXES`): with an environment that runs code
+    (:data:`CODE_ENVIRONMENTS`), ``bwrap`` must work here (:func:`isolation_problem`); one
+    message naming ``env.sandbox`` and its choices, else none. Torch-free."""
+    if cfg.env.name not in CODE_ENVIRONMENTS or cfg.env.sandbox != BWRAP:
+        return []
+    problem = isolation_problem()
+    if problem is None:
+        return []
+    return [f"env.sandbox=bwrap cannot isolate model-written code here: {problem}; choose "
+            f"env.sandbox=bwrap on a machine where bwrap runs with user namespaces allowed, or "
+            f"env.sandbox={UNSAFE_SUBPROCESS} (no isolation: the code runs as the trainer's "
+            f"user, with a warning every step)"]
+
+
+def unsafe_warning(env: Any) -> Optional[str]:
+    """The warning a rollout logs every step while ``env``'s tools run code without isolation
+    (a :class:`PythonSandbox` with ``isolation="unsafe_subprocess"``); None when none does."""
+    unsafe = sorted(t.name for t in getattr(env, "tools", ())
+                    if isinstance(t, PythonSandbox) and t.isolation == UNSAFE_SUBPROCESS)
+    if not unsafe:
+        return None
+    return (f"env.sandbox={UNSAFE_SUBPROCESS}: tool(s) {', '.join(unsafe)} run model-written "
+            f"code without isolation, as the trainer's user (host files, network, processes); "
+            f"use env.sandbox={BWRAP}")

@@ -57,7 +57,7 @@ class ToolUseEnvironment:
     @classmethod
     def from_config(cls, cfg: "TrainConfig") -> "ToolUseEnvironment":
         """``reward.name``'s verifier with the calculator and the Python sandbox (its limits
-        from ``env.*``), ``env.max_turns``.
+        and isolation from ``env.*``: ``env.sandbox``), ``env.max_turns``.
 
         Raises:
             ValueError: unknown ``reward.name`` (names the key).
@@ -68,7 +68,8 @@ class ToolUseEnvironment:
         sandbox = PythonSandbox(timeout_seconds=env.tool_timeout_seconds,
                                 cpu_seconds=env.sandbox_cpu_seconds,
                                 memory_mb=env.sandbox_memory_mb,
-                                max_output_chars=env.max_output_chars)
+                                max_output_chars=env.max_output_chars,
+                                isolation=env.sandbox)
         return cls(get_reward_fn(cfg.reward.name), (Calculator(), sandbox), env.max_turns)
 
     def tool_schemas(self) -> List[Dict[str, Any]]:

@@ -17,6 +17,7 @@ rollouts to (``generate_and_submit`` / ``collect_rewards`` / ``validate``):
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -26,6 +27,8 @@ from mcore_rl.rollout.multi_turn import ChatFormat, episode_metrics, run_episode
 
 if TYPE_CHECKING:
     from mcore_rl.config.schema import TrainConfig
+
+_log = logging.getLogger(__name__)
 
 # env.name of today's one-turn path (the verifier in the reward pool).
 SINGLE_TURN = "single_turn"
@@ -68,11 +71,14 @@ class RolloutProducer:
         self.executor = None
         self.format: Optional[ChatFormat] = None
         self._metrics: List[Dict[str, float]] = []
+        self._unsafe: Optional[str] = None  # warned every generate: env.sandbox=unsafe_subprocess
         if self.multi_turn:
             from mcore_rl.environments import build_environment
             from mcore_rl.environments.executor import EnvironmentExecutor
+            from mcore_rl.environments.sandbox import unsafe_warning
 
             env = build_environment(cfg)
+            self._unsafe = unsafe_warning(env)
             schemas = env.tool_schemas() if hasattr(env, "tool_schemas") else None
             use_chat = cfg.data.use_chat_template and tokenizer.chat_template is not None
             self.format = ChatFormat(tokenizer, use_chat, schemas)
@@ -102,7 +108,9 @@ class RolloutProducer:
         """The rollout of ``dataset``'s prompts ``indices`` (one row each, in order): the
         backend's batch (:meth:`GenerationBackend.generate`) for one turn, the episodes' batch
         (:func:`run_episodes`, with ``rewards`` [B] float32 already in it) for several, whose
-        episode metrics wait under ``metrics_prefix`` for :meth:`pop_metrics`.
+        episode metrics wait under ``metrics_prefix`` for :meth:`pop_metrics`. Logs a warning
+        first while the environment's tools run code without isolation
+        (``env.sandbox=unsafe_subprocess``).
 
         Raises:
             ValueError: as the backend's ``generate`` (prompts with no room for a response).
@@ -110,6 +118,8 @@ class RolloutProducer:
         prompts = self._first_prompts(dataset, indices)
         if not self.multi_turn:
             return self.backend.generate(prompts, seed=seed, greedy=greedy)
+        if self._unsafe:
+            _log.warning(self._unsafe)
         e = self.cfg.env
         rollout, episodes = run_episodes(
             self.backend, self.executor, self.format, [dataset.examples[i] for i in indices],
