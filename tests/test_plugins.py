@@ -20,7 +20,7 @@ import torch
 from mcore_rl.cli import main
 from mcore_rl.config import ConfigError
 from mcore_rl.config.loader import load_config
-from mcore_rl.config.schema import DataConfig, RewardConfig, TrainConfig
+from mcore_rl.config.schema import DataConfig, RewardConfig
 from mcore_rl.data.dataset import hold_out, task_examples
 from mcore_rl.data.example import Example
 from mcore_rl.data.gsm8k import GSM8K_SAMPLE_DIR, load_gsm8k
@@ -122,6 +122,10 @@ def arithmetic(data, seed):
     examples = [Example(f"{a}+{b}=", str(a + b), str(a + b), f"user:{a}:{b}")
                 for a in range(5) for b in range(5)]
     return examples[5:], examples[:5]
+
+
+def rows(data, seed):
+    return [{"prompt": "1+1=", "answer": "2"}], []
 ''',
     "userpkg/algos.py": '''
 from mcore_rl.algorithms.estimators import grpo
@@ -505,8 +509,8 @@ BAD = [
      "data.train_path: {in}/no_column.parquet: row 0: no column 'question' (data.prompt_key); "
      "found 'text', 'sum'"),
     ("missing_answer_column", ["data.train_path={in}/no_column.jsonl", "data.answer_key=answer"],
-     "data.train_path: {in}/no_column.jsonl:1: no column 'answer' (data.answer_key); found "
-     "'question', 'sum'"),
+     "data.train_path: {in}/no_column.jsonl:1: no column 'answer' (data.answer_key; null for "
+     "none); found 'question', 'sum'"),
     ("empty_file", ["data.train_path={in}/empty.jsonl"],
      "data.train_path: {in}/empty.jsonl: empty dataset (no JSON records)"),
     ("empty_parquet_table", ["data.train_path={in}/no_rows.parquet"],
@@ -573,6 +577,9 @@ BAD = [
     ("task_wrong_signature", ["data.task=userpkg.rewards:one_argument"],
      "data.task=userpkg.rewards:one_argument: one_argument(response) cannot be called as "
      "(data_config, seed) -> (train, test)"),
+    ("task_returns_rows_not_examples", ["data.task=userpkg.tasks:rows"],
+     "data.task=userpkg.tasks:rows must return (train, test) lists of "
+     "mcore_rl.data.example.Example; got a dict among them"),
     ("loss_that_fails_to_build", ["data.train_path={in}/with_difficulty.jsonl",
                                   "loss.name=userpkg.algos:Broken"],
      "loss.name=userpkg.algos:Broken: Broken(loss config, max_response_length=5) raised "

@@ -30,7 +30,6 @@ from mcore_rl.config.schema import TrainConfig
 IMPORT_PATH_FORM = '"module:attribute"'
 
 
-
 class ConfigError(ValueError):
     """Bad user input: a config value, or a file or directory that a config key names (data
     file, model directory, checkpoint). The message names the key and, for a file, the path

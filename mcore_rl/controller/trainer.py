@@ -273,7 +273,7 @@ class RLTrainer:
         return rewards, errors, texts
 
     def _add_reward_components(self, pending, prefix: str = "") -> None:
-        """Add each reward's own scores of ``pending`` to the sums :meth:`reward_components`
+        """Add each reward's own scores of ``pending`` to the sums :meth:`reward_means`
         reports (only with several rewards: one is ``train/reward_mean`` itself)."""
         components = pending.components()
         if len(components) < 2:
@@ -283,7 +283,7 @@ class RLTrainer:
             total[0] += float(values.sum())
             total[1] += values.numel()
 
-    def reward_components(self, prefix: str = "") -> Dict[str, float]:
+    def reward_means(self, prefix: str = "") -> Dict[str, float]:
         """Each reward's mean score (unweighted) over the samples scored since the last call,
         keyed ``<prefix>reward/<name>``; cleared. Empty with one reward."""
         keys = [k for k in self._reward_sums if k.startswith(prefix + "reward/")]
@@ -331,10 +331,10 @@ class RLTrainer:
     def reward_timing(self) -> Dict[str, float]:
         """``{"timing/reward_busy_s": seconds}``: the verifiers' own seconds since the last
         call (summed over samples, overlapped with other phases or not); clears them. With
-        several rewards also each one's mean (``reward/<name>``: :meth:`reward_components`);
+        several rewards also each one's mean (``reward/<name>``: :meth:`reward_means`);
         with a multi-turn environment its episode metrics since the last call (``env/turns``,
         ``env/tool_calls``, ... : :meth:`RolloutProducer.pop_metrics`)."""
-        out = {"timing/reward_busy_s": self.reward_busy_seconds, **self.reward_components(),
+        out = {"timing/reward_busy_s": self.reward_busy_seconds, **self.reward_means(),
                **self.producer.pop_metrics()}
         self.reward_busy_seconds = 0.0
         return out
@@ -416,7 +416,7 @@ class RLTrainer:
             rewards, env = rollout["rewards"], self.producer.pop_metrics("val/env/")
         else:
             rewards = self._score(rollout, [self.test_data.examples[i] for i in idx], "val/")[0]
-            env = self.reward_components("val/")
+            env = self.reward_means("val/")
         return {"val/accuracy": float(rewards.mean()),
                 "val/response_length": float(rollout["response_lengths"].float().mean()), **env}
 

@@ -238,7 +238,7 @@ def to_example(source: str, record: Dict[str, Any], data: "DataConfig", prefix: 
         used.append(data.prompt_key)
     answer = ""
     if data.answer_key is not None:
-        value = _column(record, data.answer_key, "data.answer_key", source, prefix)
+        value = _column(record, data.answer_key, "data.answer_key; null for none", source, prefix)
         if value is None:
             raise ConfigError(f"{prefix}{source}: the answer (data.answer_key "
                               f"{data.answer_key!r}) is null")

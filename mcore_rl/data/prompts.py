@@ -186,13 +186,17 @@ def load_task(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
     Raises:
         ConfigError: a ``data`` key outside its declared choices or bounds, a problem of
             :func:`~mcore_rl.config.registry.task_errors` (``data.train_path`` null or missing for
-            gsm8k, set for synthetic, ...), and the errors of the loaders and
-            :class:`PromptDataset`.
+            gsm8k, set for synthetic, ...), a user's task that returns other than examples, and
+            the errors of the loaders and :class:`PromptDataset`.
     """
     problems = errors(cfg, "data") + task_errors(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
     train, test = load(task_entry(cfg.task).examples)(cfg, seed)
+    wrong = [type(e).__name__ for e in list(train) + list(test) if not isinstance(e, Example)]
+    if wrong:  # a user's task (data.task=module:function)
+        raise ConfigError(f"data.task={cfg.task} must return (train, test) lists of "
+                          f"mcore_rl.data.example.Example; got a {wrong[0]} among them")
 
     def dataset(examples: List[Example], split: str) -> PromptDataset:
         data = PromptDataset(examples, tokenizer, cfg.prompt_template, cfg.use_chat_template,

@@ -22,7 +22,7 @@ import concurrent.futures as cf
 import dataclasses
 import inspect
 import logging
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -131,7 +131,7 @@ class Scores:
     values: List[List[float]]
     errors: List[int]
     first_error: Optional[Tuple[str, str]] = None
-    failed_rows: set = dataclasses.field(default_factory=set)
+    failed_rows: Set[int] = dataclasses.field(default_factory=set)
 
     def fail(self, row: int, k: int, source: str, error: str) -> None:
         """Sample ``row`` scored 0 by reward ``k``, counted, ``error`` kept if it is the
