@@ -21,13 +21,15 @@ import contextlib
 import functools
 import importlib
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 
 from omegaconf import OmegaConf
 
 import mcore_rl
-from mcore_rl.config.checks import ConfigError
+from mcore_rl.config.checks import ConfigError, describe_key
 from mcore_rl.config.loader import CONFIG_DIR_ENV, load_config
+from mcore_rl.config.plugins import CONTRACTS
 from mcore_rl.config.schema import TrainConfig
 
 DEBUG_ENV = "MCORE_RL_DEBUG"
@@ -111,6 +113,27 @@ def _export(args: argparse.Namespace) -> None:
     print(f"Hugging Face model written to {out}")
 
 
+def annotate_plugin_keys(yaml_text: str) -> str:
+    """``yaml_text`` (a composed config, as ``--cfg`` prints it) with a comment on the line of
+    each plugin key (:data:`mcore_rl.config.plugins.CONTRACTS`) saying what it takes: a
+    built-in name or a ``"module:attribute"`` import path of the user's own."""
+    notes = {key: describe_key(key) for key in CONTRACTS}
+    stack: list[tuple[int, str]] = []  # (indent, key) of the mappings the line is inside
+    out = []
+    for line in yaml_text.splitlines():
+        match = re.match(r"( *)([A-Za-z_]\w*):( |$)", line)
+        if match:
+            indent = len(match.group(1))
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            stack.append((indent, match.group(2)))
+            note = notes.get(".".join(name for _, name in stack))
+            if note:
+                line += f"  # {note}"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
 @contextlib.contextmanager
 def _user_errors(parser: argparse.ArgumentParser, command: str, debug: bool,
                  errors: tuple = USER_ERRORS) -> Iterator[None]:
@@ -147,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help=f"config directory (default: ${CONFIG_DIR_ENV}, else the "
                               "repository's configs/)")
         sub.add_argument("--cfg", action="store_true",
-                         help="print the composed config as YAML and exit")
+                         help="print the composed config as YAML and exit (a plugin key's line "
+                              "says it takes a built-in name or a module:attribute path)")
         sub.add_argument("overrides", nargs="*", help="key=value, +key=value, ~key")
     _add_export_parser(commands, [common])
     _add_gguf_parser(commands, [common])
@@ -165,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _user_errors(parser, args.command, debug):
         cfg = load_config(args.config_name, args.overrides + rest, args.config_path)
         if args.cfg:
-            print(OmegaConf.to_yaml(cfg), end="")
+            print(annotate_plugin_keys(OmegaConf.to_yaml(cfg)), end="")
             return 0
         COMMANDS[args.command][2](cfg)
     return 0

@@ -228,14 +228,14 @@ def test_registry_names_are_the_schema_choices_and_build_their_classes():
 
 @pytest.mark.parametrize("sections, expected", [
     (dict(grpo=dict(reward_kl_coef=0.1)), "grpo.reward_kl_coef (0.1) is read by "
-     "grpo.advantage_estimator=reinforce_plus_plus only (got 'grpo'); use loss.kl_coef for a KL "
-     "term in the loss"),
+     "grpo.advantage_estimator=reinforce_plus_plus (or your estimator with reads_reward_kl = "
+     "True) only (got 'grpo'); use loss.kl_coef for a KL term in the loss"),
     (dict(grpo=dict(overlong_buffer_length=20)),
      "grpo.overlong_buffer_length (20) must be <= generation.max_new_tokens (16)"),
     (dict(loss=dict(aggregation="sum")), "loss.aggregation must be one of token-mean, "
      "seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (got 'sum')"),
     (dict(grpo=dict(advantage_estimator="gae")), "grpo.advantage_estimator must be one of grpo, "
-     "rloo, reinforce_plus_plus (got 'gae')"),
+     "rloo, reinforce_plus_plus, or a \"module:attribute\" import path (got 'gae')"),
 ])
 def test_bad_combinations_fail_at_load_time(sections, expected):
     with pytest.raises(ConfigError) as info:

@@ -196,7 +196,8 @@ PAR = "policy.megatron."
     (["data.synthetic.operations=+/"], "data.synthetic.operations='+/'"),
     (["data.synthetic.num_train=9600"], "data.synthetic.num_train + data.synthetic.num_test = "
      "9600 + 500 = 10100 exceeds the 10000 distinct prompts"),
-    (["reward.name=f1"], "reward.name must be one of exact, math (got 'f1')"),
+    (["reward.name=f1"], "reward.name must be one of exact, math, or a \"module:attribute\" "
+     "import path (got 'f1')"),
     (["reward.num_workers=-1"], "reward.num_workers must be null or in [0, 256] (got -1)"),
     (["grpo.optimizer_steps_per_rollout=3"], "grpo.num_prompts_per_step x grpo.num_generations "
      "(32 x 8 = 256) must be divisible by grpo.optimizer_steps_per_rollout (3)"),
@@ -329,6 +330,8 @@ def _bad_values(cls, f):
     its range (the open end itself, or one step past the closed end), typed as the field."""
     if checks.CHOICES in f.metadata:
         choices = f.metadata[checks.CHOICES]
+        if typing.get_type_hints(cls)[f.name] == typing.Optional[typing.List[str]]:
+            return [["bogus"]]  # reward.names: a list, each of its values checked
         return [max(choices) + 1] if all(isinstance(c, int) for c in choices) else ["bogus"]
     r = f.metadata[checks.RANGE]
     kind = int if typing.get_type_hints(cls)[f.name] in (int, typing.Optional[int]) else float

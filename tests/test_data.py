@@ -293,7 +293,8 @@ def test_load_task_synthetic_and_gsm8k():
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"task": "mmlu"}, r"data\.task must be one of synthetic, gsm8k \(got 'mmlu'\)"),
+    ({"task": "mmlu"}, r"data\.task must be one of synthetic, gsm8k, dataset, or a "
+                      r"\"module:attribute\" import path \(got 'mmlu'\)"),
     ({"task": "gsm8k"}, r"data\.task=gsm8k needs data\.train_path"),
     ({"task": "gsm8k", "train_path": "/no/such.jsonl"},
      r"data\.train_path: /no/such\.jsonl: no such file"),

@@ -589,7 +589,8 @@ def test_grpo_arith_tools_episodes_give_the_same_rewards_isolated():
 # ---------------------------------------------------------------------------- config
 
 @pytest.mark.parametrize("overrides, message", [
-    (["env.name=gym"], "env.name must be one of single_turn, tool_use (got 'gym')"),
+    (["env.name=gym"], "env.name must be one of single_turn, tool_use, or a "
+                      "\"module:attribute\" import path (got 'gym')"),
     (["env.max_turns=0"], "env.max_turns must be in [1, 1024] (got 0)"),
     (["env.tool_timeout_seconds=0"], "env.tool_timeout_seconds must be > 0 (got 0.0)"),
     (["env.max_output_chars=0"], "env.max_output_chars must be >= 1 (got 0)"),

@@ -121,7 +121,7 @@ def _leaf_keys(node, prefix=""):
     out = []
     for key in node:
         child = node._get_node(key)
-        if OmegaConf.is_config(child):
+        if OmegaConf.is_dict(child):  # a section (a list, reward.names, is a leaf key)
             out += _leaf_keys(child, f"{prefix}{key}.")
         else:
             out.append(f"{prefix}{key}")

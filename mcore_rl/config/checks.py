@@ -22,8 +22,12 @@ import typing
 from typing import Any, Callable, List, Optional
 
 # The declarations (mcore_rl.config.fields), re-exported: this module is what everyone reads.
-from mcore_rl.config.fields import CHOICES, RANGE, Range, bounded, one_of  # noqa: F401
+from mcore_rl.config.fields import CHOICES, PLUGIN, RANGE, Range, bounded, one_of  # noqa: F401
+from mcore_rl.config.registry import is_import_path
 from mcore_rl.config.schema import TrainConfig
+
+# How errors and the reference page name the import-path form of a plugin key.
+IMPORT_PATH_FORM = '"module:attribute"'
 
 
 class ConfigError(ValueError):
@@ -45,11 +49,17 @@ def _optional_fields(cls: type) -> frozenset:
 
 def describe(cls: type, name: str, quote: Callable[[str], str] = str) -> str:
     """The valid values of field ``name`` of the config dataclass ``cls`` as errors and the
-    reference page say them: ``one of hf, megatron``, ``>= 1``, ``null or > 1``, each value or
+    reference page say them: ``one of hf, megatron``, ``>= 1``, ``null or > 1``, a plugin key's
+    ``one of exact, math, or "module:attribute"`` (``each one of ...`` for a list), each value or
     range passed through ``quote`` (the page puts them in code spans); empty when the field
     declares none."""
     meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == name)
-    if CHOICES in meta:
+    if CHOICES in meta and meta.get(PLUGIN):
+        text = ("one of " + ", ".join(quote(c) for c in meta[CHOICES])
+                + f", or a {quote(IMPORT_PATH_FORM)} import path")
+        if _is_list(cls, name):
+            text = "each " + text
+    elif CHOICES in meta:
         text = "one of " + ", ".join(quote(c) for c in meta[CHOICES])
     elif RANGE in meta:
         text = quote(str(meta[RANGE]))
@@ -58,9 +68,27 @@ def describe(cls: type, name: str, quote: Callable[[str], str] = str) -> str:
     return f"null or {text}" if name in _optional_fields(cls) else text
 
 
+@functools.cache
+def _is_list(cls: type, name: str) -> bool:
+    """Whether field ``name`` of dataclass ``cls`` is typed ``List[...]`` (or ``Optional`` of
+    it)."""
+    hint = typing.get_type_hints(cls)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        hint = args[0]
+    return typing.get_origin(hint) is list
+
+
 def _field_error(cls: type, f: dataclasses.Field, value: Any, key: str) -> Optional[str]:
     if value is None and f.name in _optional_fields(cls):
         return None
+    if f.metadata.get(PLUGIN):
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        bad = [v for v in values if v not in f.metadata[CHOICES] and not is_import_path(v)]
+        if not bad:
+            return None
+        got = repr(bad[0]) if not isinstance(value, (list, tuple)) else repr(bad)
+        return f"{key} must be {describe(cls, f.name)} (got {got})"
     if CHOICES in f.metadata:
         ok = value in f.metadata[CHOICES]
     elif RANGE in f.metadata:
@@ -102,6 +130,12 @@ def check_value(key: str, value: Any) -> None:
     message = _field_error(*_field_at(key), value, key)
     if message:
         raise ConfigError(message)
+
+
+def describe_key(key: str) -> str:
+    """:func:`describe` of the dotted schema ``key`` (``"reward.name"``)."""
+    cls, f = _field_at(key)
+    return describe(cls, f.name)
 
 
 @functools.cache

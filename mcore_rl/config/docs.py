@@ -133,10 +133,13 @@ def _source_notes(module: types.ModuleType) -> tuple[dict[tuple[str, str], str],
 
 
 def _type_text(hint: Any) -> str:
-    """``Optional[X]`` -> ``"X or null"``; other hints by name (``int``, ``str``)."""
+    """``Optional[X]`` -> ``"X or null"``; ``List[X]`` -> ``"list of X"``; other hints by
+    name (``int``, ``str``)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
         return f"{_type_text(args[0])} or null"
+    if typing.get_origin(hint) is list:
+        return f"list of {_type_text(args[0])}"
     return getattr(hint, "__name__", str(hint))
 
 

@@ -1,6 +1,7 @@
-"""How the schema declares a key's valid values: :func:`one_of` (choices) and :func:`bounded`
-(a numeric :class:`Range`), stored in the dataclass field's metadata under :data:`CHOICES` and
-:data:`RANGE`. :mod:`mcore_rl.config.checks` reads them (load-time checks, the components'
+"""How the schema declares a key's valid values: :func:`one_of` (choices), :func:`plugin` (a
+plugin table's names or a ``"module:attribute"`` import path) and :func:`bounded` (a numeric
+:class:`Range`), stored in the dataclass field's metadata under :data:`CHOICES`, :data:`PLUGIN`
+and :data:`RANGE`. :mod:`mcore_rl.config.checks` reads them (load-time checks, the components'
 checks, the reference page); this module imports nothing, so :mod:`mcore_rl.config.schema` can
 use it while :mod:`~mcore_rl.config.checks` imports the schema."""
 
@@ -11,6 +12,7 @@ from typing import Any, Optional, Sequence
 
 CHOICES = "choices"  # field metadata key: tuple of the valid strings
 RANGE = "range"      # field metadata key: a Range
+PLUGIN = "plugin"    # field metadata key: True when an import path is valid beside the choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,15 @@ class Range:
 def one_of(default: Optional[str], choices: Sequence[str]) -> Any:
     """A dataclass field with ``default`` whose value must be one of ``choices``."""
     return dataclasses.field(default=default, metadata={CHOICES: tuple(choices)})
+
+
+def plugin(default: Any, choices: Sequence[str]) -> Any:
+    """A dataclass field with ``default`` whose value (or, for a list, each of its values) must
+    be one of ``choices`` (a plugin table's names, :mod:`mcore_rl.config.registry`) or a
+    ``"module:attribute"`` import path of the user's own plugin: the key of a plugin table
+    (``docs/design.md``, "Plugin tables"); :mod:`mcore_rl.config.plugins` checks the path's
+    import and contract at load."""
+    return dataclasses.field(default=default, metadata={CHOICES: tuple(choices), PLUGIN: True})
 
 
 def bounded(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None,

@@ -71,6 +71,8 @@ def _type_name(hint: Any) -> str:
     inner = _optional_arg(hint)
     if inner is not None:
         return f"{_type_name(inner)} or null"
+    if typing.get_origin(hint) is list:
+        return f"list of {_type_name(typing.get_args(hint)[0])}"
     return f"{hint.__name__} section" if dataclasses.is_dataclass(hint) else hint.__name__
 
 

@@ -11,6 +11,12 @@ without importing anything above it; the floors that use a plugin resolve its en
 (:mod:`mcore_rl.algorithms.registry`, :mod:`mcore_rl.generation.registry`,
 :func:`mcore_rl.data.prompts.load_task`). Adding one is its module plus one line here.
 
+A user's own reward, environment, prompt task, advantage estimator or policy loss needs no line
+here: the key (declared with :func:`~mcore_rl.config.fields.plugin`) also takes a
+``"module:attribute"`` import path (:func:`is_import_path`; ``reward.name=my_pkg.rewards:score``),
+resolved by :func:`path_of` / :func:`task_entry` / :func:`estimator_entry` and checked against
+the plugin's contract at load (:mod:`mcore_rl.config.plugins`).
+
 This module imports nothing of the package; an entry's module is imported when the entry is
 used, and a load-time check lives in a module that imports without torch (loading a config
 stays fast).
@@ -19,6 +25,7 @@ stays fast).
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 
@@ -61,11 +68,11 @@ class Task(NamedTuple):
             lists of :class:`~mcore_rl.data.example.Example` (test empty: no validation set).
         config_check: ``"module:function"`` mapping ``DataConfig`` to the reasons
             (``List[str]``, each naming its ``data.*`` keys) the task cannot load its prompts
-            from it, torch-free.
+            from it, torch-free; None: no check (a user's task given by its import path).
     """
 
     examples: str
-    config_check: str
+    config_check: Optional[str] = None
 
 
 # algorithm -> "module:class" of an RL algorithm (mcore_rl/controller/algorithm.py: the
@@ -105,6 +112,7 @@ BACKENDS: Dict[str, BackendEntry] = {
 TASKS: Dict[str, Task] = {
     "synthetic": Task("mcore_rl.data.synthetic:task_examples", "mcore_rl.data.synthetic:task_errors"),
     "gsm8k": Task("mcore_rl.data.gsm8k:task_examples", "mcore_rl.data.gsm8k:task_errors"),
+    "dataset": Task("mcore_rl.data.dataset:task_examples", "mcore_rl.data.dataset:task_errors"),
 }
 
 # reward.name -> "module:function" of its verifier, ``(response_text, Example) -> float``
@@ -133,10 +141,65 @@ SANDBOXES: Dict[str, Optional[str]] = {
 }
 
 
+# "package.module:attribute" (the attribute may be dotted: "module:Class.method").
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def is_import_path(value: Any) -> bool:
+    """Whether ``value`` is a ``"module:attribute"`` import path (``my_pkg.rewards:score``):
+    what a plugin key takes beside its table's names."""
+    return isinstance(value, str) and _IMPORT_PATH.fullmatch(value) is not None
+
+
 def load(path: str) -> Any:
-    """The attribute ``"module:attribute"`` names, its module imported now."""
+    """The attribute ``"module:attribute"`` names (``attribute`` may be dotted), its module
+    imported now.
+
+    Raises:
+        ImportError: the module does not import; AttributeError: it lacks the attribute
+            (:func:`mcore_rl.config.plugins.import_plugin` turns both into one line naming
+            the key).
+    """
     module, _, attribute = path.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    obj = importlib.import_module(module)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def path_of(table: Dict[str, str], name: str) -> Optional[str]:
+    """The ``"module:attribute"`` of ``name`` for a plugin key whose table ``table`` maps names
+    to import paths (``VERIFIERS``, ``ENVIRONMENTS``, ``POLICY_LOSSES``): its entry, or
+    ``name`` itself when it is an import path; None for anything else."""
+    if name in table:
+        return table[name]
+    return name if is_import_path(name) else None
+
+
+def task_entry(name: str) -> Optional[Task]:
+    """The :class:`Task` of ``data.task=name``: its ``TASKS`` entry, or for an import path a
+    task of that function and no config check; None for anything else."""
+    if name in TASKS:
+        return TASKS[name]
+    return Task(name) if is_import_path(name) else None
+
+
+def estimator_entry(name: str) -> Optional[Estimator]:
+    """The :class:`Estimator` of ``grpo.advantage_estimator=name``: its
+    ``ADVANTAGE_ESTIMATORS`` entry, or for an import path the function's own ``per_group`` and
+    ``reads_reward_kl`` attributes (both False when absent: such an estimator does not stream
+    and reads no reward KL); None for anything else, or an import path that does not import
+    (the plugin check reports it)."""
+    if name in ADVANTAGE_ESTIMATORS:
+        return ADVANTAGE_ESTIMATORS[name]
+    if not is_import_path(name):
+        return None
+    try:
+        fn = load(name)
+    except Exception:  # reported by mcore_rl.config.plugins, with the key
+        return None
+    return Estimator(name, per_group=bool(getattr(fn, "per_group", False)),
+                     reads_reward_kl=bool(getattr(fn, "reads_reward_kl", False)))
 
 
 def names(table: Dict[str, Any]) -> Tuple[str, ...]:

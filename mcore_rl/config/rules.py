@@ -23,8 +23,9 @@ from typing import Callable, List, Sequence, Tuple
 
 from mcore_rl.config.families import arch_errors, layout_errors, parallel_shape_errors
 from mcore_rl.config.paths import hf_checkpoint_errors, tokenizer_dir_error
+from mcore_rl.config.plugins import plugin_errors
 from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, ENVIRONMENTS, backend_errors,
-                                      task_errors)
+                                      estimator_entry, is_import_path, task_errors)
 from mcore_rl.config.registry import sandbox_errors
 from mcore_rl.config.schema import CHAR_TOKENIZER, TrainConfig
 
@@ -142,11 +143,12 @@ def algorithm_errors(cfg: TrainConfig) -> List[str]:
     (:attr:`~mcore_rl.config.registry.Estimator.reads_reward_kl`), an overlong buffer longer
     than the response budget."""
     g, out = cfg.grpo, []
-    estimator = ADVANTAGE_ESTIMATORS.get(g.advantage_estimator)
+    estimator = estimator_entry(g.advantage_estimator)
     if (cfg.algorithm == "grpo" and g.reward_kl_coef > 0 and estimator is not None
             and not estimator.reads_reward_kl):
         readers = " or ".join(f"grpo.advantage_estimator={n}"
                               for n, e in ADVANTAGE_ESTIMATORS.items() if e.reads_reward_kl)
+        readers += " (or your estimator with reads_reward_kl = True)"
         out.append(f"grpo.reward_kl_coef ({g.reward_kl_coef}) is read by {readers} only (got "
                    f"{g.advantage_estimator!r}); use loss.kl_coef for a KL term in the loss")
     if g.overlong_buffer_length > cfg.generation.max_new_tokens:
@@ -190,6 +192,30 @@ def logging_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
     return ["logging.wandb=true needs the wandb package: pip install wandb"]
 
 
+def plugin_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """The user's own plugins named by import path (``reward.name=my_pkg.rewards:score``, ...):
+    each imports and honours its key's contract
+    (:func:`~mcore_rl.config.plugins.plugin_errors`)."""
+    return plugin_errors(cfg)
+
+
+def reward_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """``reward.names`` not empty and without repeats; ``reward.weights`` one per reward (of
+    ``reward.names``, else of ``reward.name``)."""
+    r, errors = cfg.reward, []
+    names = r.names if r.names is not None else [r.name]
+    if r.names is not None and not r.names:
+        errors.append("reward.names is empty: give at least one reward, or null for reward.name")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        errors.append(f"reward.names names {', '.join(repeated)} more than once")
+    if r.weights is not None and len(r.weights) != len(names):
+        errors.append(f"reward.weights has {len(r.weights)} weights for {len(names)} reward(s) "
+                      f"({'reward.names' if r.names is not None else 'reward.name'}: "
+                      f"{', '.join(names)}): give one weight each")
+    return errors
+
+
 def task_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
     """``data.task``: the chosen task's own check of the ``data`` section, through its plugin
     entry (:func:`~mcore_rl.config.registry.task_errors`)."""
@@ -230,9 +256,10 @@ def streaming_errors(cfg: TrainConfig) -> List[str]:
         if loop.optimizer_steps_per_rollout != 1:
             errors.append(f"{on} needs grpo.optimizer_steps_per_rollout=1 (got "
                           f"{loop.optimizer_steps_per_rollout}): {one_step}")
-        estimator = ADVANTAGE_ESTIMATORS.get(loop.advantage_estimator)
+        estimator = estimator_entry(loop.advantage_estimator)
         if estimator is not None and not estimator.per_group:
             per_group = " or ".join(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.per_group)
+            per_group += ", or your estimator with per_group = True"
             errors.append(f"{on} needs a per-group grpo.advantage_estimator ({per_group}; got "
                           f"{loop.advantage_estimator}): a group trains as soon as it is scored")
         if loop.dynamic_sampling:
@@ -274,7 +301,7 @@ def env_errors(cfg: TrainConfig) -> List[str]:
                       f"writes plain-text calculator episodes: it needs env.name=tool_use (got "
                       f"{env.name}) and the character tokenizer (model.tokenizer=char, or no "
                       f"model.hf_path)")
-    if env.name == "single_turn" or env.name not in ENVIRONMENTS:
+    if env.name == "single_turn" or not (env.name in ENVIRONMENTS or is_import_path(env.name)):
         return errors  # an unknown name is the field check's
     if cfg.streaming:
         errors.append(f"env.name={env.name} (a multi-turn environment) cannot run with "
@@ -375,6 +402,8 @@ RULES: Tuple[Rule, ...] = (
     length_rules,
     policy_rules,
     logging_rules,
+    plugin_rules,
+    reward_rules,
     task_rules,
     checkpoint_path_rules,
     streaming_rules,

@@ -13,9 +13,9 @@ check (:mod:`mcore_rl.config.checks`); :mod:`mcore_rl.config.docs` writes both i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import List, Optional, Union
 
-from mcore_rl.config.fields import bounded, one_of
+from mcore_rl.config.fields import bounded, one_of, plugin
 from mcore_rl.config.registry import ALGORITHMS as _ALGORITHM_TABLE
 from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, BACKENDS, ENVIRONMENTS, POLICY_LOSSES,
                                       TASKS, VERIFIERS, names)
@@ -370,36 +370,76 @@ class SyntheticTaskConfig:
 class DataConfig:
     """The prompt data set and how prompts are rendered."""
 
-    # "synthetic" (data.synthetic) or "gsm8k" (JSONL files).
-    task: str = one_of("synthetic", names(TASKS))
-    # JSONL files (GSM8K schema: question, answer with "#### N"); null for synthetic.
+    # Prompt task (mcore_rl/config/registry.py TASKS): "synthetic" (data.synthetic), "gsm8k"
+    # (GSM8K JSONL files), "dataset" (your data: a JSONL, JSON or Parquet file or a `datasets`
+    # save_to_disk directory, its columns named by data.prompt_key, data.answer_key,
+    # data.messages_key), or "module:function" of your own, (DataConfig, seed) -> (train, test)
+    # lists of mcore_rl.data.example.Example.
+    task: str = plugin("synthetic", names(TASKS))
+    # gsm8k and dataset: the training data (gsm8k: JSONL with question, answer ending in
+    # "#### N"; dataset: .jsonl, .json, .parquet, or a save_to_disk directory, of a DatasetDict
+    # its "train" split); null for synthetic.
     train_path: Optional[str] = None
-    # Held-out GSM8K JSONL for validation; null: no validation (must be null for synthetic).
+    # gsm8k and dataset: held-out data for validation, in the train_path formats (a DatasetDict
+    # directory: its "test" split); null: none, or data.test_fraction (must be null for
+    # synthetic).
     test_path: Optional[str] = None
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
-    # Prompt text around the question; "{question}" is replaced.
+    # dataset: the column of the prompt text (a non-empty string).
+    prompt_key: str = "prompt"
+    # dataset: the column of the ground-truth answer the reward reads (Example.answer, turned
+    # into text; also the reference solution of the sft.* warm start); null: none (empty).
+    answer_key: Optional[str] = "answer"
+    # dataset: the column of chat-format prompts, a list of {"role", "content"} messages with
+    # at least one "user" turn, used in place of data.prompt_key and rendered with the chat
+    # template (without one: the contents, one a line); null: plain-text prompts. The other
+    # columns reach the reward and the environment as Example.fields.
+    messages_key: Optional[str] = None
+    # A system message before each prompt (with the chat template; plain text: its own line
+    # before the prompt); messages with a system turn keep theirs; null: none.
+    system_prompt: Optional[str] = None
+    # gsm8k and dataset without data.test_path: the fraction of the train rows held out for
+    # validation (shuffled with data.split_seed); 0: no validation set.
+    test_fraction: float = bounded(0.0, ge=0, lt=1)
+    # Seed of the data.test_fraction split; null: run.seed.
+    split_seed: Optional[int] = bounded(None, ge=0)
+    # Prompt text around the question; "{question}" is replaced (not applied to messages).
     prompt_template: str = "{question}"
     # Apply the tokenizer's chat template (when it has one) to the prompt.
     use_chat_template: bool = False
-    # Max prompt tokens; a longer prompt is an error naming the sample.
+    # Max prompt tokens; a longer prompt is an error naming the sample, unless
+    # data.filter_long_prompts.
     max_prompt_length: int = bounded(32, ge=1)
+    # Drop the prompts longer than data.max_prompt_length (the count of each split is logged
+    # and kept in summary.json) instead of stopping with an error.
+    filter_long_prompts: bool = False
     # Max prompt + response tokens; >= max_prompt_length + generation.max_new_tokens.
     max_total_length: int = bounded(64, ge=2)
 
 
 @dataclass
 class RewardConfig:
-    """The verifier that scores responses."""
+    """The reward: a verifier, or several weighted (mcore_rl/rewards/). A reward function is
+    ``(response_text, example) -> float`` (``example.fields`` holds the data set's extra
+    columns); ``async def`` ones are awaited concurrently and batched ones (the attribute
+    ``batched = True``: ``(responses, examples) -> list of floats``) get a step's samples in one
+    call, both in the controller (for remote scorers); the others score in the pool."""
 
-    # Verifier (mcore_rl/config/registry.py): "exact" (synthetic: first line is the integer
-    # answer) or "math" (GSM8K, math-verify).
-    name: str = one_of("exact", names(VERIFIERS))
+    # Verifier (mcore_rl/config/registry.py VERIFIERS): "exact" (synthetic: first line is the
+    # integer answer), "math" (GSM8K, math-verify), or "module:function" of your own.
+    name: str = plugin("exact", names(VERIFIERS))
+    # Several rewards (each as reward.name), summed with reward.weights; with two or more, each
+    # is logged as reward/<name> (unweighted; val/reward/<name> in validation). When set,
+    # replaces reward.name; null: reward.name alone.
+    names: Optional[List[str]] = plugin(None, names(VERIFIERS))
+    # The weight of each reward of reward.names (or of reward.name: one weight); null: 1 each.
+    weights: Optional[List[float]] = None
     # Processes that score in parallel, overlapped with the logprob forward
-    # (mcore_rl/rewards/pool.py); 0 scores in the controller; null: 0 for "exact" (a regex),
-    # min(8, CPU count) for "math".
+    # (mcore_rl/rewards/pool.py); 0 scores in the controller; null: 0 when every plain
+    # (not async, not batched) reward is "exact" (a regex), else min(8, CPU count).
     num_workers: Optional[int] = bounded(None, ge=0, le=256)
-    # Hard limit in seconds on one sample's scoring in the pool: past it the sample scores 0,
-    # counts in train/reward_errors, and the pool's processes are replaced.
+    # Hard limit in seconds on one sample's scoring in the pool (or one async call): past it
+    # the sample scores 0, counts in train/reward_errors, and the pool's processes are replaced.
     timeout_seconds: float = bounded(10.0, gt=0)
 
 
@@ -411,10 +451,12 @@ class EnvConfig:
     loop (mcore_rl/rollout/multi_turn.py) in the synchronous RL loops (not with streaming)."""
 
     # Environment (mcore_rl/config/registry.py ENVIRONMENTS): "single_turn" (reward.name's
-    # verifier scores the one model turn) or "tool_use" (the model may call a calculator and a
+    # verifier scores the one model turn), "tool_use" (the model may call a calculator and a
     # Python sandbox, as `<tool_call>` JSON blocks of the Hermes/Qwen format, before its
-    # answer, which reward.name's verifier scores).
-    name: str = one_of("single_turn", names(ENVIRONMENTS))
+    # answer, which reward.name's verifier scores), or "module:Class" of your own (a picklable
+    # class with a classmethod from_config(cfg), reset(example) and step(state,
+    # model_turn_text): mcore_rl/environments/base.py), run by the multi-turn loop.
+    name: str = plugin("single_turn", names(ENVIRONMENTS))
     # Model turns per episode at most; tool calls in the last one are not run (reward 0).
     max_turns: int = bounded(4, ge=1, le=1024)
     # Wall-clock limit in seconds of one Python sandbox run; past it the process group is
@@ -448,9 +490,11 @@ class LossConfig:
     """The policy loss (:mod:`mcore_rl.algorithms.losses`, chosen by ``loss.name``)."""
 
     # Policy loss (mcore_rl/config/registry.py): "ppo_clip" (token-level ratio, PPO-clip;
-    # Schulman et al. 2017) or "gspo" (sequence-level length-normalized ratio, clipped per
-    # sequence; Zheng et al. 2025: use small clip ranges, e.g. 3e-4 / 4e-4).
-    name: str = one_of("ppo_clip", names(POLICY_LOSSES))
+    # Schulman et al. 2017), "gspo" (sequence-level length-normalized ratio, clipped per
+    # sequence; Zheng et al. 2025: use small clip ranges, e.g. 3e-4 / 4e-4), or "module:Class"
+    # of your own, built as Class(LossConfig, max_response_length=...) with ClippedPGLoss's
+    # interface (loss_type, metric_kinds, __call__(logprobs, batch)).
+    name: str = plugin("ppo_clip", names(POLICY_LOSSES))
     # Ratio clipped below at 1 - this (Schulman et al. 2017, eq. 7).
     ratio_clip_low: float = bounded(0.2, ge=0, lt=1)
     # Ratio clipped above at 1 + this; above ratio_clip_low is DAPO's clip-higher (Yu et al. 2025).
@@ -527,8 +571,10 @@ class GRPOConfig(StreamingLoopConfig):
     # Advantage estimator (mcore_rl/config/registry.py): "grpo" (group mean baseline, over
     # the group std with normalize_std; Shao et al. 2024), "rloo" (leave-one-out mean of the
     # group; Ahmadian et al. 2024), "reinforce_plus_plus" (reward-to-go with the KL penalty
-    # grpo.reward_kl_coef in the reward, whitened over the global batch; Hu 2025).
-    advantage_estimator: str = one_of("grpo", names(ADVANTAGE_ESTIMATORS))
+    # grpo.reward_kl_coef in the reward, whitened over the global batch; Hu 2025), or
+    # "module:function" of your own, (rollout, cfg) -> [B, S] advantages, whose attributes
+    # per_group and reads_reward_kl (false when absent) say what the built-ins' entries say.
+    advantage_estimator: str = plugin("grpo", names(ADVANTAGE_ESTIMATORS))
     # "grpo" estimator: divide by the group std (Shao et al. 2024); false gives Dr. GRPO's
     # mean-centering (Liu et al. 2025).
     normalize_std: bool = True

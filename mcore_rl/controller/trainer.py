@@ -86,7 +86,7 @@ class RLTrainer:
         from mcore_rl.megatron.conversion import arch_to_hf_config, hf_config_to_arch
         from mcore_rl.config.families import parallel_shape_errors
         from mcore_rl.megatron.parallel import resolve_device
-        from mcore_rl.rewards import get_reward_fn
+        from mcore_rl.rewards import check_on_example, reward_components
         from mcore_rl.rewards.pool import RewardScorer, default_num_workers
         from mcore_rl.workers.policy import PolicyWorker
 
@@ -105,11 +105,15 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(cfg.model, cfg.data.use_chat_template)
         self.train_data, self.test_data = load_task(cfg.data, self.tokenizer, cfg.run.seed)
         self.sampler = PromptSampler(len(self.train_data), self.section.num_prompts_per_step, cfg.run.seed)
-        self.reward_fn = get_reward_fn(cfg.reward.name)
         r = cfg.reward
+        components = reward_components(r)
+        # A reward that fails on the first example's reference solution is a user error.
+        check_on_example(components, self.train_data.examples[0])
         self.rewards = RewardScorer(
-            self.reward_fn, default_num_workers(r.name) if r.num_workers is None else r.num_workers,
+            components, default_num_workers(components) if r.num_workers is None else r.num_workers,
             r.timeout_seconds)
+        # Each reward's own scores since they were last logged: metric -> [sum, count].
+        self._reward_sums: Dict[str, List[float]] = {}
         self.rewards.warm_up(background=True)  # spawning overlaps building the model
 
         from mcore_rl.config.checks import ConfigError
@@ -257,13 +261,34 @@ class RLTrainer:
     def _prompts(self, dataset, indices) -> List[List[int]]:
         return [list(dataset.input_ids[i]) for i in indices]
 
-    def _score(self, rollout: B.Batch, examples) -> tuple:
-        """The one-turn rollout's responses scored by the verifier now (in this process's
-        reward pool call): ``(rewards [B] float32, reward errors, texts)``."""
+    def _score(self, rollout: B.Batch, examples, prefix: str = "") -> tuple:
+        """The one-turn rollout's responses scored by the rewards now (in this process's
+        reward pool call): ``(rewards [B] float32, reward errors, texts)``; each reward's own
+        scores kept for :meth:`reward_timing` under ``prefix`` (validation: ``val/``)."""
         texts = self.producer.texts(rollout)
-        rewards, errors, busy = self.rewards.score(texts, examples)
+        pending = self.rewards.submit(texts, examples)
+        rewards, errors, busy = pending.result()
         self.reward_busy_seconds += busy
+        self._add_reward_components(pending, prefix)
         return rewards, errors, texts
+
+    def _add_reward_components(self, pending, prefix: str = "") -> None:
+        """Add each reward's own scores of ``pending`` to the sums :meth:`reward_means`
+        reports (only with several rewards: one is ``train/reward_mean`` itself)."""
+        components = pending.components()
+        if len(components) < 2:
+            return
+        for metric, values in components.items():
+            total = self._reward_sums.setdefault(prefix + metric, [0.0, 0.0])
+            total[0] += float(values.sum())
+            total[1] += values.numel()
+
+    def reward_means(self, prefix: str = "") -> Dict[str, float]:
+        """Each reward's mean score (unweighted) over the samples scored since the last call,
+        keyed ``<prefix>reward/<name>``; cleared. Empty with one reward."""
+        keys = [k for k in self._reward_sums if k.startswith(prefix + "reward/")]
+        return {k: total / count for k in keys
+                for total, count in [self._reward_sums.pop(k)] if count}
 
     reward_busy_seconds = 0.0  # the verifiers' own seconds since the last rl_step's metrics
 
@@ -290,6 +315,8 @@ class RLTrainer:
         with self.timer.phase("reward"):
             rewards, errors, busy = pending.result()
         self.reward_busy_seconds += busy
+        if hasattr(pending, "components"):  # the reward pool's (not a multi-turn rollout's)
+            self._add_reward_components(pending)
         rollout["rewards"] = rewards
         return errors
 
@@ -303,10 +330,12 @@ class RLTrainer:
 
     def reward_timing(self) -> Dict[str, float]:
         """``{"timing/reward_busy_s": seconds}``: the verifiers' own seconds since the last
-        call (summed over samples, overlapped with other phases or not); clears them. With a
-        multi-turn environment also its episode metrics since the last call (``env/turns``,
+        call (summed over samples, overlapped with other phases or not); clears them. With
+        several rewards also each one's mean (``reward/<name>``: :meth:`reward_means`);
+        with a multi-turn environment its episode metrics since the last call (``env/turns``,
         ``env/tool_calls``, ... : :meth:`RolloutProducer.pop_metrics`)."""
-        out = {"timing/reward_busy_s": self.reward_busy_seconds, **self.producer.pop_metrics()}
+        out = {"timing/reward_busy_s": self.reward_busy_seconds, **self.reward_means(),
+               **self.producer.pop_metrics()}
         self.reward_busy_seconds = 0.0
         return out
 
@@ -387,7 +416,8 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ phases
     def validate(self) -> Dict[str, float]:
-        """Greedy accuracy (mean reward) on up to ``val_num_prompts`` held-out prompts."""
+        """Greedy accuracy (mean reward; with several rewards their weighted sum, and each one's
+        mean as ``val/reward/<name>``) on up to ``val_num_prompts`` held-out prompts."""
         if self.test_data is None or len(self.test_data) == 0:
             return {}
         n = min(self.section.val_num_prompts, len(self.test_data))
@@ -398,7 +428,8 @@ class RLTrainer:
         if self.producer.multi_turn:  # the episodes' rewards; their metrics under val/env/
             rewards, env = rollout["rewards"], self.producer.pop_metrics("val/env/")
         else:
-            rewards, env = self._score(rollout, [self.test_data.examples[i] for i in idx])[0], {}
+            rewards = self._score(rollout, [self.test_data.examples[i] for i in idx], "val/")[0]
+            env = self.reward_means("val/")
         return {"val/accuracy": float(rewards.mean()),
                 "val/response_length": float(rollout["response_lengths"].float().mean()), **env}
 
@@ -478,7 +509,8 @@ class RLTrainer:
 
     def summary(self) -> Dict[str, Any]:
         """The run's summary: run directory, RL steps, held-out accuracy at the start and the
-        end (and the curve), seconds per step of each phase."""
+        end (and the curve), the prompts ``data.filter_long_prompts`` dropped, seconds per step
+        of each phase."""
         vals = [h for h in self.history if "val/accuracy" in h]
         out: Dict[str, Any] = {"run_dir": self.run_dir, "steps": self.step}
         if vals:
@@ -486,6 +518,11 @@ class RLTrainer:
             out["val_accuracy_end"] = vals[-1]["val/accuracy"]
             out["val_accuracy_gain"] = vals[-1]["val/accuracy"] - vals[0]["val/accuracy"]
             out["val_curve"] = [(h["step"], h["val/accuracy"]) for h in vals]
+        dropped = {split: data.dropped for split, data in (("train", self.train_data),
+                                                           ("test", self.test_data))
+                   if data is not None and data.dropped}
+        if dropped:  # data.filter_long_prompts
+            out["prompts_dropped"] = dropped
         if self.steps_timed:
             out["seconds_per_step"] = {k[len("timing/"):-len("_s")]: v / self.steps_timed
                                        for k, v in self.phase_totals.items()}

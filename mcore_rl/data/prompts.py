@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from mcore_rl.config.checks import ConfigError, check_value, errors
-from mcore_rl.config.registry import TASKS, load, task_errors
+from mcore_rl.config.registry import load, task_entry, task_errors
 from mcore_rl.config.schema import DataConfig
 from mcore_rl.data.batch import Batch
 from mcore_rl.data.example import Example
@@ -20,33 +20,60 @@ from mcore_rl.data.example import Example
 logger = logging.getLogger("mcore_rl.data")
 
 
+def prompt_messages(example: Example, template: str = "{question}",
+                    system_prompt: Optional[str] = None) -> List[Dict[str, str]]:
+    """The chat messages of ``example``'s prompt: its ``messages`` as they are, or one ``user``
+    turn of ``template.format(question=example.prompt)``; with ``system_prompt`` a ``system``
+    turn first, unless the messages have one."""
+    if example.messages:
+        messages = [dict(m) for m in example.messages]
+    else:
+        messages = [{"role": "user", "content": template.format(question=example.prompt)}]
+    if system_prompt is not None and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def _plain_text(example: Example, template: str, system_prompt: Optional[str]) -> str:
+    """A prompt without a chat template: the template's text (messages: their contents, one a
+    line), after the system prompt's own line."""
+    if example.messages:
+        return "\n".join(m["content"] for m in prompt_messages(example, template, system_prompt))
+    text = template.format(question=example.prompt)
+    return text if system_prompt is None else f"{system_prompt}\n{text}"
+
+
 class PromptDataset:
     """Examples with their prompts rendered and tokenized up front.
 
-    The prompt text is ``template.format(question=example.prompt)``; with
-    ``use_chat_template`` and a tokenizer that has a chat template, that text becomes one user
-    message rendered by ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` and
-    is tokenized without adding special tokens (the template carries them); otherwise the text
-    is tokenized with the tokenizer's special tokens (e.g. a Llama bos; none for the character
-    tokenizer). A chat template requested but absent falls back to plain text with a warning.
+    The prompt is :func:`prompt_messages`: with ``use_chat_template`` and a tokenizer that has
+    a chat template, rendered by ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``
+    and tokenized without adding special tokens (the template carries them); otherwise its plain
+    text (``template.format(question=example.prompt)``, after ``system_prompt``'s line; a
+    chat-format example's contents, one a line) is tokenized with the tokenizer's special
+    tokens (e.g. a Llama bos; none for the character tokenizer). A chat template requested but
+    absent falls back to plain text with a warning.
 
     Attributes:
-        examples: the ``N`` examples, in order.
+        examples: the ``N`` examples kept, in order.
         texts: ``N`` rendered prompt strings.
         input_ids: ``N`` lists of prompt token ids (python ints), each 1 to
             ``max_prompt_length`` long.
         solution_ids: ``N`` lists of token ids of ``example.solution`` (no special tokens).
+        dropped: prompts longer than ``max_prompt_length`` left out (``filter_long_prompts``).
 
     Raises:
         ConfigError: no examples; ``template`` has a field other than ``{question}`` or lacks
-            it (``data.prompt_template``); ``max_prompt_length < 1``; or a prompt longer than
-            ``max_prompt_length`` tokens or of zero tokens (the message names the example's
-            ``source``, its length and ``data.max_prompt_length``).
+            it (``data.prompt_template``); ``max_prompt_length < 1``; a prompt of zero tokens
+            or, without ``filter_long_prompts``, one longer than ``max_prompt_length`` tokens
+            (the message names the example's ``source``, its length and
+            ``data.max_prompt_length``); every prompt too long with ``filter_long_prompts``.
     """
 
     def __init__(self, examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase,
                  template: str = "{question}", use_chat_template: bool = False,
-                 max_prompt_length: int = 32):
+                 max_prompt_length: int = 32, system_prompt: Optional[str] = None,
+                 filter_long_prompts: bool = False):
         if not examples:
             raise ConfigError("empty dataset: no examples to build prompts from")
         fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
@@ -54,24 +81,35 @@ class PromptDataset:
             raise ConfigError(f"data.prompt_template={template!r}: expected exactly the field "
                               f"{{question}}, found {sorted(fields)}")
         check_value("data.max_prompt_length", max_prompt_length)
-        texts = [template.format(question=ex.prompt) for ex in examples]
         chat = use_chat_template and tokenizer.chat_template is not None
         if use_chat_template and not chat:
             logger.warning("data.use_chat_template is true but the tokenizer has no chat "
                            "template: prompts are plain text")
         if chat:
-            texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                   add_generation_prompt=True) for t in texts]
+            texts = [tokenizer.apply_chat_template(prompt_messages(ex, template, system_prompt),
+                                                   tokenize=False, add_generation_prompt=True)
+                     for ex in examples]
+        else:
+            texts = [_plain_text(ex, template, system_prompt) for ex in examples]
         prompt_ids = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
-        for ex, ids in zip(examples, prompt_ids):
+        keep = []
+        for i, (ex, ids) in enumerate(zip(examples, prompt_ids)):
+            if len(ids) > max_prompt_length and filter_long_prompts:
+                continue
             if not 1 <= len(ids) <= max_prompt_length:
                 raise ConfigError(f"{ex.source}: prompt is {len(ids)} tokens; it must be 1 to "
                                   f"data.max_prompt_length={max_prompt_length} tokens")
-        self.examples: List[Example] = list(examples)
-        self.texts: List[str] = texts
-        self.input_ids: List[List[int]] = [list(ids) for ids in prompt_ids]
+            keep.append(i)
+        self.dropped: int = len(examples) - len(keep)
+        if not keep:
+            raise ConfigError(f"data.filter_long_prompts dropped all {len(examples)} prompts "
+                              f"(the first: {examples[0].source}): each is longer than "
+                              f"data.max_prompt_length={max_prompt_length} tokens")
+        self.examples: List[Example] = [examples[i] for i in keep]
+        self.texts: List[str] = [texts[i] for i in keep]
+        self.input_ids: List[List[int]] = [list(prompt_ids[i]) for i in keep]
         self.solution_ids: List[List[int]] = [list(ids) for ids in tokenizer(
-            [ex.solution for ex in examples], add_special_tokens=False)["input_ids"]]
+            [ex.solution for ex in self.examples], add_special_tokens=False)["input_ids"]]
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -137,7 +175,10 @@ def load_task(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
     """Train and validation prompt datasets of ``data.task``: the examples of the task's entry
     in :data:`mcore_rl.config.registry.TASKS` (``synthetic``:
     :func:`mcore_rl.data.synthetic.task_examples`; ``gsm8k``:
-    :func:`mcore_rl.data.gsm8k.task_examples`), rendered and tokenized.
+    :func:`mcore_rl.data.gsm8k.task_examples`; ``dataset``:
+    :func:`mcore_rl.data.dataset.task_examples`) or the user's function its import path names,
+    rendered and tokenized (:class:`PromptDataset`); prompts dropped by
+    ``data.filter_long_prompts`` are counted in a warning and in each dataset's ``dropped``.
 
     Returns:
         ``(train, test)``; ``test`` is None when the run has no validation set.
@@ -145,19 +186,29 @@ def load_task(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
     Raises:
         ConfigError: a ``data`` key outside its declared choices or bounds, a problem of
             :func:`~mcore_rl.config.registry.task_errors` (``data.train_path`` null or missing for
-            gsm8k, set for synthetic, ...), and the errors of the loaders and
-            :class:`PromptDataset`.
+            gsm8k, set for synthetic, ...), a user's task that returns other than examples, and
+            the errors of the loaders and :class:`PromptDataset`.
     """
     problems = errors(cfg, "data") + task_errors(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
-    train, test = load(TASKS[cfg.task].examples)(cfg, seed)
+    train, test = load(task_entry(cfg.task).examples)(cfg, seed)
+    wrong = [type(e).__name__ for e in list(train) + list(test) if not isinstance(e, Example)]
+    if wrong:  # a user's task (data.task=module:function)
+        raise ConfigError(f"data.task={cfg.task} must return (train, test) lists of "
+                          f"mcore_rl.data.example.Example; got a {wrong[0]} among them")
 
-    def dataset(examples: List[Example]) -> PromptDataset:
-        return PromptDataset(examples, tokenizer, cfg.prompt_template, cfg.use_chat_template,
-                             cfg.max_prompt_length)
+    def dataset(examples: List[Example], split: str) -> PromptDataset:
+        data = PromptDataset(examples, tokenizer, cfg.prompt_template, cfg.use_chat_template,
+                             cfg.max_prompt_length, cfg.system_prompt, cfg.filter_long_prompts)
+        if data.dropped:
+            logger.warning("data: %d of the %d %s prompts are longer than "
+                           "data.max_prompt_length=%d tokens and were dropped "
+                           "(data.filter_long_prompts)", data.dropped, len(examples), split,
+                           cfg.max_prompt_length)
+        return data
 
-    return dataset(train), (dataset(test) if test else None)
+    return dataset(train, "training"), (dataset(test, "held-out") if test else None)
 
 
 def sft_batch(dataset: PromptDataset, indices: Sequence[int], eos_token_id: int) -> Batch:

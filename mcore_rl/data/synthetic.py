@@ -108,9 +108,13 @@ def calculator_solution(example: Example, eos: str = "<eos>") -> str:
 def task_errors(data: "DataConfig") -> List[str]:
     """The load-time check of ``data.task=synthetic`` (its entry in
     :data:`mcore_rl.config.registry.TASKS`), one message per problem naming its keys: no data
-    paths, and :func:`synthetic_config_errors` of ``data.synthetic``."""
+    paths nor ``data.test_fraction``, and :func:`synthetic_config_errors` of
+    ``data.synthetic``."""
     paths = ["data.train_path and data.test_path must be null for data.task=synthetic (its "
              "prompts come from data.synthetic)"] if data.train_path or data.test_path else []
+    if data.test_fraction > 0:
+        paths.append(f"data.test_fraction={data.test_fraction} is for data read from files; "
+                     f"data.task=synthetic holds out data.synthetic.num_test prompts")
     return paths + synthetic_config_errors(data.synthetic)
 
 

@@ -11,8 +11,9 @@
   into the caller.
 
 Environments are found by name (``env.name``) in
-:data:`mcore_rl.config.registry.ENVIRONMENTS` and built with :func:`build_environment`. Nothing
-here imports torch at import time (the verifiers do, when an environment is built).
+:data:`mcore_rl.config.registry.ENVIRONMENTS`, or by the ``"module:Class"`` import path of the
+user's own, and built with :func:`build_environment`. Nothing here imports torch at import time
+(the verifiers do, when an environment is built).
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ __all__ = ["Environment", "EpisodeState", "StepResult", "build_environment"]
 
 
 def build_environment(cfg: "TrainConfig") -> Environment:
-    """The environment ``cfg.env.name`` names, built by its class's ``from_config(cfg)``.
+    """The environment ``cfg.env.name`` names (a table name or an import path), built by its
+    class's ``from_config(cfg)``.
 
     Raises:
-        ValueError: ``env.name`` is not in :data:`~mcore_rl.config.registry.ENVIRONMENTS`
-            (names the key), or the environment's own ``from_config`` refuses ``cfg``.
+        ValueError: ``env.name`` is neither in :data:`~mcore_rl.config.registry.ENVIRONMENTS`
+            nor an import path (names the key), or the environment's own ``from_config``
+            refuses ``cfg``.
     """
     name = cfg.env.name
-    if name not in tables.ENVIRONMENTS:
+    path = tables.path_of(tables.ENVIRONMENTS, name)
+    if path is None:
         raise ValueError(f"env.name: unknown environment {name!r}; choose one of "
-                         f"{', '.join(tables.ENVIRONMENTS)}")
-    return tables.load(tables.ENVIRONMENTS[name]).from_config(cfg)
+                         f"{', '.join(tables.ENVIRONMENTS)} or a 'module:Class' import path")
+    return tables.load(path).from_config(cfg)

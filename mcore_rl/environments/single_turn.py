@@ -28,14 +28,15 @@ class SingleTurnEnvironment:
 
     @classmethod
     def from_config(cls, cfg: "TrainConfig") -> "SingleTurnEnvironment":
-        """The environment of ``reward.name``'s verifier.
+        """The environment of the run's reward (``reward.name``'s verifier, or the weighted
+        ``reward.names``: :func:`mcore_rl.rewards.build_reward`).
 
         Raises:
             ValueError: unknown ``reward.name`` (names the key).
         """
-        from mcore_rl.rewards import get_reward_fn  # torch: imported when the env is built
+        from mcore_rl.rewards import build_reward  # torch: imported when the env is built
 
-        return cls(get_reward_fn(cfg.reward.name))
+        return cls(build_reward(cfg.reward))
 
     def reset(self, example: Example) -> Tuple[Optional[str], Dict[str, Any]]:
         """No observation; the metric keys at 0."""

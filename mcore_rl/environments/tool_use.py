@@ -56,13 +56,14 @@ class ToolUseEnvironment:
 
     @classmethod
     def from_config(cls, cfg: "TrainConfig") -> "ToolUseEnvironment":
-        """``reward.name``'s verifier with the calculator and the Python sandbox (its limits
-        and isolation from ``env.*``: ``env.sandbox``), ``env.max_turns``.
+        """The run's reward (``reward.name``'s verifier, or the weighted ``reward.names``:
+        :func:`mcore_rl.rewards.build_reward`) with the calculator and the Python sandbox (its
+        limits and isolation from ``env.*``: ``env.sandbox``), ``env.max_turns``.
 
         Raises:
             ValueError: unknown ``reward.name`` (names the key).
         """
-        from mcore_rl.rewards import get_reward_fn  # torch: imported when the env is built
+        from mcore_rl.rewards import build_reward  # torch: imported when the env is built
 
         env = cfg.env
         sandbox = PythonSandbox(timeout_seconds=env.tool_timeout_seconds,
@@ -70,7 +71,7 @@ class ToolUseEnvironment:
                                 memory_mb=env.sandbox_memory_mb,
                                 max_output_chars=env.max_output_chars,
                                 isolation=env.sandbox)
-        return cls(get_reward_fn(cfg.reward.name), (Calculator(), sandbox), env.max_turns)
+        return cls(build_reward(cfg.reward), (Calculator(), sandbox), env.max_turns)
 
     def tool_schemas(self) -> List[Dict[str, Any]]:
         """The tools as function specs for the chat template's ``tools=`` (the prompt's

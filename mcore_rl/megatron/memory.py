@@ -66,7 +66,7 @@ from typing import Dict, List, Optional, Tuple
 
 from mcore_rl.config.schema import MegatronConfig, ModelArchConfig, TrainConfig
 from mcore_rl.config.families import FAMILIES, head_dim
-from mcore_rl.config.registry import TASKS, load
+from mcore_rl.config.registry import load, task_entry
 
 GIB = float(2**30)
 
@@ -363,7 +363,7 @@ def _held_out_examples(cfg: TrainConfig) -> Optional[int]:
     key = (repr(cfg.data), cfg.run.seed)
     if key not in _HELD_OUT:
         try:
-            _, test = load(TASKS[cfg.data.task].examples)(cfg.data, cfg.run.seed)
+            _, test = load(task_entry(cfg.data.task).examples)(cfg.data, cfg.run.seed)
             _HELD_OUT[key] = len(test)
         except Exception:  # noqa: BLE001 - the config loader reports bad data; here: unknown
             _HELD_OUT[key] = None
@@ -374,13 +374,13 @@ def generation_calls(cfg: TrainConfig) -> Dict[str, int]:
     """Prompts of each kind of ``generate`` call a run makes (what sizes the rollout engine's
     buffers): ``rollout`` (prompts x generations of an RL step), ``validation`` (with
     validation on: ``<algorithm>.val_num_prompts``, at most the task's held-out examples, read
-    through the task's plugin entry (:data:`mcore_rl.config.registry.TASKS`); as the trainer's
+    through the task's plugin entry (:func:`mcore_rl.config.registry.task_entry`); as the trainer's
     ``validate``) and ``canary`` (``generation.logprob_canary_prompts`` with
     ``generation.logprob_budget``)."""
     loop, g = getattr(cfg, cfg.algorithm), cfg.generation
     calls = {"rollout": rollout_rows(cfg)}
     if loop.val_every > 0 or loop.val_at_start:
-        held_out = _held_out_examples(cfg) if cfg.data.task in TASKS else None
+        held_out = _held_out_examples(cfg) if task_entry(cfg.data.task) else None
         n = loop.val_num_prompts if held_out is None else min(loop.val_num_prompts, held_out)
         if n > 0:
             calls["validation"] = n

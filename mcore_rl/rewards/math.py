@@ -23,8 +23,17 @@ def _parsed_gold(answer: str, timeout) -> tuple:
     return tuple(parse(answer, parsing_timeout=timeout))
 
 
+def gold_answer(answer: str) -> str:
+    """The ground truth of an answer column: the text after its last ``####`` (GSM8K's whole
+    reasoning, ``"... #### 1,080"``, as ``data.task=dataset`` passes it) with thousands
+    separators removed, else ``answer`` as it is (``data.task=gsm8k`` has parsed it already)."""
+    _, sep, final = answer.rpartition("####")
+    return final.strip().replace(",", "") if sep else answer
+
+
 def math_reward(response: str, example: Example) -> float:
-    """1.0 when the response's final answer equals ``example.answer`` mathematically, else 0.0.
+    """1.0 when the response's final answer equals ``example.answer`` (its :func:`gold_answer`)
+    mathematically, else 0.0.
 
     The final answer is the text after the response's first ``####`` up to the end of that
     line (the GSM8K format; anything the model wrote after it is ignored) when there is one;
@@ -40,7 +49,7 @@ def math_reward(response: str, example: Example) -> float:
         ValueError: ``example.answer`` cannot be parsed (names ``example.source``).
     """
     timeout = TIMEOUT_SECONDS if threading.current_thread() is threading.main_thread() else None
-    gold = list(_parsed_gold(example.answer, timeout))
+    gold = list(_parsed_gold(gold_answer(example.answer), timeout))
     if not gold:
         raise ValueError(f"{example.source}: cannot parse the ground-truth answer "
                          f"{example.answer!r}")

@@ -1,11 +1,14 @@
 """Reward scoring in a process pool, off the controller's critical path.
 
-:class:`RewardScorer` scores a rollout's decoded responses either in the controller process
-(``num_workers=0``) or in a pool of ``num_workers`` spawned processes
-(:class:`concurrent.futures.ProcessPoolExecutor`). :meth:`RewardScorer.submit` returns at once
-with a :class:`PendingRewards`; a background thread in the controller feeds the pool, so the
-controller can run the policy's logprob forward meanwhile and collect the rewards with
-:meth:`PendingRewards.result` just before the advantages.
+:class:`RewardScorer` scores a rollout's decoded responses with the run's rewards (one, or
+several weighted: :func:`mcore_rl.rewards.reward_components`) either in the controller process
+(``num_workers=0``) or with the plain (not async, not batched) ones in a pool of
+``num_workers`` spawned processes (:class:`concurrent.futures.ProcessPoolExecutor`); async and
+batched rewards (remote scorers, models) run in the controller's scoring thread.
+:meth:`RewardScorer.submit` returns at once with a :class:`PendingRewards`; a background thread
+in the controller feeds the pool, so the controller can run the policy's logprob forward
+meanwhile and collect the rewards with :meth:`PendingRewards.result` just before the
+advantages.
 
 Each sample runs in a worker's main thread, so math-verify's own ``signal.alarm`` timeouts
 work there. On top of that every sample has a hard deadline (``timeout_seconds`` after it was
@@ -21,31 +24,36 @@ a second break. Nothing of this stops the run.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import logging
 import multiprocessing
 import os
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from mcore_rl.data.example import Example
-from mcore_rl.rewards import RewardFn, score_responses
+from mcore_rl.rewards import (SYNC, RewardComponent, RewardFn, Scores, score_components,
+                              warn_errors, weighted_total)
 from mcore_rl.utils.pools import kill_process_pool
 
-logger = logging.getLogger("mcore_rl.rewards")
 
 # Tries a sample gets when the pool breaks while it is in flight (a worker died).
 MAX_TRIES = 2
 
 
-def default_num_workers(name: str) -> int:
-    """Pool size for ``reward.num_workers: null``: 0 (score in the controller) for ``"exact"``,
-    whose regex costs less than a round trip to a worker; ``min(8, os.cpu_count())`` for the
-    others (math-verify: milliseconds of sympy per sample)."""
-    if name == "exact":
+def default_num_workers(rewards: Union[str, Sequence[RewardComponent]]) -> int:
+    """Pool size for ``reward.num_workers: null``: 0 (score in the controller) when every plain
+    reward is ``"exact"`` (a regex costs less than a round trip to a worker) or there is none
+    (async and batched rewards run in the controller); ``min(8, os.cpu_count())`` otherwise
+    (math-verify: milliseconds of sympy per sample; a user's function: out of the controller,
+    with a deadline). ``rewards``: the rewards, or one reward's name."""
+    if isinstance(rewards, str):
+        names = [rewards]
+    else:
+        names = [c.name for c in rewards if c.style == SYNC]
+    if all(n == "exact" for n in names):
         return 0
     return min(8, os.cpu_count() or 1)
 
@@ -55,16 +63,22 @@ def _ready() -> int:
     return os.getpid()
 
 
-def _score_one(fn: RewardFn, response: str, example: Example) -> Tuple[float, Optional[str], float]:
-    """Pool task (top-level, so spawn can pickle it): ``(reward, error, busy_seconds)`` of one
-    sample under verifier ``fn``; ``error`` is the repr of what the verifier raised (reward
-    0) or None."""
+def _score_one(fns: Tuple[Callable, ...], response: str, example: Example
+               ) -> Tuple[List[float], List[Optional[str]], float]:
+    """Pool task (top-level, so spawn can pickle it): ``(rewards, errors, busy_seconds)`` of
+    one sample under each plain reward of ``fns``; an error is the repr of what that reward
+    raised (its reward 0), or None."""
     start = time.perf_counter()
-    try:
-        reward, error = float(fn(response, example)), None
-    except Exception as e:  # a verifier bug or odd input must not stop training
-        reward, error = 0.0, repr(e)
-    return reward, error, time.perf_counter() - start
+    rewards: List[float] = []
+    errors: List[Optional[str]] = []
+    for fn in fns:
+        try:
+            reward, error = float(fn(response, example)), None
+        except Exception as e:  # a verifier bug or odd input must not stop training
+            reward, error = 0.0, repr(e)
+        rewards.append(reward)
+        errors.append(error)
+    return rewards, errors, time.perf_counter() - start
 
 
 class PendingRewards:
@@ -73,11 +87,20 @@ class PendingRewards:
     def __init__(self) -> None:
         self._done = threading.Event()
         self._value: Optional[Tuple[torch.Tensor, int, float]] = None
+        self._components: Dict[str, torch.Tensor] = {}
         self._exception: Optional[BaseException] = None
 
-    def _set(self, value=None, exception=None) -> None:
+    def _set(self, value=None, exception=None, components=None) -> None:
         self._value, self._exception = value, exception
+        self._components = components or {}
         self._done.set()
+
+    def components(self) -> Dict[str, torch.Tensor]:
+        """Each reward's own scores, unweighted: its :attr:`RewardComponent.metric`
+        (``reward/<name>``) -> ``[B]`` float32 (0 where it failed); waits like
+        :meth:`result`."""
+        self.result()
+        return self._components
 
     def done(self) -> bool:
         """Whether :meth:`result` would return without waiting."""
@@ -95,21 +118,34 @@ class PendingRewards:
 
 
 class RewardScorer:
-    """Scores responses with verifier ``fn`` in the controller or in a process pool.
+    """Scores responses with the run's rewards in the controller or in a process pool.
 
     Args:
-        fn: the verifier (:data:`mcore_rl.rewards.RewardFn`), a module-level function (the
-            pool's spawned processes import it by name).
-        num_workers: pool processes (``reward.num_workers``); 0 scores in the calling process
-            (no deadline beyond the verifier's own).
-        timeout_seconds: hard per-sample deadline in the pool (``reward.timeout_seconds``).
+        rewards: the rewards (:class:`~mcore_rl.rewards.RewardComponent`, from
+            :func:`~mcore_rl.rewards.reward_components`), or one reward function
+            (:data:`mcore_rl.rewards.RewardFn`, weight 1); module-level functions (the pool's
+            spawned processes import them by name).
+        num_workers: pool processes (``reward.num_workers``) for the plain rewards; 0 scores
+            in the calling process (no deadline beyond the verifier's own).
+        timeout_seconds: hard per-sample deadline in the pool, and of each async call
+            (``reward.timeout_seconds``).
+
+    A sample's reward is the weighted sum of its rewards' scores
+    (:func:`~mcore_rl.rewards.weighted_total`); each reward's own scores come with it
+    (:meth:`PendingRewards.components`). Errors count each (sample, reward) that failed.
 
     Raises:
         ValueError: ``num_workers < 0`` or ``timeout_seconds <= 0``.
     """
 
-    def __init__(self, fn: RewardFn, num_workers: int = 0, timeout_seconds: float = 10.0):
-        self.fn = fn
+    def __init__(self, rewards: Union[RewardFn, Sequence[RewardComponent]], num_workers: int = 0,
+                 timeout_seconds: float = 10.0):
+        self.components: List[RewardComponent] = (
+            list(rewards) if isinstance(rewards, (list, tuple))
+            else [RewardComponent("reward", rewards, 1.0, "reward/reward")])
+        self.weights = [c.weight for c in self.components]
+        # The plain rewards (their indices), scored in the pool when there is one.
+        self.pooled = [k for k, c in enumerate(self.components) if c.style == SYNC]
         self.num_workers = num_workers
         if self.num_workers < 0:
             raise ValueError(f"reward.num_workers={num_workers}: expected >= 0")
@@ -144,7 +180,7 @@ class RewardScorer:
                 if self._pool is None:
                     self._new_pool()
 
-        if self.num_workers:
+        if self.num_workers and self.pooled:
             if background:
                 threading.Thread(target=start, name="reward-pool-start", daemon=True).start()
             else:
@@ -172,29 +208,47 @@ class RewardScorer:
             raise ValueError(f"score_responses: {len(responses)} responses for "
                              f"{len(examples)} examples")
         pending = PendingRewards()
-        if not self.num_workers:
-            start = time.perf_counter()
-            rewards, errors = score_responses(self.fn, responses, examples)
-            pending._set((rewards, errors, time.perf_counter() - start))
+        if not (self.num_workers and self.pooled):
+            pending._set(*self._score(list(responses), list(examples), pool=False))
             return pending
         responses, examples = list(responses), list(examples)
 
         def job():
             try:
                 with self._lock:
-                    pending._set(self._run(responses, examples))
+                    pending._set(*self._score(responses, examples, pool=True))
             except BaseException as e:  # surfaced by result()
                 pending._set(exception=e)
 
         threading.Thread(target=job, name="reward-scoring", daemon=True).start()
         return pending
 
-    def _run(self, responses: List[str], examples: List[Example]
-             ) -> Tuple[torch.Tensor, int, float]:
-        """Feed the pool (at most ``num_workers`` samples in flight), enforce the deadlines,
-        recover from hung and dead workers."""
+    def _score(self, responses: List[str], examples: List[Example], pool: bool
+               ) -> Tuple[Tuple[torch.Tensor, int, float], None, Dict[str, torch.Tensor]]:
+        """``((rewards, errors, busy seconds), no exception, components)`` for
+        :meth:`PendingRewards._set`: the plain rewards in the pool with ``pool``, the others
+        (all of them without) here."""
+        start = time.perf_counter()
+        here = [k for k in range(len(self.components)) if not (pool and k in self.pooled)]
+        scores = score_components(self.components, responses, examples, self.timeout_seconds,
+                                  only=here)
+        busy = time.perf_counter() - start
+        if pool:
+            busy += self._run(responses, examples, scores)
+        warn_errors(scores, len(responses))
+        components = {c.metric: torch.tensor([row[k] for row in scores.values],
+                                             dtype=torch.float32)
+                      for k, c in enumerate(self.components)}
+        return ((weighted_total(scores.values, self.weights), sum(scores.errors), busy), None,
+                components)
+
+    def _run(self, responses: List[str], examples: List[Example], scores: Scores) -> float:
+        """Score the plain rewards in the pool into ``scores`` (at most ``num_workers`` samples
+        in flight), enforce the deadlines, recover from hung and dead workers. Returns the
+        seconds the rewards ran, summed over samples."""
+        fns = tuple(self.components[k].fn for k in self.pooled)
         n = len(responses)
-        rewards, busy = [0.0] * n, 0.0
+        busy = 0.0
         errors: Dict[int, str] = {}
         tries = [0] * n
         todo = list(range(n - 1, -1, -1))  # a stack, popped from the end: index order
@@ -208,7 +262,7 @@ class RewardScorer:
                     break  # a suspect runs alone
                 i = todo.pop()
                 try:
-                    fut = pool.submit(_score_one, self.fn, responses[i], examples[i])
+                    fut = pool.submit(_score_one, fns, responses[i], examples[i])
                 except BrokenProcessPool:  # a worker died while idle (between calls, say)
                     todo.append(i)
                     pool = self._new_pool()
@@ -223,10 +277,12 @@ class RewardScorer:
             for fut in done:
                 i, _ = in_flight.pop(fut)
                 try:
-                    rewards[i], error, seconds = fut.result()
+                    values, row_errors, seconds = fut.result()
                     busy += seconds
-                    if error is not None:
-                        errors[i] = error
+                    for k, value, error in zip(self.pooled, values, row_errors):
+                        scores.values[i][k] = value
+                        if error is not None:
+                            scores.fail(i, k, examples[i].source, error)
                 except BrokenProcessPool:
                     broken = True
                     suspects.add(i)
@@ -249,12 +305,10 @@ class RewardScorer:
                         todo.append(i)
                 in_flight.clear()
                 pool = self._new_pool()
-        if errors:
-            first = min(errors)
-            logger.warning("reward: %d of %d samples scored 0 (raised, hung or lost with a "
-                           "worker); first error (%s): %s", len(errors), n,
-                           examples[first].source, errors[first])
-        return torch.tensor(rewards, dtype=torch.float32), len(errors), busy
+        for i in sorted(errors):  # hung, or lost with a worker: every plain reward of it
+            for k in self.pooled:
+                scores.fail(i, k, examples[i].source, errors[i])
+        return busy
 
     @staticmethod
     def _retry_or_fail(i: int, tries: List[int], todo: List[int], errors: Dict[int, str],

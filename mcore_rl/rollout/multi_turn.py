@@ -27,7 +27,7 @@ trainer's logprobs, losses and estimators read it unchanged: a loss's token coun
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -107,14 +107,23 @@ class ChatFormat:
             f"tags (<tool_call>{{\"name\": \"{name}\", \"arguments\": {{...}}}}</tool_call>), "
             f"end your turn, and read their results in <tool_response> tags:\n{specs}")}]
 
-    def prompt_ids(self, text: str, plain_ids: Sequence[int]) -> List[int]:
-        """The first prompt of an episode: ``text`` (the data set's prompt text, before any chat
-        template: ``data.prompt_template`` applied) rendered with the tools, or ``plain_ids``
-        (the data set's prompt ids) without a chat template."""
+    def prompt_ids(self, prompt: Union[str, Sequence[Dict[str, str]]],
+                   plain_ids: Sequence[int]) -> List[int]:
+        """The first prompt of an episode: ``prompt`` (the data set's prompt text, before any
+        chat template: ``data.prompt_template`` applied; or its chat messages,
+        :func:`mcore_rl.data.prompts.prompt_messages`) rendered with the tools (their system
+        message after a system turn of the messages' own), or ``plain_ids`` (the data set's
+        prompt ids) without a chat template."""
         if not self.chat:
             return list(plain_ids)
-        rendered = self._render(self._system() + [{"role": "user", "content": text}],
-                                generation_prompt=True)
+        messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+                    else [dict(m) for m in prompt])
+        system = self._system()
+        if system and messages[0]["role"] == "system":
+            messages[0]["content"] += "\n\n" + system[0]["content"]
+        else:
+            messages = system + messages
+        rendered = self._render(messages, generation_prompt=True)
         return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
     def observation_ids(self, observation: str, last_token: Optional[int]) -> List[int]:

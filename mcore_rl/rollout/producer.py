@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from mcore_rl.data import batch as B
+from mcore_rl.data.prompts import prompt_messages
 from mcore_rl.rollout.multi_turn import ChatFormat, episode_metrics, run_episodes
 
 if TYPE_CHECKING:
@@ -98,9 +99,10 @@ class RolloutProducer:
     def _first_prompts(self, dataset, indices: Sequence[int]) -> List[List[int]]:
         if not self.multi_turn:
             return [list(dataset.input_ids[i]) for i in indices]
-        template = self.cfg.data.prompt_template
-        return [self.format.prompt_ids(template.format(question=dataset.examples[i].prompt),
-                                       dataset.input_ids[i]) for i in indices]
+        data = self.cfg.data
+        return [self.format.prompt_ids(
+            prompt_messages(dataset.examples[i], data.prompt_template, data.system_prompt),
+            dataset.input_ids[i]) for i in indices]
 
     # ------------------------------------------------------------------ public
     def generate(self, dataset, indices: Sequence[int], seed: int, greedy: bool = False,
