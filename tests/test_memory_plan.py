@@ -138,6 +138,10 @@ def test_activation_recompute_keeps_what_megatron_keeps():
     assert memory.activation_bytes_per_layer(arch, local_selective, rows, seq) == (
         memory.activation_bytes_per_layer(arch, local, rows, seq) - scores - repeated_kv
         - attention_copy)
+    # packed micro-batches need PP = 1: no layout with PP > 1 is offered
+    assert {pp for _, pp, _ in memory.candidate_layouts(cfg, arch)} == {1}
+    assert {pp for _, pp, _ in memory.candidate_layouts(
+        load_config("grpo_llama8b", ["policy.sequence_packing=false"]), arch)} == {1, 2, 4}
     # the plan of the 8B config shrinks by the recomputed activations
     plan = memory.plan_memory(cfg, arch)
     recomputed = memory.plan_memory(load_config("grpo_llama8b", [

@@ -505,7 +505,8 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
 def candidate_layouts(cfg: TrainConfig, arch: ModelArchConfig) -> List[Tuple[int, int, int]]:
     """``(TP, PP, DP)`` with ``TP x PP x DP = cluster.num_workers`` that can build ``arch``:
     TP divides the attention heads and the query groups, PP the layers (even split); the
-    ``megatron`` rollout backend also needs PP = 1."""
+    ``megatron`` rollout backend and ``policy.sequence_packing`` also need PP = 1 (the config
+    refuses them with PP > 1, so such a layout is never offered)."""
     w, out = cfg.cluster.num_workers, []
     for tp in range(1, w + 1):
         if w % tp or arch.num_attention_heads % tp or arch.num_query_groups % tp:
@@ -513,7 +514,7 @@ def candidate_layouts(cfg: TrainConfig, arch: ModelArchConfig) -> List[Tuple[int
         for pp in range(1, w // tp + 1):
             if (w // tp) % pp or arch.num_layers % pp:
                 continue
-            if cfg.generation.backend == "megatron" and pp > 1:
+            if pp > 1 and (cfg.generation.backend == "megatron" or cfg.policy.sequence_packing):
                 continue
             out.append((tp, pp, w // (tp * pp)))
     return out
