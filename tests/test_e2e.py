@@ -39,7 +39,8 @@ TINY = [
 def _deterministic(records):
     """Per-step metrics without wall-clock figures."""
     return [{k: v for k, v in r.items()
-             if not (k.startswith("timing/") or k in ("refit/seconds", "generation/tokens_per_s"))}
+             if not (k.startswith(("timing/", "perf/")) or k.endswith("_s") and k.startswith("refit/")
+                     or k in ("refit/seconds", "generation/tokens_per_s"))}
             for r in records]
 
 
