@@ -6,38 +6,44 @@
 #
 # 1. A Python 3.12 virtual environment in .te-build/venv with the device's torch (2.11.0 from
 #    PyPI: its CUDA 13.0 build, which pulls the cu13 runtime, cuBLAS, cuDNN and NCCL wheels with
-#    their headers), nvcc 13.0.88 (cuda-toolkit[nvcc,crt]: what torch's cuda-toolkit==13.0.2
-#    pins), cuDNN frontend's headers, pybind11 and ninja. No GPU is needed: the extension is C++
-#    (torch's CppExtension) compiled against those headers; nvcc only reports the CUDA version.
+#    their headers), nvcc 13.0.88 with the CUDA C++ headers (cuda-toolkit[nvcc,crt,cccl]: the
+#    toolkit version torch pins), cuDNN frontend's headers and ninja. No GPU is needed: the
+#    extension is C++ (torch's CppExtension) compiled against those headers; nvcc only reports
+#    the CUDA version. About 5.5 GB, 2 minutes to download here.
 # 2. The transformer-engine-torch 2.20.2 sdist (sha256 checked) built into a cp312 wheel,
 #    .te-build/dist/transformer_engine_torch-2.20.2-cp312-cp312-linux_x86_64.whl
 #    (NVTE_PYTORCH_FORCE_BUILD: no guess at a prebuilt wheel on GitHub; NVTE_NO_LOCAL_VERSION:
 #    the version stays 2.20.2, which TE's import checks against the core wheel's;
 #    NVTE_BUILD_USE_NVIDIA_WHEELS: headers from every nvidia-* wheel, cuDNN's and NCCL's too).
 #    The log is .te-build/build.log. A wheel already built is kept (delete it to rebuild).
-# 3. The carry: one tar of the wheels the device lacks, split into .carry-te<k>/te_part_<xx> (51 MB
-#    each: one folder per device call, < 58 MB with the working tree): the core library
-#    transformer-engine-cu13 2.20.2 (276 MB binary wheel), the meta package transformer-engine
-#    2.20.2 (its dist-info is what TE's import checks), the built extension, and pydantic
-#    (the recipes' dataclasses; the GPU image has none) with pydantic-core, annotated-types,
-#    typing-inspection, and nvdlfw-inspect (TE's debug API). Not carried: nvidia-cudnn-frontend's
-#    Python package (it pulls nvidia-cutlass-dsl and apache-tvm-ffi, and only the sm100 grouped
-#    MLP fusion imports it); einops, onnx, onnxscript (the image has them).
-#    `bash scripts/gpu/session.sh te` puts the parts together and installs them into /tmp/site.
+# 3. The carry: one tar, split into .carry-te<k>/te_part_<xx> (51 MB each: one folder per device
+#    call, < 58 MB with the working tree; the last folder holds te.tar.sha256 too), of
+#    te/: what TE needs beyond the GPU image: the core library transformer-engine-cu13 2.20.2
+#      (276 MB binary wheel), the meta package transformer-engine 2.20.2 (its dist-info is what
+#      TE's import checks), the built extension, and pydantic (the recipes' dataclasses; the
+#      image has none) with pydantic-core, annotated-types, typing-inspection, at the versions of
+#      vLLM's carry, and nvdlfw-inspect (TE's debug API). Not carried: nvidia-cudnn-frontend's
+#      Python package (it pulls nvidia-cutlass-dsl and apache-tvm-ffi; only the sm100 grouped MLP
+#      fusion imports it); einops, onnx, onnxscript (the image has them).
+#    bridge/: megatron-bridge 0.6.2 alone (--no-deps: with TE it imports with the image's
+#      packages and carry.sh's omegaconf, hydra-core and antlr4; scripts/gpu/bridge_parity.py).
+#    `bash scripts/gpu/session.sh te` puts the parts together and installs te/ into /tmp/te_site
+#    and bridge/ into /tmp/bridge_site, each on PYTHONPATH only for the stages that use it.
 #
 # Python 3.12: $TE_PYTHON, else python3 or python3.12 on PATH if one is 3.12, else pyenv's.
-# Without one (or to build where torch 2.11 and nvcc 13.0 are installed, e.g. on the device:
-# no network there), carry the sdist and build with that interpreter's torch:
-#   TE_PYTHON=python3 TE_SDIST=.te-src/transformer_engine_torch-2.20.2.tar.gz \
-#       bash scripts/gpu/te_build.sh wheel
-# (`pip download --no-deps --no-binary :all: --no-build-isolation` cannot fetch it here without
-# a torch: get it with `bash scripts/gpu/te_build.sh sdist`, which writes .te-src/.)
+# Where there is none, build on the device (python3 is 3.12 with torch 2.11.0+cu130 there, no
+# network): carry .te-src/ (the sdist, from `te_build.sh env sdist` on a machine that has the
+# environment) and run there, in the repository root,
+#   TE_PYTHON=python3 MAX_JOBS=16 bash scripts/gpu/te_build.sh wheel parts
+# (stage env is skipped for an interpreter that imports torch; the wheel stage uses no index;
+# the parts stage needs the carried wheels' registry: run it here on the wheel brought back).
 #
 # Stages: `te_build.sh [env] [sdist] [wheel] [parts]` (default: all four in that order).
 set -euo pipefail
 TE_VERSION=2.20.2
 TORCH_VERSION=2.11.0
 CUDA_TOOLKIT_VERSION=13.0.2
+BRIDGE_VERSION=0.6.2
 SDIST_SHA256=4c40ced8a6261649e689076f198d4feaf02277b1ba18931a66eccdaceb33c43e
 BUILD=.te-build
 SDIST=${TE_SDIST:-.te-src/transformer_engine_torch-$TE_VERSION.tar.gz}
@@ -95,7 +101,8 @@ stage_wheel() {  # the extension, MAX_JOBS compile jobs; log in $BUILD/build.log
     "$py" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION') and torch.version.cuda.startswith('13'), torch.__version__"
     mkdir -p "$BUILD/dist"
     echo "building $WHEEL (MAX_JOBS=${MAX_JOBS:-2}; log: $BUILD/build.log)"
-    NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_NO_LOCAL_VERSION=1 NVTE_BUILD_USE_NVIDIA_WHEELS=1 \
+    NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_NO_LOCAL_VERSION=1 \
+    NVTE_BUILD_USE_NVIDIA_WHEELS=${NVTE_BUILD_USE_NVIDIA_WHEELS:-1} \
     NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS:-2} \
         "$py" -m pip wheel -v --no-deps --no-build-isolation --no-index -w "$BUILD/dist" "$SDIST" \
         > "$BUILD/build.log" 2>&1 || { tail -n 30 "$BUILD/build.log"; return 1; }
@@ -107,14 +114,15 @@ stage_wheel() {  # the extension, MAX_JOBS compile jobs; log in $BUILD/build.log
 }
 
 stage_parts() {  # the tar of the carried wheels, split over .carry-te<k>/
-    local tmp k=0 part
+    local tmp k=0 part py=${TE_PYTHON:-$BUILD/venv/bin/python}
     tmp=$(mktemp -d)
     # shellcheck disable=SC2064
     trap "rm -rf '$tmp'" RETURN
-    mkdir "$tmp/te"
-    "${TE_PYTHON:-$BUILD/venv/bin/python}" -m pip "${PIP_DOWNLOAD[@]}" -d "$tmp/te" "${CARRY_WHEELS[@]}"
+    mkdir "$tmp/te" "$tmp/bridge"
+    "$py" -m pip "${PIP_DOWNLOAD[@]}" -d "$tmp/te" "${CARRY_WHEELS[@]}"
+    "$py" -m pip "${PIP_DOWNLOAD[@]}" -d "$tmp/bridge" "megatron-bridge==$BRIDGE_VERSION"
     cp "$WHEEL" "$tmp/te/"
-    tar -cf "$tmp/te.tar" -C "$tmp" te
+    tar -cf "$tmp/te.tar" -C "$tmp" te bridge
     (cd "$tmp" && sha256sum te.tar > te.tar.sha256 && split -b 51M te.tar te_part_)
     rm -rf .carry-te[0-9]*
     for part in "$tmp"/te_part_*; do
