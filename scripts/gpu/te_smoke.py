@@ -67,7 +67,8 @@ def gpt_checks(failures: list) -> None:
     from mcore_rl.workers.policy import initial_hf_state_dict
 
     device = parallel.initialize(0, 1, "127.0.0.1", free_port(), "cuda")
-    arch = ModelArchConfig(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4,
+    arch = ModelArchConfig(family="llama", qkv_bias=False, num_layers=4, hidden_size=512,
+                           num_attention_heads=8, num_query_groups=4,
                            ffn_hidden_size=1408, vocab_size=4096, max_position_embeddings=1024)
     weights = initial_hf_state_dict(arch_to_hf_config(arch, arch.vocab_size), seed=0)
     ids = torch.randint(0, arch.vocab_size, (4, 512), generator=torch.Generator().manual_seed(0))
