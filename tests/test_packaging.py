@@ -31,20 +31,135 @@ REQUIRED_PINS = {"torch", "transformer-engine", "megatron-core", "vllm", "ray", 
 VLLM_REQUIREMENTS = {"0.24.0": ["torch==2.11.0", "transformers>=5.5.3", "flashinfer-python==0.6.12"]}
 
 
-def dockerfile_pins() -> dict[str, tuple[str, str]]:
+def dockerfile_pins(text: str | None = None) -> dict[str, tuple[str, str]]:
     """``{distribution: (ARG name, version)}`` from the ``ARG X_VERSION=...`` lines before the
-    first FROM (the ARG name, lower-cased with ``_`` -> ``-`` and ``_VERSION`` dropped, is the
-    distribution name)."""
-    header = DOCKERFILE.read_text().split("\nFROM ", 1)[0]
+    first FROM of ``text`` (default: docker/Dockerfile's; the ARG name, lower-cased with ``_`` ->
+    ``-`` and ``_VERSION`` dropped, is the distribution name)."""
+    header = (DOCKERFILE.read_text() if text is None else text).split("\nFROM ", 1)[0]
     return {canonicalize_name(arg[: -len("_VERSION")]): (arg, version)
             for arg, version in re.findall(r"^ARG (\w+_VERSION)=(\S+)$", header, re.M)}
 
 
-def pyproject_requirements() -> dict[str, Requirement]:
-    """Every requirement of pyproject.toml (dependencies and all optional extras) by name."""
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+def pyproject_requirements(text: str | None = None) -> dict[str, Requirement]:
+    """Every requirement of pyproject.toml (``text``, default the file's; dependencies and all
+    optional extras) by name."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text() if text is None else text)["project"]
     groups = [project["dependencies"], *project.get("optional-dependencies", {}).values()]
     return {canonicalize_name(r.name): r for r in map(Requirement, sum(groups, []))}
+
+
+# What ran on the GPU machines: the device sessions' scripts pin it (`NAME==VERSION` in pip
+# commands and requirement files). The image pins the same versions.
+GPU_PIN_FILES = ("scripts/gpu/carry.sh", "scripts/gpu/te_build.sh", "scripts/gpu/vllm-requirements.txt")
+# Image pins that must be those of a GPU script (ray and transformers do not travel: the GPU
+# machines run the image's transformers and no Ray).
+RAN_ON_GPU = {"torch", "megatron-core", "vllm", "transformer-engine"}
+# Distributions released together at one version: a pin of one is a pin of the family.
+FAMILIES = {"transformer-engine-cu12": "transformer-engine", "transformer-engine-cu13":
+            "transformer-engine", "transformer-engine-torch": "transformer-engine"}
+_VERSION = r"\d+(?:\.\d+)+(?:\.?post\d+)?"
+
+
+def script_pins(text: str) -> list[tuple[str, str, str]]:
+    """``(distribution, version, how it is written)`` for every ``NAME==VERSION`` pin of a shell
+    script or requirements file, ``$VAR`` and ``${VAR}`` resolved from the script's ``VAR=value``
+    lines, and for every file name that carries a pinned distribution's version
+    (``vllm-0.24.0-*.whl``, ``transformer_engine_torch-2.20.2.tar.gz``, ``NAME-X.dist-info``)."""
+    variables = dict(re.findall(r"^(\w+)=(\S+)$", text, re.M))
+    text = re.sub(r"\$\{?(\w+)\}?", lambda m: variables.get(m.group(1), m.group(0)), text)
+    pins = [(canonicalize_name(name), version, f"{name}=={version}") for name, version in
+            re.findall(rf"(?<![\w.-])([A-Za-z][\w.-]*?)(?:\[[\w,]*\])?==({_VERSION})\b", text)]
+    for dist in {d for d, _, _ in pins}:
+        spelled = re.sub(r"[-_.]", "[-_.]", dist)
+        pins += [(dist, version, f"{name}-{version}") for name, version in re.findall(
+            rf"(?<![\w.-])({spelled})-({_VERSION})(?=[-*]|\.dist-info|\.tar)", text, re.I)]
+    return pins
+
+
+def pin_mismatches(dockerfile: str, pyproject: str, scripts: dict[str, str]) -> list[str]:
+    """Where the image's pins (``dockerfile``'s text), pyproject's ranges (``pyproject``'s
+    text) and the GPU scripts (``{path: text}``) disagree, one message each: an image pin
+    outside pyproject's range; a script pin that differs from the image's pin of its
+    distribution (or family: TE's core and PyTorch wheels are the image's transformer-engine) or
+    lies outside pyproject's range; a distribution a script pins at two versions; an image pin
+    of :data:`RAN_ON_GPU` that no script pins. Empty when they agree."""
+    image = {dist: version for dist, (_, version) in dockerfile_pins(dockerfile).items()}
+    ranges = pyproject_requirements(pyproject)
+    out = [f"docker/Dockerfile pins {dist} {version}, outside pyproject.toml's "
+           f"'{dist}{ranges[dist].specifier}'"
+           for dist, version in image.items()
+           if dist in ranges and not ranges[dist].specifier.contains(version, prereleases=True)]
+    seen: dict[str, tuple[str, str]] = {}
+    for path, text in scripts.items():
+        for dist, version, written in script_pins(text):
+            family = FAMILIES.get(dist, dist)
+            if family in image and Version(version) != Version(image[family]):
+                out.append(f"{path} has {written}, docker/Dockerfile pins {family} {image[family]}")
+            if dist in ranges and not ranges[dist].specifier.contains(version, prereleases=True):
+                out.append(f"{path} has {written}, outside pyproject.toml's "
+                           f"'{dist}{ranges[dist].specifier}'")
+            first = seen.setdefault(family, (version, f"{path} ({written})"))
+            if Version(first[0]) != Version(version):
+                out.append(f"{family} is pinned at two versions: {first[1]} and {path} ({written})")
+    out += [f"docker/Dockerfile pins {dist} {image[dist]}, which no GPU script ({', '.join(scripts)}) "
+            f"pins: the image pins what ran on the GPU" for dist in sorted(RAN_ON_GPU - set(seen))]
+    return sorted(set(out))
+
+
+def _pin_files() -> tuple[str, str, dict[str, str]]:
+    return (DOCKERFILE.read_text(), (REPO / "pyproject.toml").read_text(),
+            {path: (REPO / path).read_text() for path in GPU_PIN_FILES})
+
+
+def test_image_pyproject_and_gpu_scripts_pin_the_same_versions():
+    dockerfile, pyproject, scripts = _pin_files()
+    assert pin_mismatches(dockerfile, pyproject, scripts) == []
+    pinned = {d: v for text in scripts.values() for d, v, _ in script_pins(text)}
+    assert {"megatron-core", "vllm", "transformer-engine-cu13", "transformer-engine-torch",
+            "torch"} <= set(pinned), pinned  # the parser sees the scripts' pins
+
+
+@pytest.mark.parametrize("where, old, new, expected", [
+    ("docker", "ARG MEGATRON_CORE_VERSION=0.19.2", "ARG MEGATRON_CORE_VERSION=0.19.3",
+     "scripts/gpu/carry.sh has megatron-core==0.19.2, docker/Dockerfile pins megatron-core 0.19.3"),
+    ("docker", "ARG TRANSFORMER_ENGINE_VERSION=2.20.2", "ARG TRANSFORMER_ENGINE_VERSION=2.11.0",
+     "scripts/gpu/te_build.sh has transformer-engine-cu13==2.20.2, docker/Dockerfile pins "
+     "transformer-engine 2.11.0"),
+    ("docker", "ARG MEGATRON_CORE_VERSION=0.19.2", "ARG MEGATRON_CORE_VERSION=0.20.0",
+     "docker/Dockerfile pins megatron-core 0.20.0, outside pyproject.toml's "
+     "'megatron-core<0.20,>=0.16.1'"),
+    ("scripts/gpu/carry.sh", "vllm==0.24.0", "vllm==0.24.1",
+     "scripts/gpu/carry.sh has vllm==0.24.1, docker/Dockerfile pins vllm 0.24.0"),
+    # the version moved in the pip line but not in the wheel's file name the script unpacks
+    ("scripts/gpu/carry.sh", "vllm==0.24.0", "vllm==0.24.1",
+     "vllm is pinned at two versions: scripts/gpu/carry.sh (vllm==0.24.1) and scripts/gpu/carry.sh "
+     "(vllm-0.24.0)"),
+    ("scripts/gpu/te_build.sh", "TE_VERSION=2.20.2", "TE_VERSION=2.21.0",
+     "scripts/gpu/te_build.sh has transformer-engine==2.21.0, docker/Dockerfile pins "
+     "transformer-engine 2.20.2"),
+    ("scripts/gpu/te_build.sh", "TORCH_VERSION=2.11.0", "TORCH_VERSION=2.12.0",
+     "scripts/gpu/te_build.sh has torch==2.12.0, docker/Dockerfile pins torch 2.11.0"),
+    ("pyproject", '"megatron-core>=0.16.1,<0.20"', '"megatron-core>=0.16.1,<0.19"',
+     "scripts/gpu/carry.sh has megatron-core==0.19.2, outside pyproject.toml's "
+     "'megatron-core<0.19,>=0.16.1'"),
+    ("pyproject", '"hydra-core>=1.3,<1.4"', '"hydra-core>=1.4"',
+     "scripts/gpu/carry.sh has hydra-core==1.3.2, outside pyproject.toml's 'hydra-core>=1.4'"),
+    ("scripts/gpu/carry.sh", "megatron-core==0.19.2 ", "",
+     "docker/Dockerfile pins megatron-core 0.19.2, which no GPU script"),
+])
+def test_a_pin_that_moves_alone_is_named(where, old, new, expected):
+    dockerfile, pyproject, scripts = _pin_files()
+    if where == "docker":
+        assert old in dockerfile
+        dockerfile = dockerfile.replace(old, new)
+    elif where == "pyproject":
+        assert old in pyproject
+        pyproject = pyproject.replace(old, new)
+    else:
+        assert old in scripts[where]
+        scripts[where] = scripts[where].replace(old, new)
+    mismatches = pin_mismatches(dockerfile, pyproject, scripts)
+    assert any(m.startswith(expected) for m in mismatches), mismatches
 
 
 def test_dockerfile_pins_are_in_one_place():

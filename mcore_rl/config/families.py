@@ -130,4 +130,63 @@ def parallel_shape_errors(arch: ModelArchConfig, megatron: MegatronConfig, key: 
         errors.append(f"{field('num_layers')} ({arch.num_layers}){where} must be divisible by "
                       f"{key}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size"
                       f" ({pp} x {megatron.virtual_pipeline_model_parallel_size or 1})")
+    return errors + transformer_engine_shape_errors(arch, megatron, key, source)
+
+
+def transformer_engine_shape_errors(arch: ModelArchConfig, megatron: MegatronConfig, key: str,
+                                    source: str = "model.arch") -> list[str]:
+    """Why the model shape ``arch`` cannot run the Transformer Engine features of ``megatron``
+    (config section ``key``), one message per reason; ``source`` as in
+    :func:`parallel_shape_errors`, which includes these. Empty when it can, or when TP or the
+    head counts are below 1 (the field checks report those).
+
+    Checked: with ``context_parallel_size`` CP > 1 and ``cp_comm_type=a2a`` (all-to-all over
+    heads), ``num_attention_heads`` and ``num_query_groups`` divisible by TP x CP; with ``fp8``,
+    the last dimension of every FP8 matrix multiply's input on a TP rank divisible by 16
+    (Transformer Engine refuses others): ``hidden_size``, ``num_attention_heads x head_dim / TP``
+    and ``ffn_hidden_size / TP`` (``moe_ffn_hidden_size`` / expert TP with experts).
+    """
+    tp, cp = megatron.tensor_model_parallel_size, megatron.context_parallel_size
+    if tp < 1 or cp < 1 or arch.num_attention_heads < 1 or arch.num_query_groups < 1:
+        return []
+    errors = []
+    where = "" if source == "model.arch" else f" of {source}"
+    field = (lambda name: f"model.arch.{name}") if source == "model.arch" else (lambda name: name)
+    if cp > 1 and megatron.cp_comm_type == "a2a":
+        for name in ("num_attention_heads", "num_query_groups"):
+            if getattr(arch, name) % (tp * cp):
+                errors.append(f"{field(name)} ({getattr(arch, name)}){where} must be divisible by "
+                              f"{key}.tensor_model_parallel_size x context_parallel_size "
+                              f"({tp} x {cp}) with {key}.cp_comm_type=a2a (heads are split over "
+                              f"CP ranks)")
+    if megatron.fp8 is not None:
+        moe = arch.num_experts is not None
+        ffn_name = "moe_ffn_hidden_size" if moe and arch.moe_ffn_hidden_size else "ffn_hidden_size"
+        ffn_split = "expert_tensor_parallel_size" if moe else "tensor_model_parallel_size"
+        etp = megatron.expert_tensor_parallel_size or tp
+        checked = [  # (what, its size on a rank, how it is computed)
+            (field("hidden_size"), arch.hidden_size, str(arch.hidden_size)),
+            (f"{field('num_attention_heads')} x head_dim / {key}.tensor_model_parallel_size",
+             arch.num_attention_heads * head_dim(arch) / tp,
+             f"{arch.num_attention_heads} x {head_dim(arch)} / {tp} = "
+             f"{arch.num_attention_heads * head_dim(arch) / tp:g}"),
+            (f"{field(ffn_name)} / {key}.{ffn_split}",
+             getattr(arch, ffn_name) / (etp if moe else tp),
+             f"{getattr(arch, ffn_name)} / {etp if moe else tp} = "
+             f"{getattr(arch, ffn_name) / (etp if moe else tp):g}")]
+        for what, size, how in checked:
+            if size % 16:
+                errors.append(f"{key}.fp8={megatron.fp8} needs {what}{where} to be a multiple of "
+                              f"16 (got {how}): Transformer Engine's FP8 matrix multiplies")
     return errors
+
+
+def microbatch_width_multiple(megatron: MegatronConfig) -> int:
+    """What every micro-batch width (and packed length) of a Megatron worker with layout
+    ``megatron`` is a multiple of: TP under sequence parallelism (Megatron splits the sequence
+    over TP), x 2 CP with context parallelism (each CP rank holds two chunks of 1/(2 CP) for
+    causal load balance), x 8 with FP8 (Transformer Engine's FP8 matrix multiplies need a
+    multiple of 8 tokens on each rank). Sizes below 1 count as 1."""
+    tp, cp = max(1, megatron.tensor_model_parallel_size), max(1, megatron.context_parallel_size)
+    return ((tp if megatron.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+            * (8 if megatron.fp8 is not None else 1))

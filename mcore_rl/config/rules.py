@@ -19,9 +19,11 @@ Adding a rule: a function here (or, for a plugin, in its check), one entry in :d
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable, List, Sequence, Tuple
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Tuple
 
-from mcore_rl.config.families import arch_errors, layout_errors, parallel_shape_errors
+from mcore_rl.config.families import (arch_errors, layout_errors, microbatch_width_multiple,
+                                      parallel_shape_errors)
 from mcore_rl.config.paths import hf_checkpoint_errors, tokenizer_dir_error
 from mcore_rl.config.plugins import plugin_errors
 from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, ENVIRONMENTS, backend_errors,
@@ -75,11 +77,17 @@ def megatron_section_rules(cfg: TrainConfig, section: str,
         if not ok:
             errors.append(message)
 
-    if tp >= 1 and pp >= 1:
+    cp = mg.context_parallel_size
+    if tp >= 1 and pp >= 1 and cp == 1:
         check(cfg.cluster.num_workers % (tp * pp) == 0,
               f"cluster.num_workers ({cfg.cluster.num_workers}) must be divisible by "
               f"{key}.tensor_model_parallel_size x pipeline_model_parallel_size "
               f"({tp} x {pp})")
+    elif tp >= 1 and pp >= 1 and cp > 1:
+        check(cfg.cluster.num_workers % (tp * cp * pp) == 0,
+              f"cluster.num_workers ({cfg.cluster.num_workers}) must be divisible by "
+              f"{key}.tensor_model_parallel_size x context_parallel_size x "
+              f"pipeline_model_parallel_size ({tp} x {cp} x {pp})")
     if vpp is not None and vpp >= 1:  # < 1: the field check reports it
         check(pp > 1, f"{key}.virtual_pipeline_model_parallel_size ({vpp}) needs "
                       f"{key}.pipeline_model_parallel_size > 1 (got {pp})")
@@ -121,6 +129,77 @@ def megatron_section_rules(cfg: TrainConfig, section: str,
         errors += [f"{key}.ddp.{n} needs a GPU: cluster.device is '{device}'{seen}"
                    for n in gpu_only]
     return errors
+
+
+def transformer_engine_missing() -> Optional[str]:
+    """Why Transformer Engine's PyTorch layers cannot load here, found without importing torch
+    or TE (the loader runs before any worker): None when the ``transformer_engine`` package and
+    its PyTorch extension (``transformer_engine_torch*.so``, where TE's own loader looks: next to
+    the package, in it, or in its ``wheel_lib``) are installed. An installation that is present
+    but broken is found at the run's start instead (:func:`mcore_rl.megatron.te.runtime_errors`)."""
+    spec = importlib.util.find_spec("transformer_engine")
+    if spec is None or spec.origin is None:
+        return "no module named 'transformer_engine'"
+    package = Path(spec.origin).parent
+    if not any(next(d.glob("transformer_engine_torch*.so"), None)
+               for d in (package.parent, package, package / "wheel_lib")):
+        return (f"transformer_engine is installed ({package}) without its PyTorch extension "
+                f"transformer_engine_torch")
+    return None
+
+
+def transformer_engine_errors(cfg: TrainConfig, section: str) -> List[str]:
+    """Why the Transformer Engine features of ``<section>.megatron`` (``layer_spec=
+    transformer_engine``, ``fp8``, ``context_parallel_size`` > 1) cannot run, one message each;
+    empty when none is asked for or they can. In order: FP8 and CP need the TE layer spec; TE must
+    be installed (:func:`transformer_engine_missing`), else nothing more is said about the device
+    (one line for the usual mistake); TE runs on a GPU only; FP8 runs in bf16 and, with the
+    ``delayed`` recipe, uncompiled (TE refuses it under torch.compile); packed sequences with CP
+    are not split yet. Which GPU runs which FP8 recipe is known only where the GPU is: at the
+    run's start (:func:`mcore_rl.megatron.te.runtime_errors`)."""
+    mg, key, device = getattr(cfg, section).megatron, f"{section}.megatron", cfg.cluster.device
+    cp = mg.context_parallel_size
+    asked = [f"{key}.{name}={value}" for name, value, on in (
+        ("layer_spec", mg.layer_spec, mg.layer_spec == "transformer_engine"),
+        ("fp8", mg.fp8, mg.fp8 is not None),
+        ("context_parallel_size", cp, cp > 1)) if on]
+    if not asked:
+        return []
+    errors, what = [], f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''}"
+    if mg.layer_spec != "transformer_engine":  # fp8 or CP
+        errors.append(f"{what} {key}.layer_spec=transformer_engine (got "
+                      f"{mg.layer_spec}): FP8 matrix multiplies and context-parallel attention "
+                      f"are Transformer Engine's")
+    missing = transformer_engine_missing()
+    if missing:
+        only_spec = asked == [f"{key}.layer_spec=transformer_engine"]
+        errors.append(f"{what} Transformer Engine, which is not installed here ({missing}): pip "
+                      f"install --no-build-isolation 'transformer-engine[pytorch]'"
+                      f"{f'; or use {key}.layer_spec=torch' if only_spec else ''}")
+    elif device == "cpu" or device == "auto" and not _cuda_available():
+        seen = " and torch sees no GPU" if device == "auto" else ""
+        errors.append(f"{what} a GPU: cluster.device is '{device}'{seen}")
+    if mg.fp8 is not None:
+        if mg.precision != "bf16":
+            errors.append(f"{key}.fp8={mg.fp8} needs {key}.precision=bf16 (got {mg.precision}): "
+                          f"FP8 matrix multiplies with bf16 weights and activations elsewhere")
+        if mg.fp8_recipe == "delayed" and mg.compile_layers:
+            errors.append(f"{key}.fp8_recipe=delayed cannot run with {key}.compile_layers=true "
+                          f"(Transformer Engine refuses delayed scaling under torch.compile): use "
+                          f"fp8_recipe=tensorwise or compile_layers=false")
+    if cp > 1 and getattr(cfg, section).sequence_packing:
+        errors.append(f"{section}.sequence_packing cannot run with {key}.context_parallel_size > 1 "
+                      f"(got {cp}) yet: each packed sequence would need padding to a multiple of "
+                      f"2 x CP")
+    return errors
+
+
+def transformer_engine_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """:func:`transformer_engine_errors` of the policy and, with a critic, of the ``value``
+    section (skipped for a section whose keys the field checks already refuse)."""
+    return [e for section in _megatron_sections(cfg)
+            if not any(f.startswith(f"{section}.megatron.") for f in field_errors)
+            for e in transformer_engine_errors(cfg, section)]
 
 
 def megatron_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
@@ -173,15 +252,20 @@ def length_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
 
 def policy_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
     """``policy.max_tokens_per_microbatch`` holds the longest row (``data.max_total_length``,
-    rounded up to TP with sequence parallelism)."""
+    rounded up to the workers' micro-batch width multiple: :func:`~mcore_rl.config.families.
+    microbatch_width_multiple`)."""
     budget, mg = cfg.policy.max_tokens_per_microbatch, cfg.policy.megatron
-    tp = max(1, mg.tensor_model_parallel_size) if mg.sequence_parallel else 1
-    longest = -(-cfg.data.max_total_length // tp) * tp  # sequence parallelism pads widths to TP
+    multiple = microbatch_width_multiple(mg)  # widths are padded to it (SP: TP, CP: 2 CP, FP8)
+    longest = -(-cfg.data.max_total_length // multiple) * multiple
     if budget is None or budget >= longest:
         return []
+    factors = [f for f, on in ((f"TP={mg.tensor_model_parallel_size}", mg.sequence_parallel),
+                               (f"2 x CP={mg.context_parallel_size}", mg.context_parallel_size > 1),
+                               ("8 for FP8", mg.fp8 is not None)) if on]
+    of = factors[0] if len(factors) == 1 and not mg.fp8 else f"{multiple} ({' x '.join(factors)})"
     return [f"policy.max_tokens_per_microbatch ({budget}) must be null or >= "
             f"data.max_total_length ({cfg.data.max_total_length}"
-            f"{f', rounded up to a multiple of TP={tp}' if tp > 1 else ''})"
+            f"{f', rounded up to a multiple of {of}' if multiple > 1 else ''})"
             f": a micro-batch holds at least one whole sequence"]
 
 
@@ -397,6 +481,7 @@ def value_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
 RULES: Tuple[Rule, ...] = (
     model_rules,
     megatron_rules,
+    transformer_engine_rules,
     generation_backend_rules,
     algorithm_rules,
     length_rules,

@@ -37,6 +37,19 @@ MODEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"
 MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
 # *.megatron.layer_spec: the layer specs of mcore_rl.megatron.model.
 LAYER_SPECS = ("local", "torch", "transformer_engine")
+# *.megatron.fp8 and fp8_recipe: Megatron-Core TransformerConfig's fp8 formats and recipes (its
+# "custom" recipe, which takes a quantizer factory, is not offered).
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+# The GPUs (CUDA compute capability, lowest and first refused; None: no upper end) on which
+# Transformer Engine 2.20 runs each recipe (transformer_engine.pytorch.quantization's checks):
+# FP8 from Ada (8.9), 128-block scaling from Hopper (9.0), MXFP8 on Blackwell datacenter GPUs
+# (10.x and 11.x).
+FP8_RECIPE_CAPABILITY = {"delayed": ((8, 9), None), "tensorwise": ((8, 9), None),
+                         "blockwise": ((9, 0), None), "mxfp8": ((10, 0), (12, 0))}
+# *.megatron.cp_comm_type: how Megatron-Core's context-parallel attention (Transformer Engine's)
+# exchanges keys and values.
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 # model.tokenizer: the built-in character tokenizer of mcore_rl.data.tokenizer.
 CHAR_TOKENIZER = "char"
 
@@ -183,11 +196,27 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = bounded(None, ge=1)
     # Megatron sequence parallelism (activations split over TP ranks); needs TP > 1.
     sequence_parallel: bool = False
+    # CP size: ranks each sequence is split over (context parallelism: two chunks of 1/(2 CP) of
+    # the micro-batch width per rank, attention passing keys and values between them); needs
+    # layer_spec=transformer_engine; TP x CP x PP divides cluster.num_workers. CP > 1 is refused
+    # at a run's start until the training and logprob passes split sequences over CP (issue 34).
+    context_parallel_size: int = bounded(1, ge=1)
+    # With CP > 1, how attention exchanges keys and values (Megatron's cp_comm_type): "p2p" (a ring
+    # of sends overlapped with compute), "all_gather", "a2a" (all-to-all over heads: attention
+    # heads and query groups per TP rank divisible by CP).
+    cp_comm_type: str = one_of("p2p", CP_COMM_TYPES)
     # bf16: bf16 params with fp32 main params and grads in the optimizer.
     precision: str = one_of("fp32", ("fp32", "bf16"))
     # Layer implementation: "local" (Megatron's own modules), "torch" (local with torch SDPA
     # attention: fast without Transformer Engine), "transformer_engine" (needs TE installed).
     layer_spec: str = one_of("local", LAYER_SPECS)
+    # FP8 matrix multiplies in the transformer layers: "e4m3" (all of them), "hybrid" (e4m3
+    # forward, e5m2 gradients); null: off. Needs layer_spec=transformer_engine, precision=bf16 and
+    # a GPU with FP8 (fp8_recipe says which).
+    fp8: Optional[str] = one_of(None, FP8_FORMATS)
+    # FP8 scaling: "delayed" (scales from an amax history), "tensorwise" (current scaling),
+    # "blockwise" (1x128 and 128x128 blocks; Hopper and newer), "mxfp8" (Blackwell only).
+    fp8_recipe: str = one_of("delayed", FP8_RECIPES)
     # EP size: ranks each MoE layer's experts are split over (model.arch.num_experts divisible by
     # it); expert_tensor_parallel_size x EP x PP divides cluster.num_workers.
     expert_model_parallel_size: int = bounded(1, ge=1)

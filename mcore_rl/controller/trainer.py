@@ -84,8 +84,10 @@ class RLTrainer:
         from mcore_rl.generation.base import BackendContext
         from mcore_rl.generation.registry import backend_class, build_backend
         from mcore_rl.megatron.conversion import arch_to_hf_config, hf_config_to_arch
+        from mcore_rl.config.checks import ConfigError
         from mcore_rl.config.families import parallel_shape_errors
         from mcore_rl.megatron.parallel import resolve_device
+        from mcore_rl.megatron.te import runtime_errors as te_runtime_errors
         from mcore_rl.rewards import check_on_example, reward_components
         from mcore_rl.rewards.pool import RewardScorer, default_num_workers
         from mcore_rl.workers.policy import PolicyWorker
@@ -94,6 +96,12 @@ class RLTrainer:
         self.algorithm = algorithm
         self.section = algorithm.section
         self.device = resolve_device(cfg.cluster.device)
+        # Transformer Engine where the GPU is: it imports, the GPU runs the FP8 recipe (the
+        # loader checked what it can without torch).
+        problems = [p for section in algorithm.group_names for p in te_runtime_errors(
+            getattr(cfg, section).megatron, f"{section}.megatron", self.device)]
+        if problems:
+            raise ConfigError("; ".join(problems))
         self.run_dir = cfg.run.output_dir
         if not cfg.checkpoint.resume and os.path.exists(os.path.join(self.run_dir, "metrics.jsonl")):
             raise FileExistsError(
@@ -115,8 +123,6 @@ class RLTrainer:
         # Each reward's own scores since they were last logged: metric -> [sum, count].
         self._reward_sums: Dict[str, List[float]] = {}
         self.rewards.warm_up(background=True)  # spawning overlaps building the model
-
-        from mcore_rl.config.checks import ConfigError
 
         if cfg.model.hf_path:
             from transformers import AutoConfig

@@ -30,7 +30,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mcore_rl.config.families import FAMILIES, arch_errors, head_dim, layout_errors
+from mcore_rl.config.families import (FAMILIES, arch_errors, head_dim, layout_errors,
+                                      transformer_engine_shape_errors)
 from mcore_rl.config.schema import LAYER_SPECS, MegatronConfig, ModelArchConfig
 
 _PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -69,6 +70,10 @@ def transformer_config(
             bias+dropout+add), since the others need Apex or Transformer Engine.
 
     The RoPE base and scaling are ``GPTModel`` arguments, set in :func:`build_model`.
+    Transformer Engine features (``megatron.layer_spec=transformer_engine``): ``fp8`` and
+    ``fp8_recipe`` are Megatron's fields of the same names (its ``TransformerBlock`` runs each
+    layer in TE's FP8 autocast; the output layer and the embedding stay bf16);
+    ``context_parallel_size`` and ``cp_comm_type`` (set only with CP > 1) go to TE's attention.
     Precision ``fp32`` keeps fp32 params; ``bf16`` builds bf16 params with ``bf16=True`` (the
     optimizer then keeps fp32 main params). ``calculate_per_token_loss=True``: Megatron sums
     the loss over microbatches and DP and ``finalize_model_grads`` divides the grads by the
@@ -82,12 +87,19 @@ def transformer_config(
     (``local``/``torch`` specs) or TE's grouped GEMM (``transformer_engine``).
 
     Raises ``ValueError`` naming the config key for a non-positive vocabulary or what
-    :func:`arch_errors` and :func:`layout_errors` report (each key's declared choices and
-    bounds included: an unknown precision or layer spec, ...).
+    :func:`arch_errors`, :func:`layout_errors` and :func:`transformer_engine_shape_errors`
+    report (each key's declared choices and bounds included: an unknown precision or layer
+    spec, ...), and for FP8 or CP without the ``transformer_engine`` layer spec.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    errors = arch_errors(arch) or layout_errors(arch, megatron, "megatron")
+    errors = (arch_errors(arch) or layout_errors(arch, megatron, "megatron")
+              or transformer_engine_shape_errors(arch, megatron, "megatron"))
+    if not errors and megatron.layer_spec != "transformer_engine" and (
+            megatron.fp8 is not None or megatron.context_parallel_size > 1):
+        errors = [f"megatron.fp8={megatron.fp8} and megatron.context_parallel_size="
+                  f"{megatron.context_parallel_size} need megatron.layer_spec=transformer_engine "
+                  f"(got {megatron.layer_spec})"]
     if errors:
         raise ValueError("; ".join(errors))
     on_cpu = torch.device(device).type == "cpu"
@@ -140,6 +152,10 @@ def transformer_config(
         # directions on different communicators.
         batch_p2p_comm=megatron.virtual_pipeline_model_parallel_size is None,
         sequence_parallel=megatron.sequence_parallel,
+        context_parallel_size=megatron.context_parallel_size,
+        cp_comm_type=megatron.cp_comm_type if megatron.context_parallel_size > 1 else None,
+        fp8=megatron.fp8,
+        fp8_recipe=megatron.fp8_recipe,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=megatron.precision == "bf16",
@@ -192,13 +208,13 @@ def layer_spec(name: str, num_experts: int | None = None, qk_layernorm: bool = F
     if name not in LAYER_SPECS:
         raise ValueError(f"megatron.layer_spec must be one of {LAYER_SPECS}, got {name!r}")
     if name == "transformer_engine":
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError as e:
+        from mcore_rl.megatron.te import te_import_error
+
+        problem = te_import_error()
+        if problem:
             raise ValueError(
                 "megatron.layer_spec=transformer_engine needs Transformer Engine, which does not "
-                f"import here ({e}); use megatron.layer_spec=torch (torch SDPA attention)"
-            ) from None
+                f"import here ({problem}); use megatron.layer_spec=torch (torch SDPA attention)")
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
@@ -280,7 +296,7 @@ def build_model(
 ) -> list[GPTModel]:
     """Build this rank's ``GPTModel`` chunks, one per virtual pipeline stage (one without VPP).
 
-    Needs Megatron's ``parallel_state`` initialized with the same TP/PP/VPP/EP/expert-TP sizes
+    Needs Megatron's ``parallel_state`` initialized with the same TP/PP/VPP/EP/expert-TP/CP sizes
     (:func:`mcore_rl.megatron.parallel.initialize`). Embedding and output layer have
     :func:`padded_vocab_size` rows; embeddings are tied when ``arch.tie_word_embeddings``.
     Weights are Megatron's random init; load real ones with
@@ -295,7 +311,7 @@ def build_model(
     (``nn.Module.compile``: torch.compile with the module's names kept).
 
     Raises ``ValueError`` as :func:`transformer_config`, when Megatron's parallel state
-    disagrees with the config's TP/PP/VPP/EP/expert-TP sizes, or for ``compile_layers`` off
+    disagrees with the config's TP/PP/VPP/EP/expert-TP/CP sizes, or for ``compile_layers`` off
     CUDA.
     """
     config = transformer_config(arch, megatron, vocab_size, device)
@@ -307,6 +323,7 @@ def build_model(
         parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         parallel_state.get_expert_model_parallel_world_size(),
         parallel_state.get_expert_tensor_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
     )
     wanted = (
         megatron.tensor_model_parallel_size,
@@ -314,10 +331,11 @@ def build_model(
         megatron.virtual_pipeline_model_parallel_size,
         megatron.expert_model_parallel_size,
         megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size,
+        megatron.context_parallel_size,
     )
     if state != wanted:
         raise ValueError(
-            f"megatron (tensor, pipeline, virtual pipeline, expert, expert tensor) sizes "
+            f"megatron (tensor, pipeline, virtual pipeline, expert, expert tensor, context) sizes "
             f"{wanted} differ from the initialized parallel state {state}"
         )
     if megatron.compile_layers and torch.device(device).type != "cuda":

@@ -46,11 +46,17 @@ def initialize(
     seed: int = 1234,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
 ) -> torch.device:
-    """Join the process group and build Megatron's TP/PP/DP groups and its expert groups
+    """Join the process group and build Megatron's TP/CP/PP/DP groups and its expert groups
     (EP x expert TP x expert DP over the same ranks, Megatron's "MoE parallel folding";
     ``expert_tensor_parallel_size`` None: the TP size); seed Megatron's model-parallel RNG
     tracker. Returns the torch device of this rank.
+
+    Context parallelism (``context_parallel_size`` CP > 1): Megatron's rank order is TP, CP,
+    DP, PP (TP fastest); the DP group (:func:`~megatron.core.parallel_state.
+    get_data_parallel_world_size`) then counts ``world / (TP x CP x PP)`` ranks, which is what
+    shards a batch's rows, and the CP ranks of one DP rank hold the same rows.
 
     RNG (dropout), as Megatron-LM's ``_set_random_seed``: pipeline stage ``p`` uses
     ``seed + 100 p`` (layers of different stages draw different masks), and
@@ -58,15 +64,16 @@ def initialize(
     stage (dropout of replicated activations agrees) and the tracker's ``model-parallel-rng``
     differ per TP rank (dropout inside TP-split regions is independent per shard).
 
-    Raises ``ValueError`` when ``world_size`` is not divisible by TP x PP or by expert TP x
-    EP x PP.
+    Raises ``ValueError`` when ``world_size`` is not divisible by TP x CP x PP or by expert TP
+    x EP x PP.
     """
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size or tensor_model_parallel_size
-    if world_size % (tp * pp) != 0:
+    if world_size % (tp * cp * pp) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
-            f"pipeline_model_parallel_size ({pp})"
+            + (f"context_parallel_size ({cp}) x " if cp > 1 else "")
+            + f"pipeline_model_parallel_size ({pp})"
         )
     if world_size % (etp * ep * pp) != 0:
         raise ValueError(
@@ -101,6 +108,7 @@ def initialize(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            context_parallel_size=cp,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
         )

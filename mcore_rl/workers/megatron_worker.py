@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from mcore_rl.config.families import microbatch_width_multiple
 from mcore_rl.config.schema import ModelArchConfig, MegatronConfig, OptimizerConfig
 from mcore_rl.data.batch import Batch
 from mcore_rl.data.microbatching import ROW_INDEX, gather_rows, make_microbatches, shapes_vary
@@ -135,6 +136,7 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
             seed=seed,
             expert_model_parallel_size=megatron.expert_model_parallel_size,
             expert_tensor_parallel_size=megatron.expert_tensor_parallel_size,
+            context_parallel_size=megatron.context_parallel_size,
         )
         from megatron.core import parallel_state as ps
 
@@ -353,7 +355,8 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
         Micro-batches (:func:`~mcore_rl.data.microbatching.make_microbatches`): of
         ``micro_batch_size`` rows, or under :attr:`max_tokens_per_microbatch` when set; each
         carries ``row_index`` (input row, -1 for padding rows). Layout needs met here: widths
-        are a multiple of TP under sequence parallelism (Megatron splits the sequence evenly);
+        are a multiple of :func:`~mcore_rl.config.families.microbatch_width_multiple` (TP under
+        sequence parallelism: Megatron splits the sequence evenly; 2 CP; 8 tokens with FP8);
         the micro-batch count is a multiple of PP with virtual stages (the interleaved
         schedule runs them in groups of PP); micro-batches of different shapes (token budget,
         or a last micro-batch of fewer rows) turn on Megatron's ``variable_seq_lengths`` so pipeline stages exchange each shape,
@@ -364,7 +367,7 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
 
         mg = self.megatron_cfg
         interleaved = mg.virtual_pipeline_model_parallel_size is not None
-        width_multiple = mg.tensor_model_parallel_size if mg.sequence_parallel else 1
+        width_multiple = microbatch_width_multiple(mg)  # SP: TP; CP: 2 CP; FP8: 8 tokens
         if self.sequence_packing:
             mbs = self._packed_microbatches(batch, micro_batch_size, width_multiple)
         else:

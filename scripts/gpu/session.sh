@@ -35,6 +35,11 @@
 #               with the trl stage runs TRL's vLLM-colocate mode
 #   tools       grpo_smollm2_arith_tools (calculator, multi-turn) and grpo_smollm2_arith side by
 #               side (TOOLS_STEPS, default 100): held-out accuracy and tool use (issue 24)
+#   te          Transformer Engine 2.20.2 from /tmp/parts (scripts/gpu/te_build.sh's .carry-te<k>/,
+#               one call each) into $TE_SITE and megatron-bridge 0.6.2 into $BRIDGE_SITE, then
+#               scripts/gpu/te_smoke.py (issue 34). Later stages see TE only through te_env.
+#   bridge      megatron-bridge against mcore-rl's own conversion on SmolLM2: load, logits, export
+#               (scripts/gpu/bridge_parity.py; after te and model)
 #   table       the tables of every result under $OUT so far
 #
 # Stages of two GPUs (issue 27; nvidia-h100-x2 or nvidia-h200-x2):
@@ -84,12 +89,16 @@ RES=/tmp/results  # kept across calls of the warm machine; copied to $OUT at the
 mkdir -p /tmp/parts "$RES" "$DATA"
 # What this call carried stays in /tmp for the next calls of the warm machine: parts, GSM8K
 # (train.jsonl, test.jsonl), TRL's wheels.
-for d in .carry[0-9]*/; do [ -d "$d" ] && cp -n "$d"* /tmp/parts/ 2>/dev/null; done
+for d in .carry[0-9]*/ .carry-te[0-9]*/; do [ -d "$d" ] && cp -n "$d"* /tmp/parts/ 2>/dev/null; done
 [ -d gsm8k_data ] && cp -n gsm8k_data/*.jsonl "$DATA"/
 if [ -d .carry-trl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .carry-trl/*.whl || exit 1
 fi
+# Transformer Engine and megatron-bridge stay off PYTHONPATH (megatron-core takes TE's paths
+# when it imports, mcore-rl's conversion the bridge's): `te_env CMD` runs CMD with them.
+TE_SITE=/tmp/te_site BRIDGE_SITE=/tmp/bridge_site
+te_env() { PYTHONPATH=$TE_SITE:$PYTHONPATH "$@"; }
 status=0
 common=(cluster.use_ray=false cluster.device=cuda logging.tensorboard=false logging.progress=false)
 quiet() { grep -v -i -E "warn|deprecat|evict|MimoModel|full_param_layout|grad_input|it/s\]|^\s*$"; }
@@ -333,6 +342,29 @@ stage_watch() {
     done
     pgrep -f "session.sh bgrun:" > /dev/null && echo "== watch: background stages still running" \
         || echo "== watch: background stages done"
+}
+
+stage_te() {  # issue 34: TE 2.20.2 and megatron-bridge 0.6.2 from the parts, then a smoke test
+    if [ ! -d "$TE_SITE/transformer_engine" ]; then
+        cat /tmp/parts/te_part_* > /tmp/te.tar || { status=1; return; }
+        # te.tar.sha256 names te.tar: checked from /tmp
+        (cd /tmp && sha256sum -c --quiet parts/te.tar.sha256) || { status=1; return; }
+        tar -xf /tmp/te.tar -C /tmp || { status=1; return; }
+        rm -f /tmp/te.tar
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target "$TE_SITE" /tmp/te/*.whl || { status=1; return; }
+        rm -rf "$TE_SITE/transformer_engine/jax"  # the image has JAX: TE would look for its extension
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target "$BRIDGE_SITE" /tmp/bridge/*.whl || { status=1; return; }
+    fi
+    te_env timeout 300 python3 scripts/gpu/te_smoke.py > "$RES/te_smoke.log" 2>&1 || status=1
+    echo "== te"; quiet < "$RES/te_smoke.log" | tail -n 12
+}
+
+stage_bridge() {  # issue 34: megatron-bridge vs mcore-rl's conversion on SmolLM2 (after te, model)
+    PYTHONPATH=$BRIDGE_SITE:$TE_SITE:$PYTHONPATH timeout 420 python3 scripts/gpu/bridge_parity.py \
+        --model "$MODEL" > "$RES/bridge.log" 2>&1 || status=1
+    echo "== bridge"; quiet < "$RES/bridge.log" | tail -n 12
 }
 
 stage_table() {

@@ -1,0 +1,93 @@
+"""Transformer Engine at run time: what the config loader cannot know (it imports neither torch
+nor TE, :func:`mcore_rl.config.rules.transformer_engine_errors`) checked where the GPU is: does
+TE's PyTorch side import, does this GPU run the FP8 recipe, and is the run asking for a part of
+context parallelism that is not built yet. The trainer calls :func:`runtime_errors` before any
+worker starts and turns each message into a one-line ``ConfigError``; the model builder raises
+the same messages as ``ValueError`` for callers that build a model themselves.
+
+TE stays optional: nothing here imports it unless a config asks for a TE feature.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from mcore_rl.config.schema import FP8_RECIPE_CAPABILITY, MegatronConfig
+
+
+def uses_transformer_engine(megatron: MegatronConfig) -> bool:
+    """Whether ``megatron`` asks for a Transformer Engine feature: the TE layer spec, FP8 or
+    context parallelism (CP > 1)."""
+    return (megatron.layer_spec == "transformer_engine" or megatron.fp8 is not None
+            or megatron.context_parallel_size > 1)
+
+
+def te_import_error() -> Optional[str]:
+    """None when ``transformer_engine.pytorch`` imports here; else why not, on one line (the
+    exception's type and message, whitespace collapsed). TE's top-level package swallows an
+    ImportError of its PyTorch side, so the PyTorch module itself is imported. Importing it
+    loads TE's CUDA libraries (the driver's ``libcuda`` among them): call it where the GPU is."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # ImportError, OSError (a missing library), RuntimeError, assertions
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
+    return None
+
+
+def fp8_capability_error(megatron: MegatronConfig, key: str,
+                         capability: Tuple[int, int]) -> Optional[str]:
+    """Why a GPU of CUDA compute ``capability`` (``(major, minor)``, e.g. ``(9, 0)`` for an
+    H100) cannot run ``megatron.fp8`` with ``megatron.fp8_recipe`` (config section ``key``);
+    None when it can or FP8 is off. The recipes' GPUs: :data:`~mcore_rl.config.schema.
+    FP8_RECIPE_CAPABILITY`."""
+    if megatron.fp8 is None:
+        return None
+    low, refused = FP8_RECIPE_CAPABILITY[megatron.fp8_recipe]
+    cap = tuple(capability)
+    if cap >= low and (refused is None or cap < refused):
+        return None
+    where = f"compute capability >= {low[0]}.{low[1]}" + (
+        f" and < {refused[0]}.{refused[1]}" if refused else "")
+    return (f"{key}.fp8={megatron.fp8} with {key}.fp8_recipe={megatron.fp8_recipe} needs a GPU of "
+            f"{where}; this GPU's is {cap[0]}.{cap[1]}"
+            + ("" if megatron.fp8_recipe in ("delayed", "tensorwise") else
+               "; fp8_recipe=delayed or tensorwise run from 8.9 (Ada, Hopper)"))
+
+
+def runtime_errors(megatron: MegatronConfig, key: str, device: str,
+                   capability: Optional[Tuple[int, int]] = None) -> List[str]:
+    """Why ``megatron`` (config section ``key``) cannot run on this process's ``device``
+    (``"cpu"`` or ``"cuda"``), one line each; empty when it can or uses no TE feature.
+
+    Checked: TE's PyTorch side imports (:func:`te_import_error`; TE runs on GPUs only, so on
+    ``"cpu"`` that is the message); the GPU runs the FP8 recipe (``capability``, default the
+    current CUDA device's: :func:`fp8_capability_error`); ``context_parallel_size`` is 1, since
+    the training and logprob passes do not yet split sequences over CP ranks (Megatron's
+    parallel state and ``TransformerConfig`` take it; the split of each micro-batch into the two
+    chunks per rank, the all-gather of per-token results and the loss count are not done).
+    """
+    if not uses_transformer_engine(megatron):
+        return []
+    errors = []
+    if device != "cuda":
+        errors.append(f"{key}.layer_spec={megatron.layer_spec} with Transformer Engine features "
+                      f"needs a GPU (device is {device})")
+    else:
+        problem = te_import_error()
+        if problem:
+            errors.append(f"Transformer Engine does not import here ({problem}), and {key} asks "
+                          f"for it (layer_spec={megatron.layer_spec}, fp8={megatron.fp8}, "
+                          f"context_parallel_size={megatron.context_parallel_size})")
+        elif megatron.fp8 is not None:
+            if capability is None:
+                import torch
+
+                capability = torch.cuda.get_device_capability()
+            problem = fp8_capability_error(megatron, key, capability)
+            if problem:
+                errors.append(problem)
+    if megatron.context_parallel_size > 1:
+        errors.append(f"{key}.context_parallel_size={megatron.context_parallel_size}: the "
+                      f"training and logprob passes do not split sequences over context-parallel "
+                      f"ranks yet (issue 34); use context_parallel_size=1")
+    return errors

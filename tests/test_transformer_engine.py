@@ -1,0 +1,318 @@
+"""Transformer Engine's features on the CPU machine (issue 34): the config keys (``layer_spec=
+transformer_engine``, ``fp8``, ``fp8_recipe``, ``context_parallel_size``, ``cp_comm_type``)
+refused at load with one line each where no run can use them, the run-time checks of what only
+the GPU's process knows (TE imports, the GPU runs the FP8 recipe), and the plumbing that can run
+without TE (Megatron's CP groups, ``TransformerConfig``'s fields, micro-batch widths).
+
+TE is not installed here: a test that needs it "installed" replaces the loader's probe
+(:func:`mcore_rl.config.rules.transformer_engine_missing`) or TE's import check."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from mcore_rl.cli import main
+from mcore_rl.config import ConfigError, TrainConfig, rules, validate
+from mcore_rl.config.families import microbatch_width_multiple, transformer_engine_shape_errors
+from mcore_rl.config.schema import FP8_RECIPES, MegatronConfig, ModelArchConfig
+from mcore_rl.megatron import te
+
+TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
+CPU = ["--config-name", "grpo_synthetic", "cluster.use_ray=false", "cluster.device=cpu"]
+
+
+def _one_line_exit_2(argv, capsys) -> str:
+    """``mcore-rl`` with ``argv``: exit status 2, one line on stderr, no traceback; the line."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert info.value.code == 2, err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in out + err
+    return err
+
+
+@pytest.mark.skipif(TE_INSTALLED, reason="Transformer Engine is installed here")
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_te_layer_spec_without_te_is_one_line_at_load(tmp_path, capsys, device):
+    """The issue's report: a traceback from the worker and exit status 1; now the loader says it
+    in one line before any worker (and before the run directory) exists."""
+    run = tmp_path / "run"
+    err = _one_line_exit_2(["train", *CPU, f"cluster.device={device}", f"run.output_dir={run}",
+                            "policy.megatron.layer_spec=transformer_engine"], capsys)
+    assert err == ("mcore-rl train: error: invalid config: policy.megatron.layer_spec="
+                   "transformer_engine needs Transformer Engine, which is not installed here (no "
+                   "module named 'transformer_engine'): pip install --no-build-isolation "
+                   "'transformer-engine[pytorch]'; or use policy.megatron.layer_spec=torch\n")
+    assert not run.exists()
+
+
+def test_probe_finds_the_package_and_its_pytorch_extension(tmp_path, monkeypatch):
+    """Torch-free: the package alone is not enough; the extension where TE's loader looks (its
+    wheel_lib, as the PyPI wheels and scripts/gpu/te_build.sh's install put it) is."""
+    package = tmp_path / "transformer_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise ImportError('the probe must not import TE')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert "without its PyTorch extension transformer_engine_torch" in rules.transformer_engine_missing()
+    (package / "wheel_lib").mkdir()
+    (package / "wheel_lib" / "transformer_engine_torch.cpython-312-x86_64-linux-gnu.so").write_bytes(b"")
+    assert rules.transformer_engine_missing() is None
+
+
+def _cfg(device="cuda", workers=1, **megatron) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.cluster.device, cfg.cluster.num_workers = device, workers
+    for key, value in megatron.items():
+        setattr(cfg.policy.megatron, key, value)
+    return cfg
+
+
+def _errors(cfg: TrainConfig) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    return str(info.value)
+
+
+@pytest.fixture
+def te_installed(monkeypatch):
+    """The loader's probe says TE is installed."""
+    monkeypatch.setattr(rules, "transformer_engine_missing", lambda: None)
+
+
+def test_te_features_that_pass_the_loader(te_installed):
+    validate(_cfg(layer_spec="transformer_engine"))
+    validate(_cfg(layer_spec="transformer_engine", fp8="hybrid", precision="bf16",
+                  fp8_recipe="tensorwise", compile_layers=True))
+    validate(_cfg(workers=4, layer_spec="transformer_engine", context_parallel_size=2,
+                  tensor_model_parallel_size=2))
+    validate(_cfg())  # no TE feature: the probe is not asked
+    for recipe in FP8_RECIPES:  # which GPU runs which recipe is the run's check
+        validate(_cfg(layer_spec="transformer_engine", fp8="e4m3", precision="bf16",
+                      fp8_recipe=recipe))
+
+
+@pytest.mark.parametrize("megatron, expected", [
+    (dict(fp8="e4m3", precision="bf16"),
+     "policy.megatron.fp8=e4m3 needs policy.megatron.layer_spec=transformer_engine (got local)"),
+    (dict(layer_spec="torch", context_parallel_size=2),
+     "policy.megatron.context_parallel_size=2 needs policy.megatron.layer_spec=transformer_engine "
+     "(got torch)"),
+    (dict(layer_spec="transformer_engine", fp8="e4m3"),
+     "policy.megatron.fp8=e4m3 needs policy.megatron.precision=bf16 (got fp32)"),
+    (dict(layer_spec="transformer_engine", fp8="e4m3", precision="bf16", compile_layers=True),
+     "policy.megatron.fp8_recipe=delayed cannot run with policy.megatron.compile_layers=true"),
+    (dict(layer_spec="transformer_engine", context_parallel_size=2, tensor_model_parallel_size=2),
+     "cluster.num_workers (2) must be divisible by policy.megatron.tensor_model_parallel_size x "
+     "context_parallel_size x pipeline_model_parallel_size (2 x 2 x 1)"),
+    # the default model.arch has 4 heads and 2 query groups
+    (dict(layer_spec="transformer_engine", context_parallel_size=4, cp_comm_type="a2a"),
+     "model.arch.num_query_groups (2) must be divisible by policy.megatron.tensor_model_parallel_size "
+     "x context_parallel_size (1 x 4) with policy.megatron.cp_comm_type=a2a"),
+])
+def test_te_feature_refused_at_load(te_installed, megatron, expected):
+    workers = megatron.get("context_parallel_size", 1) * megatron.get("tensor_model_parallel_size", 1)
+    if "num_workers (2)" in expected:
+        workers = 2
+    assert expected in _errors(_cfg(workers=workers, **megatron))
+
+
+def test_cp_with_heads_it_divides_and_p2p_needs_no_head_split(te_installed):
+    validate(_cfg(workers=4, layer_spec="transformer_engine", context_parallel_size=2,
+                  cp_comm_type="a2a"))  # 4 heads, 2 groups over CP=2
+    validate(_cfg(workers=4, layer_spec="transformer_engine", context_parallel_size=4))  # p2p
+
+
+def test_cp_refuses_packed_sequences(te_installed):
+    cfg = _cfg(workers=2, layer_spec="transformer_engine", context_parallel_size=2)
+    cfg.policy.sequence_packing = True
+    assert "policy.sequence_packing cannot run with policy.megatron.context_parallel_size > 1 " \
+           "(got 2) yet" in _errors(cfg)
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_te_features_need_a_gpu(te_installed, monkeypatch, device):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    seen = " and torch sees no GPU" if device == "auto" else ""
+    assert (f"policy.megatron.layer_spec=transformer_engine and policy.megatron.fp8=hybrid need a "
+            f"GPU: cluster.device is '{device}'{seen}") in _errors(
+        _cfg(device, layer_spec="transformer_engine", fp8="hybrid", precision="bf16"))
+
+
+def test_without_te_the_loader_says_so_once_and_not_also_gpu(monkeypatch):
+    monkeypatch.setattr(rules, "transformer_engine_missing", lambda: "no module named 'x'")
+    errors = _errors(_cfg("cpu", layer_spec="transformer_engine"))
+    assert errors.startswith("invalid config: policy.megatron.layer_spec=transformer_engine needs "
+                             "Transformer Engine, which is not installed here (no module named "
+                             "'x')") and "\n" not in errors and "GPU" not in errors
+
+
+def test_ppo_critic_section_is_checked_too(te_installed):
+    cfg = _cfg()
+    cfg.algorithm = "ppo"
+    cfg.value.megatron.fp8 = "e4m3"
+    cfg.value.megatron.precision = "bf16"
+    assert "value.megatron.fp8=e4m3 needs value.megatron.layer_spec=transformer_engine" in _errors(cfg)
+
+
+def test_fp8_shape_errors_per_tp_rank():
+    mg = MegatronConfig(layer_spec="transformer_engine", fp8="e4m3", precision="bf16",
+                        tensor_model_parallel_size=2)
+    # SmolLM2-135M: 576 hidden, 9 heads x 64, 1536 FFN: every FP8 input multiple of 16 at TP=1
+    smol = ModelArchConfig(hidden_size=576, num_attention_heads=9, num_query_groups=3,
+                           ffn_hidden_size=1536)
+    assert transformer_engine_shape_errors(smol, MegatronConfig(fp8="e4m3"), "m") == []
+    arch = ModelArchConfig(hidden_size=200, num_attention_heads=4, num_query_groups=2,
+                           head_dim=40, ffn_hidden_size=100)
+    errors = transformer_engine_shape_errors(arch, mg, "policy.megatron")
+    assert errors == [  # 4 x 40 / 2 = 80 passes
+        "policy.megatron.fp8=e4m3 needs model.arch.hidden_size to be a multiple of 16 (got 200): "
+        "Transformer Engine's FP8 matrix multiplies",
+        "policy.megatron.fp8=e4m3 needs model.arch.ffn_hidden_size / "
+        "policy.megatron.tensor_model_parallel_size to be a multiple of 16 (got 100 / 2 = 50): "
+        "Transformer Engine's FP8 matrix multiplies"], errors
+    arch.head_dim = 36
+    assert "(got 4 x 36 / 2 = 72)" in transformer_engine_shape_errors(arch, mg, "policy.megatron")[1]
+    # a checkpoint's shape is named by its path (the trainer's check of model.hf_path)
+    assert "needs hidden_size of model.hf_path=/m to be" in transformer_engine_shape_errors(
+        arch, mg, "policy.megatron", "model.hf_path=/m")[0]
+
+
+def test_microbatch_widths_and_the_token_budget(te_installed):
+    assert microbatch_width_multiple(MegatronConfig()) == 1
+    assert microbatch_width_multiple(MegatronConfig(tensor_model_parallel_size=2,
+                                                    sequence_parallel=True)) == 2
+    assert microbatch_width_multiple(MegatronConfig(context_parallel_size=3)) == 6
+    assert microbatch_width_multiple(MegatronConfig(fp8="e4m3")) == 8
+    assert microbatch_width_multiple(MegatronConfig(
+        tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+        fp8="e4m3")) == 64
+    cfg = _cfg(layer_spec="transformer_engine", fp8="e4m3", precision="bf16")
+    cfg.data.max_total_length, cfg.policy.max_tokens_per_microbatch = 100, 100
+    assert ("policy.max_tokens_per_microbatch (100) must be null or >= data.max_total_length "
+            "(100, rounded up to a multiple of 8 (8 for FP8))") in _errors(cfg)
+    cfg.policy.max_tokens_per_microbatch = 104
+    validate(cfg)
+
+
+@pytest.mark.parametrize("recipe, capability, refused", [
+    ("delayed", (8, 0), "compute capability >= 8.9; this GPU's is 8.0"),
+    ("delayed", (8, 9), None),
+    ("tensorwise", (9, 0), None),
+    ("blockwise", (8, 9), "compute capability >= 9.0; this GPU's is 8.9; fp8_recipe=delayed or "
+                          "tensorwise run from 8.9"),
+    ("blockwise", (10, 0), None),
+    ("mxfp8", (9, 0), "compute capability >= 10.0 and < 12.0; this GPU's is 9.0"),
+    ("mxfp8", (10, 0), None),
+    ("mxfp8", (12, 0), "this GPU's is 12.0"),
+])
+def test_fp8_recipe_against_the_gpu(recipe, capability, refused):
+    mg = MegatronConfig(layer_spec="transformer_engine", fp8="e4m3", fp8_recipe=recipe)
+    error = te.fp8_capability_error(mg, "policy.megatron", capability)
+    if refused is None:
+        assert error is None
+    else:
+        assert error.startswith(f"policy.megatron.fp8=e4m3 with policy.megatron.fp8_recipe={recipe} "
+                                f"needs a GPU of ") and refused in error, error
+    assert te.fp8_capability_error(MegatronConfig(), "m", (7, 0)) is None  # FP8 off
+
+
+def test_runtime_errors_where_the_gpu_is(monkeypatch):
+    key = "policy.megatron"
+    assert te.runtime_errors(MegatronConfig(), key, "cuda") == []  # no TE feature: no import
+    spec = MegatronConfig(layer_spec="transformer_engine")
+    assert te.runtime_errors(spec, key, "cpu") == [
+        "policy.megatron.layer_spec=transformer_engine with Transformer Engine features needs a GPU "
+        "(device is cpu)"]
+    monkeypatch.setattr(te, "te_import_error", lambda: "OSError: libcuda.so.1: cannot open")
+    assert te.runtime_errors(spec, key, "cuda") == [
+        "Transformer Engine does not import here (OSError: libcuda.so.1: cannot open), and "
+        "policy.megatron asks for it (layer_spec=transformer_engine, fp8=None, "
+        "context_parallel_size=1)"]
+    monkeypatch.setattr(te, "te_import_error", lambda: None)
+    fp8 = MegatronConfig(layer_spec="transformer_engine", fp8="e4m3", fp8_recipe="mxfp8")
+    assert te.runtime_errors(fp8, key, "cuda", capability=(9, 0)) == [
+        te.fp8_capability_error(fp8, key, (9, 0))]
+    assert te.runtime_errors(fp8, key, "cuda", capability=(10, 0)) == []
+    cp = MegatronConfig(layer_spec="transformer_engine", context_parallel_size=2)
+    assert te.runtime_errors(cp, key, "cuda") == [
+        "policy.megatron.context_parallel_size=2: the training and logprob passes do not split "
+        "sequences over context-parallel ranks yet (issue 34); use context_parallel_size=1"]
+
+
+def test_te_import_error_is_one_line():
+    problem = te.te_import_error()
+    if TE_INSTALLED and problem is None:
+        pytest.skip("Transformer Engine imports here")
+    assert problem and "\n" not in problem and problem.split(":")[0].endswith("Error")
+
+
+def test_the_trainer_refuses_before_any_worker(te_installed, monkeypatch, tmp_path, capsys):
+    """Where the loader cannot know (it saw a GPU, the run's process has none): one line, exit 2,
+    nothing written."""
+    monkeypatch.setattr(rules, "_cuda_available", lambda: True)
+    run = tmp_path / "run"
+    err = _one_line_exit_2(["train", *CPU, "cluster.device=auto", f"run.output_dir={run}",
+                            "policy.megatron.layer_spec=transformer_engine"], capsys)
+    assert err == ("mcore-rl train: error: policy.megatron.layer_spec=transformer_engine with "
+                   "Transformer Engine features needs a GPU (device is cpu)\n")
+    assert not run.exists()
+
+
+def test_transformer_config_takes_fp8_and_cp():
+    from mcore_rl.megatron.model import transformer_config
+
+    arch = ModelArchConfig()
+    mg = MegatronConfig(layer_spec="transformer_engine", precision="bf16", fp8="hybrid",
+                        fp8_recipe="tensorwise", context_parallel_size=2, cp_comm_type="a2a")
+    config = transformer_config(arch, mg, 64, "cpu")
+    assert (config.fp8, config.fp8_recipe, config.context_parallel_size, config.cp_comm_type) == (
+        "hybrid", "tensorwise", 2, "a2a")
+    plain = transformer_config(arch, MegatronConfig(), 64, "cpu")
+    assert (plain.fp8, plain.context_parallel_size, plain.cp_comm_type) == (None, 1, None)
+    with pytest.raises(ValueError, match="need megatron.layer_spec=transformer_engine"):
+        transformer_config(arch, MegatronConfig(fp8="e4m3", precision="bf16"), 64, "cpu")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        transformer_config(ModelArchConfig(hidden_size=72, num_attention_heads=4,
+                                           num_query_groups=2, ffn_hidden_size=64),
+                           MegatronConfig(layer_spec="transformer_engine", fp8="e4m3"), 64, "cpu")
+
+
+def test_world_size_must_hold_tp_cp_pp():
+    from mcore_rl.megatron import parallel
+
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by "
+                                         r"tensor_model_parallel_size \(1\) x context_parallel_size "
+                                         r"\(4\) x pipeline_model_parallel_size \(1\)"):
+        parallel.initialize(0, 6, "127.0.0.1", 1, "cpu", context_parallel_size=4)
+
+
+def _cp_groups():
+    """In 2 gloo processes: Megatron's groups with CP=2."""
+    from megatron.core import parallel_state as ps
+
+    from dist_utils import _WORLD
+    from mcore_rl.megatron import parallel
+
+    ps.destroy_model_parallel()
+    parallel.initialize(_WORLD["rank"], _WORLD["world_size"], "127.0.0.1", _WORLD["port"], "cpu",
+                        context_parallel_size=2)
+    return dict(cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                dp=ps.get_data_parallel_world_size(),
+                dp_cp=ps.get_data_parallel_world_size(with_context_parallel=True),
+                cp_ranks=ps.get_context_parallel_global_ranks())
+
+
+def test_cp_groups_on_gloo():
+    """The batch is sharded over DP (1 here: both ranks get the same rows), gradients are
+    reduced over DP x CP (Megatron's DDP)."""
+    from dist_utils import run_distributed
+
+    out = run_distributed(_cp_groups, 2)
+    assert [(o["cp"], o["dp"], o["dp_cp"]) for o in out] == [(2, 1, 2)] * 2
+    assert [o["cp_rank"] for o in out] == [0, 1] and [o["cp_ranks"] for o in out] == [[0, 1]] * 2
