@@ -18,7 +18,6 @@ A small sample (the first 64 train and 32 test lines of GSM8K, MIT licence) ship
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional, Tuple
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 from mcore_rl.config.checks import ConfigError
 from mcore_rl.config.paths import file_problem
 from mcore_rl.data.example import Example
+from mcore_rl.data.jsonl import json_object, read_jsonl
 
 if TYPE_CHECKING:
     from mcore_rl.config.schema import DataConfig
@@ -51,36 +51,13 @@ def load_gsm8k(path: str | Path, key: Optional[str] = None) -> List[Example]:
             has no ``#### N`` final answer; ``"[<key>: ]<path>: empty dataset"`` when no line
             holds a record.
     """
-    prefix = f"{key}: " if key else ""
-    problem = file_problem(str(path))
-    if problem:
-        raise ConfigError(f"{prefix}{path}: {problem}")
-    examples = []
-    with Path(path).open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            source = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"{prefix}{source}: not UTF-8 text ({e.reason} at byte "
-                                  f"{e.start})") from None
-            if line.strip():
-                examples.append(_parse_record(line, source, prefix))
-    if not examples:
-        raise ConfigError(f"{prefix}{path}: empty dataset (no JSON records)")
-    return examples
+    return read_jsonl(path, key, _parse_record, "empty dataset (no JSON records)")
 
 
 def _parse_record(line: str, source: str, prefix: str) -> Example:
     """One JSONL line into an Example; errors start with ``prefix`` and ``source``
     (``path:line``)."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{prefix}{source}: malformed JSON: {e}") from None
-    if not isinstance(record, dict):
-        raise ConfigError(f"{prefix}{source}: expected a JSON object, got "
-                          f"{type(record).__name__}")
+    record = json_object(line, source, prefix)
     for field in ("question", "answer"):
         if not isinstance(record.get(field), str):
             found = ", ".join(repr(k) for k in record) or "none"
