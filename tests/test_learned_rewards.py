@@ -171,6 +171,51 @@ def test_preference_file_errors_name_the_line(tmp_path):
     assert [(p.prompt, p.margin) for p in pairs] == [("1+1=", 0.0), ("", 2.0)]
 
 
+def test_prefixed_placement_names_the_judges_groups_apart():
+    from mcore_rl.controller.learned_rewards import PrefixedPlacement
+
+    class Placement:
+        use_ray, gpus, dump_dir = False, True, "/hang"
+
+        def __init__(self):
+            self.plan = self
+
+        def gpu_index(self, group, rank):
+            return {"judge_vllm": 3}[group] + rank
+
+        def actor_options(self, group, rank):
+            return {"group": group, "rank": rank}
+
+        def make_group(self, group, worker_cls, kwargs):
+            return group, worker_cls, kwargs
+
+    view = PrefixedPlacement(Placement(), "judge_")
+    assert (view.use_ray, view.gpus, view.dump_dir) == (False, True, "/hang")
+    assert view.plan.gpu_index("vllm", 1) == 4
+    assert view.actor_options("vllm", 0) == {"group": "judge_vllm", "rank": 0}
+    assert view.make_group("generation", int, {}) == ("judge_generation", int, {})
+
+
+def test_retokenized_rows_are_the_reward_models_tokens(inputs):
+    """reward_model.retokenize=true: the prompt (data.prompt_template) and the response decoded
+    and tokenized again with the reward model's tokenizer, eos after a finished response."""
+    from mcore_rl.config.loader import load_config
+    from mcore_rl.controller.learned_rewards import RewardModelReward
+
+    cfg = load_config("grpo_synthetic", ["reward.name=model", "reward_model.retokenize=true",
+                                         f"reward_model.hf_path={inputs / 'rm_other_tok'}"])
+    reward = RewardModelReward(cfg, build_char_tokenizer())
+    assert reward.retokenize
+    examples = [Example("ab+1=", "", "", "s:0"), Example("b+a=", "", "", "s:1")]
+    rows = reward._rows({"truncated": torch.tensor([0.0, 1.0])}, ["ba", "abab"], examples)
+    other = _reordered_char_tokenizer()
+    expected = [other("ab+1=ba")["input_ids"] + [other.eos_token_id], other("b+a=abab")["input_ids"]]
+    assert rows["input_lengths"].tolist() == [len(e) for e in expected]
+    for row, ids in zip(rows["input_ids"], expected):
+        assert row[:len(ids)].tolist() == ids
+    assert expected[0] != build_char_tokenizer()("ab+1=ba")["input_ids"] + [1]  # other ids
+
+
 # ---------------------------------------------------------------------------- bad inputs (CLI)
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
