@@ -367,8 +367,9 @@ class LearnedRewards:
 
     Metrics (:meth:`pop_metrics`, per prefix ``train/`` or ``val/``): the reward's own
     (``<prefix><metric>``), ``<prefix>verifier_reward`` (the verifier's mean) and
-    ``timing/learned_reward_s`` (the wall seconds of the reward's scoring calls, in its thread;
-    training only).
+    ``timing/learned_reward_s`` (the wall seconds of a scoring call, in its thread, overlapping
+    the step's other phases; training only). Each is the mean over the scoring calls since the
+    last :meth:`pop_metrics` (one per RL step, several with GRPO's dynamic sampling).
     """
 
     def __init__(self, reward: Any, verifier: Any = None):

@@ -212,7 +212,6 @@ class RewardModelLoop:
             print(f"held-out pair accuracy: {summary['val_pair_accuracy_start']:.3f} at step "
                   f"{summary['val_curve'][0][0]} -> {summary['val_pair_accuracy_end']:.3f} at step "
                   f"{summary['steps']}")
-        print(f"run directory: {self.run_dir}")
         return summary
 
     def _validated(self, step: int, logger: Optional[RunLogger] = None,

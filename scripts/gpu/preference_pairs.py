@@ -6,8 +6,8 @@ RL validates on is never read), the starting model samples ``--samples`` answers
 run's rollout settings (the config's chat template, ``generation.temperature``,
 ``generation.max_new_tokens``; mcore-rl's hf backend on one GPU), the math verifier marks them,
 and every prompt with right and wrong answers gives up to ``--pairs-per-prompt`` pairs (a right
-answer chosen, a wrong one rejected; answers cut at the token budget are left out: a reward
-model scores finished answers). Prompts are split into the reward model's training and held-out
+answer chosen, a wrong one rejected; answers cut at the token budget, or whose text tokenizes
+back past ``data.max_total_length``, are left out: a reward model scores finished answers). Prompts are split into the reward model's training and held-out
 pairs (``--held-out`` of them), so its pair accuracy is measured on prompts it never saw.
 
     python3 scripts/gpu/preference_pairs.py --model /tmp/models/SmolLM2-135M-Instruct \\
@@ -77,7 +77,11 @@ def main() -> None:
         text = tokenizer.decode(rollout["input_ids"][r, p:n].tolist(), skip_special_tokens=True)
         ok = math_reward(text, train.examples[i]) == 1.0
         right += ok
-        if not rollout["truncated"][r]:
+        # a finished answer whose text tokenizes back within the run's budget (prompt + answer
+        # + eos <= data.max_total_length: what the reward model's run accepts)
+        fits = len(train.input_ids[i]) + len(tokenizer(text, add_special_tokens=False)["input_ids"]) \
+            < cfg.data.max_total_length
+        if not rollout["truncated"][r] and fits:
             answers[i][0 if ok else 1].append(text)
     pairs = {"train": [], "test": []}
     for i in prompts:

@@ -147,9 +147,16 @@ stage_tools() {  # issue 24: SmolLM2 on the arithmetic chat task with the calcul
         pids+=($!)
     done
     wait "${pids[@]}" || true
-    for name in tools notools; do
-        cp "/tmp/runs/arith_$name/metrics.jsonl" "$RES/arith_$name.metrics.jsonl" 2>/dev/null \
-            || { status=1; quiet < "$RES/arith_$name.log" | tail -n 8; }
+    keep_metrics arith_tools arith_notools
+}
+
+# keep_metrics NAME...: each run's /tmp/runs/NAME/metrics.jsonl as $RES/NAME.metrics.jsonl, or
+# the end of its log $RES/NAME.log.
+keep_metrics() {
+    local name
+    for name in "$@"; do
+        cp "/tmp/runs/$name/metrics.jsonl" "$RES/$name.metrics.jsonl" 2>/dev/null \
+            || { status=1; quiet < "$RES/$name.log" | tail -n 8; }
     done
 }
 
@@ -185,16 +192,14 @@ stage_rm_rl() {  # issue 36: GRPO and PPO with only the reward model's reward, s
         timeout "${RM_RL_TIMEOUT:-560}" python3 -m mcore_rl train --config-name "${name}_smollm2_arith" \
             "${common[@]}" model.hf_path="$MODEL" run.output_dir="/tmp/runs/arith_rm_$name" \
             reward.name=model reward.verifier=math reward_model.hf_path=/tmp/models/rm_smollm2 \
+            reward_model.tokenizer="$MODEL" \
             reward_model.score_micro_batch_size=256 "${RM_LAYOUT[@]}" \
             "$name.max_steps=${RM_RL_STEPS:-100}" "$name.val_every=10" \
             > "$RES/arith_rm_$name.log" 2>&1 &
         pids+=($!)
     done
     wait "${pids[@]}" || true
-    for name in grpo ppo; do
-        cp "/tmp/runs/arith_rm_$name/metrics.jsonl" "$RES/arith_rm_$name.metrics.jsonl" 2>/dev/null \
-            || { status=1; quiet < "$RES/arith_rm_$name.log" | tail -n 8; }
-    done
+    keep_metrics arith_rm_grpo arith_rm_ppo
 }
 
 stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed")
