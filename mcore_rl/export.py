@@ -1,9 +1,11 @@
-"""``mcore-rl export``: a run's policy checkpoint to a Hugging Face model directory.
+"""``mcore-rl export``: a run's policy (or reward-model) checkpoint to a Hugging Face model
+directory.
 
 Input: a checkpoint step directory ``<run_dir>/checkpoints/step_<k>`` as training writes it:
-``policy/`` is a Megatron dist checkpoint (torch_dist format, saved at any TP/PP/VPP layout)
-and the run directory holds ``hf_config.json`` (the policy's transformers config) and
-``tokenizer/``, both written by the trainer (:mod:`mcore_rl.controller.trainer`) at start.
+``policy/`` (an RL run) or ``reward_model/`` (``algorithm: rm``) is a Megatron dist checkpoint
+(torch_dist format, saved at any TP/PP/VPP layout) and the run directory holds
+``hf_config.json`` (the model's transformers config) and ``tokenizer/``, both written by the
+trainer (:mod:`mcore_rl.controller.trainer`, :mod:`mcore_rl.controller.rm`) at start.
 
 The checkpoint format is resharding-capable, so the exporter loads it in a one-process world
 of its own (TP = PP = 1, on the CPU): it builds the Megatron model of the config's shape,
@@ -11,11 +13,13 @@ loads only the model tensors (optimizer state and the reference policy stay on d
 converts them to Hugging Face names with
 :func:`~mcore_rl.megatron.conversion.export_hf_weights`, the refit path.
 
-Output: ``config.json`` (``dtype`` set to the checkpoint's parameter dtype),
-``generation_config.json`` (bos/eos/pad ids, when the config has an eos id), safetensors
+Output: ``config.json`` (``dtype`` set to the checkpoint's parameter dtype; a reward model's
+names the family's ``*ForSequenceClassification`` class with ``num_labels=1``),
+``generation_config.json`` (a policy's bos/eos/pad ids, when the config has an eos id), safetensors
 weights written by ``huggingface_hub.save_torch_state_dict`` (one ``model.safetensors``, or
 shards up to ``max_shard_size`` each plus ``model.safetensors.index.json``; every tensor once,
-no ``lm_head.weight`` when embeddings are tied), and the run's tokenizer files.
+no ``lm_head.weight`` when embeddings are tied; a reward model's backbone and ``score.weight``),
+and the run's tokenizer files.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 HF_CONFIG_FILE = "hf_config.json"  # in the run directory
 TOKENIZER_DIR = "tokenizer"  # in the run directory
 POLICY_DIR = "policy"  # in a checkpoint step directory
+REWARD_MODEL_DIR = "reward_model"  # in a step directory of an algorithm=rm run
 _EMBEDDING_KEY = "embedding.word_embeddings.weight"  # Megatron's sharded key of the embedding
 _PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # What huggingface_hub's max_shard_size accepts: bytes, or a number with KB/MB/GB/TB.
@@ -44,6 +49,8 @@ def _sources(checkpoint: Path, hf_config: Path | None, tokenizer: Path | None):
             f"<run_dir>/checkpoints/step_<k>)"
         )
     policy = checkpoint / POLICY_DIR
+    if not (policy / "metadata.json").is_file() and (checkpoint / REWARD_MODEL_DIR).is_dir():
+        policy = checkpoint / REWARD_MODEL_DIR
     if not (policy / "metadata.json").is_file():
         raise FileNotFoundError(
             f"{policy}: no Megatron dist checkpoint (metadata.json missing); --checkpoint must be "
@@ -91,19 +98,23 @@ def _check_against_checkpoint(request, saved, policy: Path, arch) -> None:
         )
 
 
-def load_hf_state_dict(policy: str | Path, hf_config) -> dict[str, torch.Tensor]:
-    """The Hugging Face-named weights of a policy dist checkpoint.
+def load_hf_state_dict(policy: str | Path, hf_config,
+                       reward_model: bool = False) -> dict[str, torch.Tensor]:
+    """The Hugging Face-named weights of a policy (or reward-model) dist checkpoint.
 
     Args:
         policy: a Megatron dist checkpoint directory written by
             :meth:`~mcore_rl.workers.megatron_worker.MegatronTrainWorker.save_checkpoint`
             (the ``policy/`` of a step directory), at any TP/PP/VPP layout.
         hf_config: the policy's transformers config (Llama or Qwen2 family).
+        reward_model: the checkpoint is a reward model's (``reward_model/``): the backbone
+            with a scalar score head (:class:`~mcore_rl.workers.reward_model.RewardModelWorker`).
 
     Returns:
         ``{hf_name: tensor}``, CPU tensors in the saved parameter dtype (fp32 or bf16), in
         the HF model's ``state_dict`` order, vocabulary padding removed, no ``lm_head.weight``
-        when embeddings are tied.
+        when embeddings are tied; a reward model's: the backbone's ``model.*`` and
+        ``score.weight`` ``[1, h]`` (a ``*ForSequenceClassification`` model's names).
 
     Runs a one-process ``torch.distributed`` world (gloo, TP = PP = 1, Megatron's CPU
     redirects) and tears it down; raises ``RuntimeError`` if this process already has a
@@ -123,6 +134,8 @@ def load_hf_state_dict(policy: str | Path, hf_config) -> dict[str, torch.Tensor]
     from mcore_rl.megatron import parallel
     from mcore_rl.megatron.conversion import export_hf_weights, hf_config_to_arch
     from mcore_rl.megatron.model import build_model
+    from mcore_rl.workers.scalar_head import (SCORE_WEIGHT, attach_scalar_heads, backbone_arch,
+                                              without_heads)
 
     policy = Path(policy)
     arch = hf_config_to_arch(hf_config)
@@ -147,6 +160,8 @@ def load_hf_state_dict(policy: str | Path, hf_config) -> dict[str, torch.Tensor]
         # Built with the saved row count: with TP = 1 it is not padded further.
         (model,) = build_model(arch, MegatronConfig(precision=_PRECISIONS[embedding.dtype]),
                                rows, "cpu")
+        if reward_model:
+            attach_scalar_heads([model], embedding.dtype, 0, torch.device("cpu"), bias=False)
         _check_against_checkpoint(model.sharded_state_dict(), saved, policy, arch)
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(policy))
         model.load_state_dict(loaded["model"])
@@ -157,8 +172,13 @@ def load_hf_state_dict(policy: str | Path, hf_config) -> dict[str, torch.Tensor]
                 f"zero): the config's vocab_size {arch.vocab_size} is smaller than the model's"
             )
         # Vocab tensors are views of the padded rows: safetensors wants whole storages.
-        return {name: t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
-                for name, t in export_hf_weights([model], arch, arch.vocab_size)}
+        if not reward_model:
+            return {name: t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+                    for name, t in export_hf_weights([model], arch, arch.vocab_size)}
+        with without_heads([model]):
+            out = {name: t.clone() for name, t in
+                   export_hf_weights([model], backbone_arch(arch), arch.vocab_size)}
+        return {**out, SCORE_WEIGHT: model.output_layer.weight.detach().clone()}
     finally:
         parallel.destroy()
 
@@ -181,7 +201,8 @@ def export_checkpoint(
         tokenizer: tokenizer directory to copy; default ``<run_dir>/tokenizer``.
         max_shard_size: largest safetensors shard, bytes or a string such as ``"500MB"``.
 
-    Returns the output directory, from which ``AutoModelForCausalLM.from_pretrained`` and
+    Returns the output directory, from which ``AutoModelForCausalLM.from_pretrained`` (a
+    reward model's: ``AutoModelForSequenceClassification``) and
     ``AutoTokenizer.from_pretrained`` load.
 
     Raises ``FileNotFoundError`` naming the missing path (checkpoint directory, its
@@ -191,7 +212,8 @@ def export_checkpoint(
     """
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig, GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
     policy, config_file, tokenizer_dir = _sources(
         Path(checkpoint), hf_config and Path(hf_config), tokenizer and Path(tokenizer))
@@ -204,17 +226,21 @@ def export_checkpoint(
     if output.is_file() or (output.is_dir() and any(output.iterdir())):
         raise FileExistsError(f"--output {output}: exists and is not an empty directory")
     config = AutoConfig.from_pretrained(config_file)
+    reward_model = policy.name == REWARD_MODEL_DIR
     try:
-        state = load_hf_state_dict(policy, config)
+        state = load_hf_state_dict(policy, config, reward_model)
     except ValueError as e:
         raise ValueError(f"{e} (config: {config_file})") from e
     config.dtype = next(iter(state.values())).dtype
-    if not config.architectures:
+    if reward_model:  # transformers pools the last non-pad token: pad_token_id from the run
+        config.architectures = [MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[config.model_type]]
+        config.num_labels = 1
+    elif not config.architectures:
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     output.mkdir(parents=True, exist_ok=True)
     save_torch_state_dict(state, output, max_shard_size=max_shard_size)
     config.save_pretrained(output)
-    if config.eos_token_id is not None:
+    if config.eos_token_id is not None and not reward_model:
         GenerationConfig.from_model_config(config).save_pretrained(output)
     for f in sorted(tokenizer_dir.iterdir()):
         if f.is_file():

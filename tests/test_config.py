@@ -196,8 +196,8 @@ PAR = "policy.megatron."
     (["data.synthetic.operations=+/"], "data.synthetic.operations='+/'"),
     (["data.synthetic.num_train=9600"], "data.synthetic.num_train + data.synthetic.num_test = "
      "9600 + 500 = 10100 exceeds the 10000 distinct prompts"),
-    (["reward.name=f1"], "reward.name must be one of exact, math, or a \"module:attribute\" "
-     "import path (got 'f1')"),
+    (["reward.name=f1"], "reward.name must be one of exact, math, model, judge, or a "
+     "\"module:attribute\" import path (got 'f1')"),
     (["reward.num_workers=-1"], "reward.num_workers must be null or in [0, 256] (got -1)"),
     (["grpo.optimizer_steps_per_rollout=3"], "grpo.num_prompts_per_step x grpo.num_generations "
      "(32 x 8 = 256) must be divisible by grpo.optimizer_steps_per_rollout (3)"),
@@ -460,13 +460,14 @@ def test_choice_lists_are_the_components_lists():
     from mcore_rl.algorithms.kl import KL_ESTIMATORS
     from mcore_rl.config.families import FAMILIES
     from mcore_rl.generation.registry import BACKENDS
-    from mcore_rl.config.registry import VERIFIERS
+    from mcore_rl.config.registry import LEARNED_REWARDS, VERIFIERS
 
     choices = {key: f.metadata[checks.CHOICES] for key, _, f in _declared(
         ("loss", "generation", "reward", "ppo")) if checks.CHOICES in f.metadata}
     assert choices["loss.kl_estimator"] == choices["ppo.reward_kl_estimator"] == KL_ESTIMATORS
     assert choices["generation.backend"] == tuple(BACKENDS)
-    assert choices["reward.name"] == tuple(VERIFIERS)
+    assert choices["reward.name"] == tuple(VERIFIERS) + tuple(LEARNED_REWARDS)
+    assert choices["reward.verifier"] == tuple(VERIFIERS)
     assert schema.MODEL_FAMILIES == tuple(FAMILIES)
 
 

@@ -306,8 +306,9 @@ def test_plugin_tables_name_what_exists():
     modules = _modules(ROOT / "mcore_rl", "mcore_rl")
     tables = {"generation.backend": registry.BACKENDS, "loss.name": registry.POLICY_LOSSES,
               "grpo.advantage_estimator": registry.ADVANTAGE_ESTIMATORS,
-              "data.task": registry.TASKS, "reward.name": registry.VERIFIERS,
-              "env.name": registry.ENVIRONMENTS}
+              "data.task": registry.TASKS,
+              "reward.name": {**registry.VERIFIERS, **registry.LEARNED_REWARDS},
+              "reward.verifier": registry.VERIFIERS, "env.name": registry.ENVIRONMENTS}
     missing = []
     for key, table in tables.items():
         for name, entry in table.items():

@@ -112,8 +112,8 @@ CASES = [
      "data.use_chat_template=true but the tokenizer of model.hf_path={in}/nine_heads has no chat "
      "template"),
     ("unknown_reward_name", ["reward.name=f1"],
-     "reward.name must be one of exact, math, or a \"module:attribute\" import path "
-     "(got 'f1')"),
+     "reward.name must be one of exact, math, model, judge, or a \"module:attribute\" "
+     "import path (got 'f1')"),
     ("bad_override_key", ["grpo.num_generation=4"],
      "unknown config key 'grpo.num_generation' (from override 'grpo.num_generation=4'); did you "
      "mean 'grpo.num_generations'?"),

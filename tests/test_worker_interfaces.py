@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from mcore_rl.distributed.worker_group import DataParallelGroup, TypedCalls, api_methods, typed
-from mcore_rl.workers.interfaces import (GenerationWorkerAPI, PolicyAPI, TrainWorkerAPI,
-                                         ValueAPI, VLLMEngineAPI, WorkerAPI)
+from mcore_rl.workers.interfaces import (GenerationWorkerAPI, PolicyAPI, RewardModelAPI,
+                                         TrainWorkerAPI, ValueAPI, VLLMEngineAPI, WorkerAPI)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +79,7 @@ def _parameters(fn):
 @pytest.mark.parametrize("api, worker", [
     (PolicyAPI, "mcore_rl.workers.policy:PolicyWorker"),
     (ValueAPI, "mcore_rl.workers.value:ValueWorker"),
+    (RewardModelAPI, "mcore_rl.workers.reward_model:RewardModelWorker"),
     (GenerationWorkerAPI, "mcore_rl.generation.remote:GenerationWorker"),
     (VLLMEngineAPI, "mcore_rl.generation.vllm:VLLMEngine"),
 ])

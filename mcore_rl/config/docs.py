@@ -64,6 +64,13 @@ EXAMPLE_OVERRIDES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("cluster.device=cpu", "cluster.use_ray=false")),
     ("Join a running Ray cluster (scripts/slurm/ray_job.sbatch appends this for you)",
      "grpo_gsm8k", ("cluster.ray_address=auto",)),
+    ("Train a reward model on preference pairs (JSONL: prompt, chosen, rejected), from the "
+     "policy's pretrained model", "grpo_smollm2_arith",
+     ("algorithm=rm", "rm.train_path=/data/pairs/train.jsonl", "rm.test_path=/data/pairs/test.jsonl",
+      "reward_model.optimizer.lr=1e-5")),
+    ("RL on a reward model's score (an exported algorithm=rm run), the verifier tracked beside it",
+     "grpo_smollm2_arith",
+     ("reward.name=model", "reward_model.hf_path=/models/rm", "reward.verifier=math")),
 )
 
 

@@ -1,7 +1,7 @@
 """The plugin tables: every name a config key chooses, and where its implementation lives.
 
 A plugin (an RL algorithm, a policy loss, an advantage estimator, a generation backend, a
-prompt task, a verifier, an environment) is a module
+prompt task, a verifier, a learned reward, an environment) is a module
 on its own floor of the package (``docs/design.md``, "Floor plan"); its entry here names it as
 ``"module:attribute"`` strings. So the config floor knows the valid names (the schema's choices,
 the error messages, ``docs/config-reference.md``) and runs each chosen plugin's load-time check
@@ -81,6 +81,7 @@ class Task(NamedTuple):
 ALGORITHMS: Dict[str, str] = {
     "grpo": "mcore_rl.controller.grpo:GRPO",
     "ppo": "mcore_rl.controller.ppo:PPO",
+    "rm": "mcore_rl.controller.rm:RewardModelTraining",
 }
 
 # loss.name -> "module:class"; the class takes (LossConfig, max_response_length) and has
@@ -120,6 +121,15 @@ TASKS: Dict[str, Task] = {
 VERIFIERS: Dict[str, str] = {
     "exact": "mcore_rl.rewards.exact:exact_reward",
     "math": "mcore_rl.rewards.math:math_reward",
+}
+
+# reward.name -> "module:class" of a learned reward (mcore_rl/controller/learned_rewards.py:
+# a model that scores whole rollouts, a float per sample), built with (TrainConfig, the
+# policy's tokenizer) before any worker starts (it reads and checks its inputs), then started
+# on the run's placement. Its load-time checks: mcore_rl/config/learned.py.
+LEARNED_REWARDS: Dict[str, str] = {
+    "model": "mcore_rl.controller.learned_rewards:RewardModelReward",
+    "judge": "mcore_rl.controller.learned_rewards:JudgeReward",
 }
 
 

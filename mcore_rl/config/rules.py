@@ -24,6 +24,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from mcore_rl.config.families import (arch_errors, layout_errors, microbatch_width_multiple,
                                       parallel_shape_errors)
+from mcore_rl.config.learned import learned_reward_rules
 from mcore_rl.config.paths import hf_checkpoint_errors, tokenizer_dir_error
 from mcore_rl.config.plugins import plugin_errors
 from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, ENVIRONMENTS, backend_errors,
@@ -37,9 +38,20 @@ Rule = Callable[[TrainConfig, Sequence[str]], List[str]]
 CRITIC_ALGORITHM = "ppo"
 
 
-def _megatron_sections(cfg: TrainConfig) -> Tuple[str, ...]:
-    """The sections with a Megatron layout: ``policy``, and ``value`` with a critic."""
-    return ("policy", "value") if cfg.algorithm == CRITIC_ALGORITHM else ("policy",)
+def _megatron_sections(cfg: TrainConfig) -> Tuple[Tuple[str, bool], ...]:
+    """The sections with a Megatron layout, each with whether its model is ``model.*``:
+    ``policy``, ``value`` with a critic, ``reward_model`` (of ``model.*`` for ``algorithm: rm``;
+    of ``reward_model.hf_path`` for ``reward.name=model``), ``judge`` (of ``model.*`` unless
+    ``judge.hf_path``) for ``reward.name=judge``."""
+    if cfg.algorithm == "rm":
+        return (("reward_model", True),)
+    sections = (("policy", True), ("value", True)) if cfg.algorithm == CRITIC_ALGORITHM \
+        else (("policy", True),)
+    if cfg.reward.name == "model":
+        sections += (("reward_model", False),)
+    if cfg.reward.name == "judge":
+        sections += (("judge", cfg.judge.hf_path is None),)
+    return sections
 
 
 def model_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
@@ -59,13 +71,15 @@ def model_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
     return errors
 
 
-def megatron_section_rules(cfg: TrainConfig, section: str,
-                           field_errors: Sequence[str]) -> List[str]:
-    """``<section>.megatron`` (``policy`` or ``value``) against the worker count, the model
-    shape, ``<section>.sequence_packing`` and the device: the TP x PP split of
-    ``cluster.num_workers``, virtual stages, the shape over TP/PP/VPP and the MoE layout
-    (without ``model.hf_path``: the trainer checks the checkpoint's shape when it reads its
-    config.json), sequence parallelism, compiled layers and the DDP options."""
+def megatron_section_rules(cfg: TrainConfig, section: str, field_errors: Sequence[str],
+                           same_model: bool = True) -> List[str]:
+    """``<section>.megatron`` (``policy``, ``value``, ``reward_model``, ``judge``) against the
+    worker count, the model shape, ``<section>.sequence_packing`` and the device: the TP x PP
+    split of ``cluster.num_workers``, virtual stages, the shape over TP/PP/VPP and the MoE
+    layout (only for ``model.arch``'s model, ``same_model`` without ``model.hf_path``: the
+    trainer checks a checkpoint's shape when it reads its config.json), sequence parallelism,
+    compiled layers and the DDP options."""
+    same_model = same_model and cfg.model.hf_path is None
     arch, device = cfg.model.arch, cfg.cluster.device
     mg = getattr(cfg, section).megatron
     ddp, key = mg.ddp, f"{section}.megatron"
@@ -91,9 +105,9 @@ def megatron_section_rules(cfg: TrainConfig, section: str,
     if vpp is not None and vpp >= 1:  # < 1: the field check reports it
         check(pp > 1, f"{key}.virtual_pipeline_model_parallel_size ({vpp}) needs "
                       f"{key}.pipeline_model_parallel_size > 1 (got {pp})")
-    if cfg.model.hf_path is None and (vpp is None or vpp >= 1):
+    if same_model and (vpp is None or vpp >= 1):
         errors += parallel_shape_errors(arch, mg, key)
-    if getattr(cfg, section).sequence_packing:
+    if getattr(getattr(cfg, section), "sequence_packing", False):
         # Packed micro-batches differ in length, and the pipeline schedules need one shape
         # per micro-batch: packing is refused with PP > 1 rather than padded to the budget.
         check(pp == 1 and vpp is None,
@@ -120,7 +134,7 @@ def megatron_section_rules(cfg: TrainConfig, section: str,
           f"{key}.ddp.average_in_collective must be false: the losses are normalized by the "
           f"global token/sequence count (Megatron's calculate_per_token_loss), which "
           f"Megatron's DDP refuses to combine with averaging over DP")
-    if cfg.model.hf_path is None:  # else the model's shape is read from the checkpoint
+    if same_model:  # else the model's shape is read from the checkpoint
         errors += [e for e in layout_errors(arch, mg, key, cfg.cluster.num_workers)
                    if e not in field_errors]
     gpu_only = [n for n in ("use_distributed_optimizer", "overlap_param_gather") if getattr(ddp, n)]
@@ -205,9 +219,10 @@ def transformer_engine_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> L
 def megatron_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
     """:func:`megatron_section_rules` of the policy and, with a critic (``algorithm: ppo``), of
     the ``value`` section (the critic has a Megatron layout of its own over
-    ``cluster.num_workers`` processes)."""
-    return [e for section in _megatron_sections(cfg)
-            for e in megatron_section_rules(cfg, section, field_errors)]
+    ``cluster.num_workers`` processes); likewise the reward model's and the judge's
+    (:func:`_megatron_sections`)."""
+    return [e for section, same_model in _megatron_sections(cfg)
+            for e in megatron_section_rules(cfg, section, field_errors, same_model)]
 
 
 def generation_backend_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
@@ -497,6 +512,7 @@ RULES: Tuple[Rule, ...] = (
     loss_rules,
     ppo_rules,
     value_rules,
+    learned_reward_rules,
 )
 
 

@@ -17,8 +17,8 @@ from typing import List, Optional, Union
 
 from mcore_rl.config.fields import bounded, one_of, plugin
 from mcore_rl.config.registry import ALGORITHMS as _ALGORITHM_TABLE
-from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, BACKENDS, ENVIRONMENTS, POLICY_LOSSES,
-                                      TASKS, VERIFIERS, names)
+from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, BACKENDS, ENVIRONMENTS,
+                                      LEARNED_REWARDS, POLICY_LOSSES, TASKS, VERIFIERS, names)
 from mcore_rl.config.registry import SANDBOXES
 
 # Choice lists that components take from here rather than repeat.
@@ -448,18 +448,25 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    """The reward: a verifier, or several weighted (mcore_rl/rewards/). A reward function is
-    ``(response_text, example) -> float`` (``example.fields`` holds the data set's extra
-    columns); ``async def`` ones are awaited concurrently and batched ones (the attribute
-    ``batched = True``: ``(responses, examples) -> list of floats``) get a step's samples in one
-    call, both in the controller (for remote scorers); the others score in the pool."""
+    """The reward: a verifier, several weighted (mcore_rl/rewards/), or a learned reward (a
+    reward model, a judge). A reward function is ``(response_text, example) -> float``
+    (``example.fields`` holds the data set's extra columns); ``async def`` ones are awaited
+    concurrently and batched ones (the attribute ``batched = True``: ``(responses, examples) ->
+    list of floats``) get a step's samples in one call, both in the controller (for remote
+    scorers); the others score in the pool."""
 
     # Verifier (mcore_rl/config/registry.py VERIFIERS): "exact" (synthetic: first line is the
-    # integer answer), "math" (GSM8K, math-verify), or "module:function" of your own.
-    name: str = plugin("exact", names(VERIFIERS))
-    # Several rewards (each as reward.name), summed with reward.weights; with two or more, each
-    # is logged as reward/<name> (unweighted; val/reward/<name> in validation). When set,
-    # replaces reward.name; null: reward.name alone.
+    # integer answer), "math" (GSM8K, math-verify), or "module:function" of your own; or a
+    # learned reward: "model" (a reward model's score of the last token: reward_model.*) or
+    # "judge" (a generative judge's parsed rating: judge.*).
+    name: str = plugin("exact", names(VERIFIERS) + names(LEARNED_REWARDS))
+    # With a learned reward (reward.name model or judge): a verifier scored beside it on every
+    # rollout, for tracking only (train/verifier_reward; validation's val/accuracy, with the
+    # learned reward as val/reward); null: none (val/accuracy is then the learned reward).
+    verifier: Optional[str] = one_of(None, names(VERIFIERS))
+    # Several rewards (each as reward.name, verifiers only), summed with reward.weights; with two
+    # or more, each is logged as reward/<name> (unweighted; val/reward/<name> in validation).
+    # When set, replaces reward.name; null: reward.name alone.
     names: Optional[List[str]] = plugin(None, names(VERIFIERS))
     # The weight of each reward of reward.names (or of reward.name: one weight); null: 1 each.
     weights: Optional[List[float]] = None
@@ -709,6 +716,105 @@ class ValueConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """The reward model (reward.name=model): a Megatron GPT backbone with a scalar score head,
+    scoring each rollout by its last token (mcore_rl/workers/reward_model.py), placed with the
+    training groups (cluster.placement: on the policy's GPUs, or GPUs of its own); with
+    cluster.colocate_generation its weights leave the device between scorings. Its megatron and
+    optimizer sections are also the layout and optimizer of reward-model training
+    (algorithm=rm, which trains model.*)."""
+
+    # A Hugging Face *ForSequenceClassification checkpoint with one label (score.weight; e.g.
+    # `mcore-rl export` of an algorithm=rm run) of the families mcore-rl converts; needed by
+    # reward.name=model.
+    hf_path: Optional[str] = None
+    # Its tokenizer directory; null: hf_path's.
+    tokenizer: Optional[str] = None
+    # A tokenizer other than the policy's: each rollout is decoded and tokenized again with the
+    # reward model's (the prompt and response as a user and an assistant turn of its chat
+    # template with data.use_chat_template, else plain text and its eos). False refuses a
+    # tokenizer that differs from the policy's at load; an equal one scores the rollout's ids.
+    retokenize: bool = False
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    # algorithm=rm only (scoring keeps the weights fixed).
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    # Sequences per scoring forward pass on each DP rank.
+    score_micro_batch_size: int = bounded(32, ge=1)
+    # Token budget per scoring micro-batch (rows sorted by length, padded to each micro-batch's
+    # longest), used instead of score_micro_batch_size; >= the longest row; null: fixed sizes.
+    max_tokens_per_microbatch: Optional[int] = bounded(None, ge=1)
+
+
+@dataclass
+class JudgeConfig:
+    """The generative judge (reward.name=judge): a causal LM of the families mcore-rl converts,
+    decoded by any generation backend (judge.generation.backend), asked through a prompt
+    template to rate each response; the first number in its answer (judge.score_pattern),
+    scaled from [min_score, max_score] to [0, 1], is the reward. An answer without a score, or
+    one out of range, gives reward 0 and counts in train/reward_errors; the run goes on."""
+
+    # The judge's Hugging Face checkpoint; null: the policy's starting weights (model.hf_path,
+    # or model.arch's seeded init), frozen.
+    hf_path: Optional[str] = None
+    # The judge's tokenizer directory; null: hf_path's, or the policy's with hf_path null.
+    tokenizer: Optional[str] = None
+    # The judge's prompt: {response} (required) is the decoded response, {prompt} the task's
+    # question, {answer} its reference answer.
+    template: str = ("Rate the response to the question from 0 to 10.\nQuestion: {prompt}\n"
+                     "Response: {response}\nRating (0-10):")
+    # Render the template as a user turn of the judge tokenizer's chat template.
+    use_chat_template: bool = False
+    # Regular expression of the score; its first match in the judge's answer (group 1 if it has
+    # groups) is read as a number.
+    score_pattern: str = r"-?\d+(?:\.\d+)?"
+    # The lowest score: reward = (score - min_score) / (max_score - min_score); a score below
+    # it is an error (reward 0).
+    min_score: float = 0.0
+    # The highest score (reward 1); a score above it is an error (reward 0).
+    max_score: float = 10.0
+    # Longest rendered judge prompt in tokens; a longer one scores 0 and counts as an error.
+    max_prompt_length: int = bounded(512, ge=1)
+    # Greedy decoding of the judge's answer (else sampled at judge.generation.temperature).
+    greedy: bool = True
+    # The judge's decoding: its backend (hf, megatron, vllm; built as the policy's is, on the
+    # judge's own Megatron model), max_new_tokens, batch_size, ...
+    generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(
+        max_new_tokens=8, logprob_budget=None, logprob_canary_prompts=0))
+    # The layout of the judge's Megatron model (its weights; the megatron backend decodes on it).
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class RMConfig:
+    """Reward-model training (algorithm: rm; mcore_rl/controller/rm.py): the Bradley-Terry loss
+    -log sigmoid(r_chosen - r_rejected - margin) (Bradley & Terry 1952; Ouyang et al. 2022,
+    eq. 1; the margin of Touvron et al. 2023, eq. 2) on preference pairs (JSONL: prompt, chosen,
+    rejected, optional margin; mcore_rl/data/preferences.py), each row scored at its last token.
+    It trains model.* (a causal LM's backbone with a fresh score head, a *ForSequenceClassification
+    checkpoint, or model.arch's seeded init) on reward_model.megatron with
+    reward_model.optimizer; prompts are rendered as the policy's (data.prompt_template,
+    data.use_chat_template); checkpoints as for the policy, `mcore-rl export` writes a
+    *ForSequenceClassification directory, `mcore-rl eval` reports held-out pair accuracy."""
+
+    # Training pairs (JSONL).
+    train_path: Optional[str] = None
+    # Held-out pairs (JSONL) for pair accuracy; null: no validation.
+    test_path: Optional[str] = None
+    # Pairs per optimizer step (all DP ranks); divisible by the DP size.
+    pairs_per_step: int = bounded(64, ge=1)
+    # Pairs per forward/backward on each DP rank (2 rows each; a pair stays in one micro-batch).
+    micro_batch_pairs: int = bounded(16, ge=1)
+    # Optimizer steps to run.
+    max_steps: int = bounded(100, ge=0)
+    # Validate every k steps and after the last one; 0: never during training.
+    val_every: int = bounded(10, ge=0)
+    # Held-out pairs per validation (the first ones of rm.test_path).
+    val_num_pairs: int = bounded(500, ge=1)
+    # Validate once before the first step (not on a resumed run).
+    val_at_start: bool = True
+
+
+@dataclass
 class SFTConfig:
     """Optional supervised warm start on the task's reference answers before RL."""
 
@@ -795,7 +901,8 @@ ALGORITHMS = names(_ALGORITHM_TABLE)
 class TrainConfig:
     """Root config of ``mcore-rl train`` (GRPO or PPO)."""
 
-    # "grpo" (the grpo section) or "ppo" (the ppo and value sections).
+    # "grpo" (the grpo section), "ppo" (the ppo and value sections) or "rm" (reward-model
+    # training: the rm and reward_model sections).
     algorithm: str = one_of("grpo", ALGORITHMS)
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -809,18 +916,21 @@ class TrainConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     value: ValueConfig = field(default_factory=ValueConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     @property
-    def loop(self) -> Optional[Union[GRPOConfig, PPOConfig]]:
-        """The section of the RL loop that ``algorithm`` names (``grpo`` or ``ppo``); None when
-        it names none (the field check of ``algorithm`` reports that)."""
+    def loop(self) -> Optional[Union[GRPOConfig, PPOConfig, RMConfig]]:
+        """The section of the loop that ``algorithm`` names (``grpo``, ``ppo``, ``rm``); None
+        when it names none (the field check of ``algorithm`` reports that)."""
         return getattr(self, self.algorithm) if self.algorithm in ALGORITHMS else None
 
     @property
     def streaming(self) -> bool:
         """Whether the run uses the streaming loop (``<algorithm>.streaming``)."""
-        return self.loop is not None and self.loop.streaming
+        return getattr(self.loop, "streaming", False)

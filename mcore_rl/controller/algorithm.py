@@ -71,6 +71,13 @@ class Algorithm(Protocol):
         return getattr(self.cfg, self.name)
 
     # ------------------------------------------------------------------ construction
+    def build_loop(self) -> Optional[Any]:
+        """A run of its own for an algorithm that is no RL loop over a policy (``rm``: the
+        reward model's supervised training), with the :class:`~mcore_rl.controller.trainer.
+        Loop` methods the entry points call (``fit``, ``evaluate``, ``close``); None (the
+        default): the RL loops on an :class:`~mcore_rl.controller.trainer.RLTrainer`."""
+        return None
+
     def needs_reference(self) -> bool:
         """Whether the policy keeps a frozen reference (KL terms): ``loss.kl_coef > 0``."""
         return self.cfg.loss.kl_coef > 0

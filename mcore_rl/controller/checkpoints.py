@@ -183,6 +183,20 @@ class CheckpointManager:
                 for group in self.groups().values()):
             self._commit()
 
+    def after_step(self, step: int, save: Callable[[], Any]) -> None:
+        """After step ``step`` of a run: :meth:`poll`, then ``save()`` every
+        ``checkpoint.every`` steps (0: never)."""
+        self.poll()
+        if self.cfg.every > 0 and step % self.cfg.every == 0:
+            save()
+
+    def finish(self, step: int, save: Callable[[], Any]) -> None:
+        """After a run's last step ``step``: ``save()`` with ``checkpoint.save_final`` unless
+        this step is saved already, then :meth:`wait`."""
+        if self.cfg.save_final and self.last_step != step:
+            save()
+        self.wait()
+
     def wait(self) -> None:
         """Complete a pending asynchronous save, waiting for its writers."""
         if self._pending is None:

@@ -92,8 +92,12 @@ def algorithm(cfg: TrainConfig) -> Algorithm:
 def build(cfg: TrainConfig) -> Loop:
     """The run of ``cfg``: its :func:`algorithm`, the :class:`RLTrainer` with it, and the loop
     (:class:`~mcore_rl.controller.streaming.StreamingLoop` with ``<algorithm>.streaming``,
-    else :class:`SyncLoop`). Shut it down with :meth:`Loop.close`."""
+    else :class:`SyncLoop`); or the algorithm's own run (:meth:`Algorithm.build_loop`: ``rm``).
+    Shut it down with :meth:`Loop.close`."""
     alg = algorithm(cfg)
+    own = alg.build_loop()
+    if own is not None:
+        return own
     trainer = RLTrainer(cfg, alg)
     return (StreamingLoop if cfg.streaming else SyncLoop)(trainer, alg)
 
@@ -129,6 +133,8 @@ def evaluate(cfg: TrainConfig) -> Dict[str, Any]:
     """``mcore-rl eval``: build, :meth:`Loop.evaluate`, print the result. Returns it."""
     with built(cfg) as loop:
         out = loop.evaluate()
+    if "val/accuracy" not in out:  # an algorithm's own run (rm) printed its figures
+        return out
     print(f"held-out accuracy: {out['val/accuracy']:.3f} on {out['num_prompts']} prompts "
           f"({cfg.algorithm}.val_num_prompts), {out['checkpoint'] or 'initial weights'} "
           f"(RL step {out['step']}); written to "

@@ -34,7 +34,9 @@ import torch
 
 from mcore_rl.algorithms.losses import NLLLoss
 from mcore_rl.config.schema import TrainConfig
+from mcore_rl.config import registry
 from mcore_rl.controller.checkpoints import CheckpointManager
+from mcore_rl.controller.learned_rewards import LearnedRewards
 from mcore_rl.controller.logprob_budget import LogprobBudget, LogprobBudgetExceeded, mismatch_figures
 from mcore_rl.controller.preemption import EXIT_CODE, Preempted, PreemptionSignals
 from mcore_rl.controller.watchdog import Watchdog, hang_dir
@@ -54,6 +56,28 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     """Seed of one step's randomness (rollouts; ``salt`` tells other uses apart): depends on
     the run seed and step only, so a resumed run samples exactly what a straight run would."""
     return (seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
+
+
+def megatron_group(placement, cfg: TrainConfig, name: str, worker_cls,
+                   kwargs: Dict[str, Any]) -> DataParallelGroup:
+    """The worker group ``name`` of ``placement`` (its ``cluster.num_workers`` ranks):
+    ``worker_cls(**kwargs)`` per rank with the run's seed, CPU threads and garbage-collection
+    interval (``run.seed``, ``cluster.threads_per_worker``, ``cluster.manual_gc_interval``)
+    added, in a :class:`~mcore_rl.distributed.worker_group.DataParallelGroup`."""
+    return DataParallelGroup(placement.make_group(name, worker_cls, dict(
+        seed=cfg.run.seed, threads=cfg.cluster.threads_per_worker,
+        manual_gc_interval=cfg.cluster.manual_gc_interval, **kwargs)))
+
+
+def run_logger(cfg: TrainConfig, run_dir: str, total_steps: int, start_step: int) -> RunLogger:
+    """The run's :class:`~mcore_rl.utils.logging.RunLogger` with the ``logging.*`` switches
+    (W&B: a run named ``run.name`` with the whole config)."""
+    wandb = None
+    if cfg.logging.wandb:
+        wandb = dict(project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity,
+                     name=cfg.run.name, config=dataclasses.asdict(cfg))
+    return RunLogger(run_dir, total_steps, start_step, cfg.logging.progress,
+                     cfg.logging.tensorboard, cfg.logging.jsonl, wandb)
 
 
 class RLTrainer:
@@ -114,15 +138,25 @@ class RLTrainer:
         self.train_data, self.test_data = load_task(cfg.data, self.tokenizer, cfg.run.seed)
         self.sampler = PromptSampler(len(self.train_data), self.section.num_prompts_per_step, cfg.run.seed)
         r = cfg.reward
-        components = reward_components(r)
-        # A reward that fails on the first example's reference solution is a user error.
-        check_on_example(components, self.train_data.examples[0])
-        self.rewards = RewardScorer(
+        # A learned reward (reward.name model or judge) reads and checks its inputs now; its
+        # worker groups start after the policy's. The reward pool then holds reward.verifier
+        # (tracked only), or is None; else it holds reward.name / reward.names, weighted.
+        learned = registry.LEARNED_REWARDS.get(r.name)
+        self.learned_reward = registry.load(learned)(cfg, self.tokenizer) if learned else None
+        if learned:
+            components = [] if r.verifier is None else reward_components(
+                dataclasses.replace(r, name=r.verifier, names=None, weights=None))
+        else:
+            components = reward_components(r)
+        if components:  # a reward that fails on the first example's reference solution
+            check_on_example(components, self.train_data.examples[0])
+        self.rewards = None if not components else RewardScorer(
             components, default_num_workers(components) if r.num_workers is None else r.num_workers,
             r.timeout_seconds)
         # Each reward's own scores since they were last logged: metric -> [sum, count].
         self._reward_sums: Dict[str, List[float]] = {}
-        self.rewards.warm_up(background=True)  # spawning overlaps building the model
+        if self.rewards is not None:
+            self.rewards.warm_up(background=True)  # spawning overlaps building the model
 
         if cfg.model.hf_path:
             from transformers import AutoConfig
@@ -162,11 +196,16 @@ class RLTrainer:
 
         self.use_reference = algorithm.needs_reference()
         # The hang watchdog (mcore_rl.controller.watchdog): watches the phases while fit runs.
-        self.watchdog = Watchdog(cfg.watchdog, self.run_dir, cleanup=self.rewards.close)
+        self.watchdog = Watchdog(cfg.watchdog, self.run_dir,
+                                 cleanup=self.rewards.close if self.rewards else None)
         backend = backend_class(cfg.generation.backend)
+        training = {name: cfg.cluster.num_workers for name in algorithm.group_names}
+        generation = backend.worker_groups(cfg)
+        if self.learned_reward is not None:  # placed with the policy's groups and engines
+            training.update(self.learned_reward.training_groups())
+            generation.update(self.learned_reward.generation_groups())
         self.placement = Placement(
-            config_plan(cfg.cluster, {name: cfg.cluster.num_workers for name in algorithm.group_names},
-                        backend.worker_groups(cfg)),
+            config_plan(cfg.cluster, training, generation),
             use_ray=cfg.cluster.use_ray, gpus=self.device == "cuda",
             ray_address=cfg.cluster.ray_address,
             dump_dir=hang_dir(self.run_dir) if cfg.watchdog.enabled else None)
@@ -204,8 +243,12 @@ class RLTrainer:
         self.steps_timed = 0
         self.logprob_budget = LogprobBudget(cfg)
         self.groups: Dict[str, DataParallelGroup] = {"policy": self.policy}
+        self.learned: Optional[LearnedRewards] = None
         try:
             self.groups.update(algorithm.build_groups(self))
+            if self.learned_reward is not None:  # frozen: not in the checkpointed groups
+                self.learned = LearnedRewards(self.learned_reward, self.rewards)
+                self.learned_reward.start(self)
         except BaseException:  # no worker outlives the error
             self.close()
             raise
@@ -217,28 +260,14 @@ class RLTrainer:
     # ------------------------------------------------------------------ helpers
     def megatron_group(self, name: str, worker_cls, megatron, optimizer, total_steps: int,
                         global_batch_size: int, **kwargs) -> DataParallelGroup:
-        """The worker group ``name`` (one of the algorithm's ``group_names``): ``cluster.num_workers``
-        Megatron workers of the run's model, placed by :attr:`placement`."""
-        cfg = self.cfg
-        group = self.placement.make_group(
-            name,
-            worker_cls,
-            dict(
-                hf_config=self.hf_config.to_dict(),
-                vocab_size=self.vocab_size,
-                arch=self.arch,
-                megatron=megatron,
-                optimizer=optimizer,
-                device=self.device,
-                seed=cfg.run.seed,
-                total_optimizer_steps=total_steps,
-                global_batch_size=global_batch_size,
-                threads=cfg.cluster.threads_per_worker,
-                manual_gc_interval=cfg.cluster.manual_gc_interval,
-                **kwargs,
-            ),
-        )
-        return DataParallelGroup(group)
+        """The worker group ``name`` (one of the algorithm's ``group_names``, or a learned
+        reward's): ``cluster.num_workers`` Megatron workers of the run's model (or of the
+        ``hf_config``, ``arch`` and ``vocab_size`` in ``kwargs``), placed by :attr:`placement`
+        (:func:`megatron_group`)."""
+        return megatron_group(self.placement, self.cfg, name, worker_cls, {**dict(
+            hf_config=self.hf_config.to_dict(), vocab_size=self.vocab_size, arch=self.arch,
+            megatron=megatron, optimizer=optimizer, device=self.device,
+            total_optimizer_steps=total_steps, global_batch_size=global_batch_size), **kwargs})
 
     def policy_logprobs(self, batch: B.Batch, reference: bool = False) -> torch.Tensor:
         """The policy's per-token logprobs of ``batch`` ``[B, S]`` (with ``reference`` the
@@ -269,9 +298,14 @@ class RLTrainer:
 
     def _score(self, rollout: B.Batch, examples, prefix: str = "") -> tuple:
         """The one-turn rollout's responses scored by the rewards now (in this process's
-        reward pool call): ``(rewards [B] float32, reward errors, texts)``; each reward's own
-        scores kept for :meth:`reward_timing` under ``prefix`` (validation: ``val/``)."""
+        reward pool call), or by the learned reward (its metrics then wait under ``prefix``,
+        ``train/`` by default): ``(rewards [B] float32, reward errors, texts)``; each reward's
+        own scores kept for :meth:`reward_timing` under ``prefix`` (validation: ``val/``)."""
         texts = self.producer.texts(rollout)
+        if self.learned is not None:
+            rewards, errors, busy = self.learned.score(rollout, texts, examples, prefix or "train/")
+            self.reward_busy_seconds += busy
+            return rewards, errors, texts
         pending = self.rewards.submit(texts, examples)
         rewards, errors, busy = pending.result()
         self.reward_busy_seconds += busy
@@ -310,8 +344,10 @@ class RLTrainer:
             rollout = self.producer.generate(self.train_data, prompt_idx,
                                              seed=step_seed(self.cfg.run.seed, self.step))
         rollout["sample_mask"] = torch.ones(B.batch_size(rollout))
-        pending = self.producer.submit(rollout, [self.train_data.examples[i] for i in prompt_idx])
-        return rollout, pending
+        examples = [self.train_data.examples[i] for i in prompt_idx]
+        if self.learned is not None:
+            return rollout, self.learned.submit(rollout, self.producer.texts(rollout), examples)
+        return rollout, self.producer.submit(rollout, examples)
 
     def collect_rewards(self, rollout: B.Batch, pending) -> int:
         """Wait for the rewards of :meth:`generate_and_submit` and put them in
@@ -342,6 +378,8 @@ class RLTrainer:
         ``env/tool_calls``, ... : :meth:`RolloutProducer.pop_metrics`)."""
         out = {"timing/reward_busy_s": self.reward_busy_seconds, **self.reward_means(),
                **self.producer.pop_metrics()}
+        if self.learned is not None:  # the learned reward's, and the tracked verifier's
+            out.update(self.learned.pop_metrics("train/"))
         self.reward_busy_seconds = 0.0
         return out
 
@@ -423,7 +461,9 @@ class RLTrainer:
     # ------------------------------------------------------------------ phases
     def validate(self) -> Dict[str, float]:
         """Greedy accuracy (mean reward; with several rewards their weighted sum, and each one's
-        mean as ``val/reward/<name>``) on up to ``val_num_prompts`` held-out prompts."""
+        mean as ``val/reward/<name>``) on up to ``val_num_prompts`` held-out prompts. With a
+        learned reward: ``val/reward`` its mean, ``val/accuracy`` the mean of the tracked
+        ``reward.verifier`` (without one, the learned reward's), and its own figures."""
         if self.test_data is None or len(self.test_data) == 0:
             return {}
         n = min(self.section.val_num_prompts, len(self.test_data))
@@ -436,8 +476,14 @@ class RLTrainer:
         else:
             rewards = self._score(rollout, [self.test_data.examples[i] for i in idx], "val/")[0]
             env = self.reward_means("val/")
-        return {"val/accuracy": float(rewards.mean()),
-                "val/response_length": float(rollout["response_lengths"].float().mean()), **env}
+        out = {"val/accuracy": float(rewards.mean()),
+               "val/response_length": float(rollout["response_lengths"].float().mean()), **env}
+        if self.learned is not None:  # the learned reward as val/reward; the verifier's accuracy
+            learned = self.learned.pop_metrics("val/")
+            out["val/reward"] = out["val/accuracy"]
+            out["val/accuracy"] = learned.pop("val/verifier_reward", out["val/reward"])
+            out.update(learned)
+        return out
 
     def warm_start(self, logger: RunLogger) -> None:
         """Supervised steps on reference solutions (``sft.*``), then the reference policy is
@@ -539,8 +585,11 @@ class RLTrainer:
         for group in self._groups().values():
             group.shutdown()
         self.generation.shutdown()
+        if self.learned is not None:
+            self.learned.close()
         self.placement.shutdown()
-        self.rewards.close()
+        if self.rewards is not None:
+            self.rewards.close()
         self.producer.close()
         self.watchdog.close()
 
@@ -633,12 +682,7 @@ class Loop:
         cfg, loop = tr.cfg, tr.section
         if cfg.checkpoint.resume:
             self.resume(cfg.checkpoint.resume)
-        wandb = None
-        if cfg.logging.wandb:
-            wandb = dict(project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity,
-                         name=cfg.run.name, config=dataclasses.asdict(cfg))
-        logger = RunLogger(tr.run_dir, loop.max_steps, tr.step, cfg.logging.progress,
-                           cfg.logging.tensorboard, cfg.logging.jsonl, wandb)
+        logger = run_logger(cfg, tr.run_dir, loop.max_steps, tr.step)
         preemption = PreemptionSignals()
         try:
             preemption.install()
@@ -678,12 +722,8 @@ class Loop:
                         tr.phase_totals[k] = tr.phase_totals.get(k, 0.0) + v
                 tr.steps_timed += 1
                 logger.log(tr.step, metrics)
-                tr.checkpoints.poll()
-                if cfg.checkpoint.every > 0 and tr.step % cfg.checkpoint.every == 0:
-                    self.save()
-            if cfg.checkpoint.save_final and tr.checkpoints.last_step != tr.step:
-                self.save()
-            tr.checkpoints.wait()
+                tr.checkpoints.after_step(tr.step, self.save)
+            tr.checkpoints.finish(tr.step, self.save)
         except LogprobBudgetExceeded as e:
             tr.checkpoints.wait()  # earlier complete steps' saves; none of the aborted step
             print(f"mcore-rl: error: {e} (exit code {e.code})", file=sys.stderr, flush=True)

@@ -224,7 +224,15 @@ def sft_batch(dataset: PromptDataset, indices: Sequence[int], eos_token_id: int)
     """
     if not indices:
         raise ValueError("sft_batch: no indices")
-    rows = [(dataset.input_ids[i], dataset.solution_ids[i] + [eos_token_id]) for i in indices]
+    return response_rows([(dataset.input_ids[i], dataset.solution_ids[i] + [eos_token_id])
+                          for i in indices])
+
+
+def response_rows(rows: Sequence[Tuple[List[int], List[int]]]) -> Batch:
+    """Right-padded rows of ``(prompt ids, response ids)`` (the response as given, eos
+    included if wanted): ``input_ids`` [B, S] int64 (padded with 0), ``input_lengths`` and
+    ``prompt_lengths`` [B] int64, ``token_mask`` [B, S] float32 (1 on the response),
+    ``sample_mask`` [B] float32 ones; S is the longest row."""
     width = max(len(p) + len(r) for p, r in rows)
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
     token_mask = torch.zeros(len(rows), width, dtype=torch.float32)

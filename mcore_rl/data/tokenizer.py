@@ -73,3 +73,25 @@ def load_tokenizer(model_cfg: ModelConfig,
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def tokenizer_difference(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> str | None:
+    """How two tokenizers would tokenize a text differently, or None when they would not: the
+    first of their vocabularies (token -> id; added tokens included), eos ids, and, for fast
+    tokenizers, their normalizer, pre-tokenizer and model (merges) that differs. Truncation,
+    padding and chat templates are not compared (the ids of one text are what a reward model
+    reads)."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        diff = sorted(set(va.items()) ^ set(vb.items()))[:3]
+        return f"vocabularies differ ({len(va)} and {len(vb)} tokens; e.g. {diff})"
+    if a.eos_token_id != b.eos_token_id:
+        return f"eos ids differ ({a.eos_token_id} and {b.eos_token_id})"
+    if getattr(a, "is_fast", False) and getattr(b, "is_fast", False):
+        import json
+
+        ja, jb = (json.loads(t.backend_tokenizer.to_str()) for t in (a, b))
+        for part in ("normalizer", "pre_tokenizer", "model"):
+            if ja.get(part) != jb.get(part):
+                return f"their {part.replace('_', '-')}s differ"
+    return None

@@ -25,6 +25,7 @@ import torch
 from mcore_rl.data import batch as B
 from mcore_rl.data.prompts import prompt_messages
 from mcore_rl.rollout.multi_turn import ChatFormat, episode_metrics, run_episodes
+from mcore_rl.utils.logging import pop_prefixed
 
 if TYPE_CHECKING:
     from mcore_rl.config.schema import TrainConfig
@@ -143,16 +144,8 @@ class RolloutProducer:
     def pop_metrics(self, prefix: str = "env/") -> Dict[str, float]:
         """The episode metrics under ``prefix`` of the rollouts since the last call (means over
         those rollouts), cleared; empty for the one-turn path."""
-        out: Dict[str, List[float]] = {}
-        keep = []
-        for m in self._metrics:
-            if not all(k.startswith(prefix) for k in m):
-                keep.append(m)
-                continue
-            for k, v in m.items():
-                out.setdefault(k, []).append(v)
-        self._metrics = keep
-        return {k: sum(v) / len(v) for k, v in out.items()}
+        out, self._metrics = pop_prefixed(self._metrics, prefix)
+        return out
 
     def close(self) -> None:
         """Stop the executor's processes (if any)."""

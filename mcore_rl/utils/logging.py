@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from tqdm import tqdm
 
@@ -116,6 +116,22 @@ def _start_wandb(run_dir: str, project: str, entity: Optional[str], name: str,
         with open(id_file, "w") as f:
             f.write(run.id + "\n")
     return run
+
+
+def pop_prefixed(records: List[Dict[str, float]], prefix: str
+                 ) -> Tuple[Dict[str, float], List[Dict[str, float]]]:
+    """``(means, kept)``: the mean of every key over the records that have a key starting with
+    ``prefix`` (all their keys), and the other records, in order (what a producer of metrics
+    keeps for a later call with another prefix)."""
+    out: Dict[str, List[float]] = {}
+    kept = []
+    for record in records:
+        if not any(k.startswith(prefix) for k in record):
+            kept.append(record)
+            continue
+        for k, v in record.items():
+            out.setdefault(k, []).append(v)
+    return {k: sum(v) / len(v) for k, v in out.items()}, kept
 
 
 def read_metrics(run_dir: str) -> list:

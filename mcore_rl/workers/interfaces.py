@@ -19,6 +19,8 @@ method of a protocol exists on its worker class with the protocol's parameters.
   the reference policy, decoding (the megatron backend), refit export.
 - :class:`ValueAPI`: the critic (:class:`~mcore_rl.workers.value.ValueWorker`): values, the
   backbone from the policy.
+- :class:`RewardModelAPI`: the reward model (:class:`~mcore_rl.workers.reward_model.
+  RewardModelWorker`): last-token scores.
 - :class:`GenerationWorkerAPI`: a rollout engine's process of the hf backend in processes of
   its own (:class:`mcore_rl.generation.remote.GenerationWorker`).
 - :class:`VLLMEngineAPI`: a vLLM engine's process (:class:`mcore_rl.generation.vllm.VLLMEngine`).
@@ -104,6 +106,13 @@ class ValueAPI(TrainWorkerAPI, Protocol):
     def get_values(self, batch: Batch, micro_batch_size: int) -> Any: ...
 
     def load_backbone(self, hf_state_dict: Dict[str, Any]) -> None: ...
+
+
+class RewardModelAPI(TrainWorkerAPI, Protocol):
+    """The reward-model worker's public methods
+    (:class:`~mcore_rl.workers.reward_model.RewardModelWorker`)."""
+
+    def get_scores(self, batch: Batch, micro_batch_size: int) -> Any: ...
 
 
 class GenerationWorkerAPI(WorkerAPI, Protocol):

@@ -40,6 +40,14 @@
 #               scripts/gpu/te_smoke.py (issue 34). Later stages see TE only through te_env.
 #   bridge      megatron-bridge against mcore-rl's own conversion on SmolLM2: load, logits, export
 #               (scripts/gpu/bridge_parity.py; after te and model)
+#   rm_pairs    issue 36: preference pairs from SmolLM2's own sampled answers to training prompts
+#               of the arithmetic chat task, right (math verifier) chosen over wrong
+#               (scripts/gpu/preference_pairs.py) -> /tmp/rm_pairs; RM_PROMPTS prompts (4000)
+#   rm_train    a reward model trained from SmolLM2 on them (algorithm=rm, RM_STEPS, RM_LR),
+#               held-out pair accuracy, exported to /tmp/models/rm_smollm2 (after rm_pairs)
+#   rm_rl       GRPO and PPO side by side with only that reward model's reward (RM_RL_STEPS,
+#               default 100), the math verifier tracked beside it: held-out verifier accuracy
+#               (val/accuracy) and RM score (val/reward) per validation (after rm_train)
 #   table       the tables of every result under $OUT so far
 #
 # Stages of two GPUs (issue 27; nvidia-h100-x2 or nvidia-h200-x2):
@@ -161,10 +169,59 @@ stage_tools() {  # issue 24: SmolLM2 on the arithmetic chat task with the calcul
         pids+=($!)
     done
     wait "${pids[@]}" || true
-    for name in tools notools; do
-        cp "/tmp/runs/arith_$name/metrics.jsonl" "$RES/arith_$name.metrics.jsonl" 2>/dev/null \
-            || { status=1; quiet < "$RES/arith_$name.log" | tail -n 8; }
+    keep_metrics arith_tools arith_notools
+}
+
+# keep_metrics NAME...: each run's /tmp/runs/NAME/metrics.jsonl as $RES/NAME.metrics.jsonl, or
+# the end of its log $RES/NAME.log.
+keep_metrics() {
+    local name
+    for name in "$@"; do
+        cp "/tmp/runs/$name/metrics.jsonl" "$RES/$name.metrics.jsonl" 2>/dev/null \
+            || { status=1; quiet < "$RES/$name.log" | tail -n 8; }
     done
+}
+
+# The reward model's layout in every issue-36 run: SmolLM2's (bf16, torch-SDPA layers).
+RM_LAYOUT=(reward_model.megatron.precision=bf16 reward_model.megatron.layer_spec=torch)
+
+stage_rm_pairs() {  # issue 36: preference pairs from the starting model, training prompts only
+    timeout "${RM_PAIRS_TIMEOUT:-540}" python3 scripts/gpu/preference_pairs.py --model "$MODEL" \
+        --out /tmp/rm_pairs --prompts "${RM_PROMPTS:-4000}" > "$RES/rm_pairs.log" 2>&1 \
+        || { status=1; quiet < "$RES/rm_pairs.log" | tail -n 8; }
+    cp /tmp/rm_pairs/stats.json "$RES/rm_pairs_stats.json" 2>/dev/null
+    tail -n 1 "$RES/rm_pairs.log"
+}
+
+stage_rm_train() {  # issue 36: the reward model from the same pretrained model, then exported
+    local steps=${RM_STEPS:-300} dir=/tmp/runs/rm
+    rm -rf "$dir" /tmp/models/rm_smollm2
+    timeout "${RM_TRAIN_TIMEOUT:-480}" python3 -m mcore_rl train --config-name grpo_smollm2_arith \
+        "${common[@]}" model.hf_path="$MODEL" algorithm=rm run.output_dir="$dir" \
+        rm.train_path=/tmp/rm_pairs/train.jsonl rm.test_path=/tmp/rm_pairs/test.jsonl \
+        rm.max_steps="$steps" rm.val_every=50 rm.pairs_per_step=64 rm.micro_batch_pairs=64 \
+        reward_model.optimizer.lr="${RM_LR:-1e-5}" reward_model.optimizer.lr_warmup_steps=10 \
+        "${RM_LAYOUT[@]}" > "$RES/rm_train.log" 2>&1 || { status=1; quiet < "$RES/rm_train.log" | tail -n 8; }
+    python3 -m mcore_rl export --checkpoint "$dir/checkpoints/step_$steps" \
+        --output /tmp/models/rm_smollm2 > "$RES/rm_export.log" 2>&1 || status=1
+    cp "$dir/metrics.jsonl" "$RES/rm_train.metrics.jsonl" 2>/dev/null
+    grep -h "pair accuracy" "$RES/rm_train.log"
+}
+
+stage_rm_rl() {  # issue 36: GRPO and PPO with only the reward model's reward, side by side
+    local pids=() name
+    for name in grpo ppo; do
+        timeout "${RM_RL_TIMEOUT:-560}" python3 -m mcore_rl train --config-name "${name}_smollm2_arith" \
+            "${common[@]}" model.hf_path="$MODEL" run.output_dir="/tmp/runs/arith_rm_$name" \
+            reward.name=model reward.verifier=math reward_model.hf_path=/tmp/models/rm_smollm2 \
+            reward_model.tokenizer="$MODEL" \
+            reward_model.score_micro_batch_size=256 "${RM_LAYOUT[@]}" \
+            "$name.max_steps=${RM_RL_STEPS:-100}" "$name.val_every=10" \
+            > "$RES/arith_rm_$name.log" 2>&1 &
+        pids+=($!)
+    done
+    wait "${pids[@]}" || true
+    keep_metrics arith_rm_grpo arith_rm_ppo
 }
 
 stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed")
@@ -379,7 +436,8 @@ stage_table() {
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 print("  " + "  ".join(f"{r['step']}:{r['val/accuracy']:.3f}" for r in rows if "val/accuracy" in r))
-for key in ("val/env/tool_use_rate", "env/tool_use_rate", "env/turns", "env/tool_errors"):
+for key in ("val/env/tool_use_rate", "env/tool_use_rate", "env/turns", "env/tool_errors",
+            "val/reward", "train/reward_model_score", "train/verifier_reward"):
     seen = [(r["step"], r[key]) for r in rows if key in r]
     if seen:
         picks = seen[::max(1, len(seen) // 8)] + ([seen[-1]] if len(seen) > 1 else [])
@@ -388,8 +446,17 @@ t = [r for r in rows if "timing/step_s" in r]
 if t:
     print(f"  {len(t)} steps, median {sorted(r['timing/step_s'] for r in t)[len(t) // 2]:.2f} s/step, "
           f"token_mult_prob_error last {t[-1].get('train/token_mult_prob_error', float('nan')):.4f}")
+for key in ("timing/learned_reward_s", "timing/reward_s"):  # RM scoring, and the wait for it
+    seen = sorted(r[key] for r in t if key in r)
+    if seen and "val/reward" in rows[0]:
+        print(f"  {key}: median {seen[len(seen) // 2]:.3f} s")
 PY
     done
+    if [ -f "$RES/rm_train.metrics.jsonl" ]; then
+        echo "== rm_train: held-out pair accuracy by step"
+        python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; print('  ' + '  '.join(f\"{r['step']}:{r['val/pair_accuracy']:.3f}\" for r in rows if 'val/pair_accuracy' in r))" "$RES/rm_train.metrics.jsonl"
+    fi
+    [ -f "$RES/rm_pairs_stats.json" ] && cat "$RES/rm_pairs_stats.json"
     grep -h -E "accuracy" "$RES/eval_gsm8k.log" 2>/dev/null | tail -n 2
 }
 
