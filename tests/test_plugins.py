@@ -457,7 +457,7 @@ def test_the_readme_examples_need_no_edit_to_the_package(userpkg, tmp_path):
 def test_cfg_says_which_keys_take_an_import_path(capsys):
     assert main(["train", "--cfg"]) == 0
     out = capsys.readouterr().out
-    assert '  name: exact  # one of exact, math, or a "module:attribute" import path\n' in out
+    assert '  name: exact  # one of exact, math, model, judge, or a "module:attribute" import path\n' in out
     assert ('  task: synthetic  # one of synthetic, gsm8k, dataset, or a "module:attribute" '
             'import path\n') in out
     for key in ("env", "loss"):

@@ -211,7 +211,7 @@ def transformer_engine_errors(cfg: TrainConfig, section: str) -> List[str]:
 def transformer_engine_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
     """:func:`transformer_engine_errors` of the policy and, with a critic, of the ``value``
     section (skipped for a section whose keys the field checks already refuse)."""
-    return [e for section in _megatron_sections(cfg)
+    return [e for section, _ in _megatron_sections(cfg)
             if not any(f.startswith(f"{section}.megatron.") for f in field_errors)
             for e in transformer_engine_errors(cfg, section)]
 
