@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from mcore_rl.config.checks import ConfigError
 from mcore_rl.data.batch import Batch
 from mcore_rl.data.example import Example
-from mcore_rl.data.jsonl import json_object, read_jsonl
+from mcore_rl.data.dataset import read_records
 from mcore_rl.data.prompts import PromptDataset, response_rows
 
 
@@ -44,7 +44,8 @@ class PreferencePair:
 
 
 def load_preference_pairs(path: str | Path, key: Optional[str] = None) -> List[PreferencePair]:
-    """Read a preference JSONL file (module docstring).
+    """Read preference pairs: JSONL (module docstring) or any format of the generic reader
+    (:func:`mcore_rl.data.dataset.read_records`: JSON, Parquet, a saved data set).
 
     Args:
         path: the file.
@@ -58,11 +59,17 @@ def load_preference_pairs(path: str | Path, key: Optional[str] = None) -> List[P
             ``margin`` that is not a number >= 0; ``"[<key>: ]<path>: no preference pairs"``
             for a file without any.
     """
-    return read_jsonl(path, key, _parse_pair, "no preference pairs (an empty file)")
+    prefix = f"{key}: " if key else ""
+    try:
+        records = read_records(str(path), key)
+    except ConfigError as e:  # the generic reader's "empty dataset (no JSON records)"
+        if "empty dataset" not in str(e):
+            raise
+        raise ConfigError(f"{prefix}{path}: no preference pairs (an empty file)") from None
+    return [_parse_pair(record, source, prefix) for source, record in records]
 
 
-def _parse_pair(line: str, source: str, prefix: str) -> PreferencePair:
-    record = json_object(line, source, prefix)
+def _parse_pair(record, source: str, prefix: str) -> PreferencePair:
     found = ", ".join(repr(k) for k in record) or "none"
     for field in ("chosen", "rejected"):
         if not isinstance(record.get(field), str):
