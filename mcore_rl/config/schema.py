@@ -830,7 +830,8 @@ class SFTConfig:
 class LoggingConfig:
     """Where per-step metrics go (all under ``run.output_dir``)."""
 
-    # Console progress bar (tqdm) with the latest reward, loss and step time.
+    # Console progress of the warm start, the RL steps and eval: on a terminal a bar (step,
+    # phase, reward, held-out accuracy, time left); elsewhere (a log file) a line per step.
     progress: bool = True
     # TensorBoard scalars under `<output_dir>/tensorboard`.
     tensorboard: bool = True

@@ -27,6 +27,7 @@ from mcore_rl.controller.algorithm import Algorithm
 from mcore_rl.controller.logprob_budget import MISMATCH_KEYS
 from mcore_rl.controller.streaming import StreamingLoop
 from mcore_rl.controller.trainer import Loop, RLTrainer
+from mcore_rl.utils.logging import Progress
 from mcore_rl.utils.timers import phase_table
 
 
@@ -130,9 +131,18 @@ def run(cfg: TrainConfig) -> Dict[str, Any]:
 
 
 def evaluate(cfg: TrainConfig) -> Dict[str, Any]:
-    """``mcore-rl eval``: build, :meth:`Loop.evaluate`, print the result. Returns it."""
+    """``mcore-rl eval``: build, :meth:`Loop.evaluate`, print the result. Returns it. The
+    console progress (``logging.progress``) counts its stages: ``start`` (the workers), then
+    the loop's ``eval_stages`` (:attr:`Loop.eval_stages`: ``resume`` with
+    ``checkpoint.resume``, ``refit``, ``validation``)."""
+    progress = Progress("eval", 3 + bool(cfg.checkpoint.resume), enabled=cfg.logging.progress,
+                        unit="stage")
+    progress.phase("start")
     with built(cfg) as loop:
-        out = loop.evaluate()
+        progress.set_total(1 + len(loop.eval_stages))
+        progress.advance()
+        out = loop.evaluate(progress)
+    progress.close()
     if "val/accuracy" not in out:  # an algorithm's own run (rm) printed its figures
         return out
     print(f"held-out accuracy: {out['val/accuracy']:.3f} on {out['num_prompts']} prompts "

@@ -38,7 +38,7 @@ from mcore_rl.controller.learned_rewards import check_shape, checkpoint_arch
 from mcore_rl.controller.trainer import megatron_group, run_logger
 from mcore_rl.data.preferences import PreferenceDataset, load_preference_pairs, pair_batch
 from mcore_rl.data.prompts import PromptSampler
-from mcore_rl.utils.logging import RunLogger
+from mcore_rl.utils.logging import Progress, RunLogger
 from mcore_rl.workers.interfaces import RewardModelAPI
 
 GROUP = "reward_model"  # the worker group, and its checkpoint directory
@@ -233,20 +233,35 @@ class RewardModelLoop:
             out["val_curve"] = [(h["step"], h["val/pair_accuracy"]) for h in self.history]
         return out
 
-    def evaluate(self) -> Dict[str, Any]:
+    @property
+    def eval_stages(self) -> Tuple[str, ...]:
+        """The stages of :meth:`evaluate`, as its progress counts them."""
+        return ("resume",) * bool(self.cfg.checkpoint.resume) + ("validation",)
+
+    def evaluate(self, progress: Optional[Progress] = None) -> Dict[str, Any]:
         """``mcore-rl eval``: held-out pair accuracy of ``checkpoint.resume`` (or the initial
         weights); writes ``<run_dir>/eval.json``, prints and returns it: :meth:`validate`'s
-        figures, ``checkpoint``, ``step``, ``num_pairs``.
+        figures, ``checkpoint``, ``step``, ``num_pairs``. ``progress`` (stages) is told of each
+        of :attr:`eval_stages`.
 
         Raises:
             ConfigError: no held-out pairs (``rm.test_path``).
         """
         if self.test_data is None:
             raise ConfigError("mcore-rl eval of a reward model needs held-out pairs: rm.test_path")
+        progress = progress or Progress("eval", 0, enabled=False)
         resume = self.cfg.checkpoint.resume
-        checkpoint = self.resume(resume, warn_schedule=False) if resume else None
+        checkpoint = None
+        if resume:
+            progress.phase("resume")
+            checkpoint = self.resume(resume, warn_schedule=False)
+            progress.advance({"step": str(self.step)})
+        progress.phase("validation")
+        val = self.validate()
+        progress.advance({"pair_acc": f"{val['val/pair_accuracy']:.3f}"}
+                         if "val/pair_accuracy" in val else {})
         out = {"checkpoint": checkpoint, "step": self.step,
-               "num_pairs": min(self.cfg.rm.val_num_pairs, len(self.test_data)), **self.validate()}
+               "num_pairs": min(self.cfg.rm.val_num_pairs, len(self.test_data)), **val}
         path = os.path.join(self.run_dir, "eval.json")
         with open(path, "w") as f:
             json.dump(out, f, indent=2)

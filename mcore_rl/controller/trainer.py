@@ -42,7 +42,7 @@ from mcore_rl.controller.preemption import EXIT_CODE, Preempted, PreemptionSigna
 from mcore_rl.controller.watchdog import Watchdog, hang_dir
 from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import DataParallelGroup
-from mcore_rl.utils.logging import RunLogger
+from mcore_rl.utils.logging import Progress, RunLogger
 from mcore_rl.utils.timers import PhaseTimer
 from mcore_rl.workers.interfaces import PolicyAPI
 
@@ -71,13 +71,13 @@ def megatron_group(placement, cfg: TrainConfig, name: str, worker_cls,
 
 def run_logger(cfg: TrainConfig, run_dir: str, total_steps: int, start_step: int) -> RunLogger:
     """The run's :class:`~mcore_rl.utils.logging.RunLogger` with the ``logging.*`` switches
-    (W&B: a run named ``run.name`` with the whole config)."""
+    (W&B: a run named ``run.name`` with the whole config; the progress named ``algorithm``)."""
     wandb = None
     if cfg.logging.wandb:
         wandb = dict(project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity,
                      name=cfg.run.name, config=dataclasses.asdict(cfg))
     return RunLogger(run_dir, total_steps, start_step, cfg.logging.progress,
-                     cfg.logging.tensorboard, cfg.logging.jsonl, wandb)
+                     cfg.logging.tensorboard, cfg.logging.jsonl, wandb, desc=cfg.algorithm)
 
 
 class RLTrainer:
@@ -496,12 +496,19 @@ class RLTrainer:
         sampler = PromptSampler(len(self.train_data), s.batch_size, self.cfg.run.seed + 1)
         loss = NLLLoss()
         self.policy.call(PolicyAPI).rebuild_optimizer(s.lr)
+        # A line every tenth of the steps: with the progress's timing where it prints lines
+        # (not a terminal), plain above the bar or without progress.
+        every = max(1, s.steps // 10)
+        progress = logger.stage("sft", s.steps, every=every)
+        progress.phase("train")
         for i in range(s.steps):
             idx = sampler.next_batch()
             batch = sft_batch(self.train_data, idx, self.tokenizer.eos_token_id)
             m = self.train_policy(batch, loss)
-            if (i + 1) % max(1, s.steps // 10) == 0 or i == s.steps - 1:
-                logger.write(f"sft step {i + 1}/{s.steps}: nll {m['loss']:.4f}")
+            progress.advance({"nll": f"{m['loss']:.4f}"})
+            if ((i + 1) % every == 0 or i == s.steps - 1) and progress.mode != "lines":
+                progress.write(f"sft step {i + 1}/{s.steps}: nll {m['loss']:.4f}")
+        progress.close()
         self.policy.call(PolicyAPI).rebuild_optimizer()
         if self.use_reference:
             self.policy.call(PolicyAPI).set_reference_to_current()
@@ -688,6 +695,7 @@ class Loop:
             preemption.install()
             if not tr.sft_done:
                 tr.warm_start(logger)
+            tr.timer.listener = logger.phase  # the progress shows the step's phase
             tr.watchdog.start()
             with tr.watchdog.phase("refit"):
                 self.refit()
@@ -698,6 +706,7 @@ class Loop:
                                  f"{cfg.generation.logprob_budget:g}: " + ", ".join(
                                      f"{k[len('train/'):]} {v:.4f}" for k, v in canary.items()))
             if tr.step == 0 and loop.val_at_start:
+                logger.phase("validation")
                 with tr.watchdog.phase("validation"):
                     val = tr.validate()
                 if val:
@@ -711,6 +720,7 @@ class Loop:
                 tr.step += 1
                 if loop.val_every > 0 and (tr.step % loop.val_every == 0 or tr.step == loop.max_steps):
                     start = time.perf_counter()
+                    logger.phase("validation")
                     with tr.watchdog.phase("validation"):
                         val = tr.validate()
                     metrics.update(val)
@@ -734,20 +744,27 @@ class Loop:
         finally:
             tr.watchdog.stop()
             preemption.restore()
+            tr.timer.listener = None
             logger.close()
         summary = tr.summary()
         with open(os.path.join(tr.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         return summary
 
-    def evaluate(self) -> Dict[str, Any]:
+    @property
+    def eval_stages(self) -> Tuple[str, ...]:
+        """The stages of :meth:`evaluate`, as its progress counts them."""
+        return ("resume",) * bool(self.trainer.cfg.checkpoint.resume) + ("refit", "validation")
+
+    def evaluate(self, progress: Optional[Progress] = None) -> Dict[str, Any]:
         """``mcore-rl eval``: :meth:`RLTrainer.validate` (greedy with
         ``generation.greedy_validation``, the first ``<algorithm>.val_num_prompts`` held-out
         prompts) for the policy of
         ``checkpoint.resume`` when set, else for the initial weights (``model.hf_path`` or the
         seeded random init); no warm start, no training. Writes ``<run_dir>/eval.json`` and
         returns its contents: the metrics plus ``checkpoint`` (the directory loaded, or None),
-        ``step`` (its RL step, 0 without one) and ``num_prompts``.
+        ``step`` (its RL step, 0 without one) and ``num_prompts``. ``progress`` (stages) is told
+        of each of :attr:`eval_stages`.
 
         Raises:
             ConfigError: the task has no held-out prompts.
@@ -759,11 +776,21 @@ class Loop:
         if tr.test_data is None or len(tr.test_data) == 0:
             raise ConfigError("mcore-rl eval needs held-out prompts: data.test_path (gsm8k) or "
                               "data.synthetic.num_test > 0")
+        progress = progress or Progress("eval", 0, enabled=False)
         resume = tr.cfg.checkpoint.resume
-        checkpoint = self.resume(resume, warn_schedule=False) if resume else None  # no training
+        checkpoint = None
+        if resume:  # no training
+            progress.phase("resume")
+            checkpoint = self.resume(resume, warn_schedule=False)
+            progress.advance({"step": str(tr.step)})
+        progress.phase("refit")
         self.refit()
+        progress.advance()
+        progress.phase("validation")
+        val = tr.validate()
+        progress.advance({"val_acc": f"{val['val/accuracy']:.3f}"} if val else {})
         out = {"checkpoint": checkpoint, "step": tr.step,
-               "num_prompts": min(tr.section.val_num_prompts, len(tr.test_data)), **tr.validate()}
+               "num_prompts": min(tr.section.val_num_prompts, len(tr.test_data)), **val}
         with open(os.path.join(tr.run_dir, "eval.json"), "w") as f:
             json.dump(out, f, indent=2)
         return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 
 class PhaseTimer:
@@ -15,16 +15,30 @@ class PhaseTimer:
         watch: told of each phase's start and end: ``watch.begin(name)`` returns a token
             (None: not watched) that ``watch.end(token)`` gets back (the hang watchdog,
             :class:`mcore_rl.controller.watchdog.Watchdog`); None: nothing is told.
+
+    :attr:`listener`, when set, is called with the innermost open phase each time one starts
+    or ends inside another (the enclosing ``step`` does not count, and the last phase stays
+    shown between phases): the console progress's phase
+    (:meth:`mcore_rl.utils.logging.RunLogger.phase`).
     """
 
     def __init__(self, watch: Optional[Any] = None) -> None:
         self._seconds: Dict[str, float] = {}
         self._watch = watch
+        self.listener: Optional[Callable[[Optional[str]], None]] = None
+        self._open: List[str] = []
+
+    def _tell(self) -> None:
+        shown = [name for name in self._open if name != "step"]
+        if self.listener is not None and shown:
+            self.listener(shown[-1])
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the block as phase ``name`` (seconds add up over repeats until :meth:`pop`)."""
         token = self._watch.begin(name) if self._watch is not None else None
+        self._open.append(name)
+        self._tell()
         start = time.perf_counter()
         try:
             yield
@@ -32,6 +46,8 @@ class PhaseTimer:
             self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
             if token is not None:
                 self._watch.end(token)
+            del self._open[len(self._open) - 1 - self._open[::-1].index(name)]
+            self._tell()
 
     def seconds(self, name: str) -> float:
         """Seconds spent in phase ``name`` since the last :meth:`pop` (0 if none)."""
