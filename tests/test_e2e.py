@@ -1,5 +1,6 @@
-"""End to end on CPU: resume equals a straight run; the GSM8K pipeline runs from a Hugging
-Face Qwen2 checkpoint through the CLI (on Ray) with the real data file and its verifier."""
+"""End to end on CPU: resume equals a straight run (and ``mcore-rl plot`` draws the two); the
+GSM8K pipeline runs from a Hugging Face Qwen2 checkpoint through the CLI (on Ray) with the real
+data file and its verifier."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from mcore_rl.cli import main
 from mcore_rl.config.loader import load_config
 from mcore_rl.controller.loops import run
 from mcore_rl.utils.logging import read_metrics
+from mcore_rl.utils.plotting import COLUMNS, DPI, PANEL_INCHES
 
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 
@@ -64,6 +67,19 @@ def test_resume_equals_straight_run(tmp_path):
     # the steps did learn something, so a wrong restore (weights, optimizer, reference) shows
     assert all(r["train/grad_norm"] > 0 for r in a[1:])
     assert a[-1]["train/kl"] > 0
+    # mcore-rl plot of the two runs: five panels, each metric the run logs for them
+    png = tmp_path / "curves.png"
+    assert main(["plot", str(straight), str(resumed), "--output", str(png), "--format", "png"]) == 0
+    with Image.open(png) as image:
+        assert image.size == (round(PANEL_INCHES[0] * COLUMNS * DPI),
+                              round(PANEL_INCHES[1] * 2 * DPI))
+        assert image.text["Runs"] == "straight, resumed"
+        drawn = image.text["Metrics"].split(", ")
+    phases = sorted({k for r in read_metrics(straight) + read_metrics(resumed) for k in r
+                     if k.startswith("timing/") and k.endswith("_s")})
+    assert drawn == ["train/reward_mean", "val/accuracy", *phases, "train/logprob_mismatch_max",
+                     "train/logprob_mismatch_mean", "train/response_length",
+                     "val/response_length"]
 
 
 @pytest.mark.slow
