@@ -12,7 +12,7 @@ step, the phase running, the latest figures and the time left::
 elsewhere (output to a file or a pipe, as under Slurm) no bar: one summary line per step,
 with that step's figures, the mean seconds per step so far and the time left::
 
-    grpo step 45/100: reward 0.512, loss 0.0312, kl 0.00121, gnorm 1.23, 1.38 s/step, 01:15 left
+    grpo step 45/100: reward 0.512, loss 0.0312, kl 0.00121, clip 0, gnorm 1.23, 1.38 s/step, 01:15 left
 """
 
 from __future__ import annotations
