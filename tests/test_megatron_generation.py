@@ -409,3 +409,42 @@ def test_decode_loop_acts_on_the_done_flags_of_the_previous_sync_point(monkeypat
         assert stepped[0] == 64 and {32, 16, 8} <= set(stepped)
         assert len(stepped) <= max(lengths) + 2 * decoder._SYNC_EVERY
         assert len(set(lengths)) > 10 and min(lengths) < 10 < max(budgets) - 10
+
+
+def test_finished_rows_are_sent_before_generate_returns(monkeypatch):
+    """With a row sink (the worker group's partial results), the decoder sends each row once,
+    as it returns it, and a row that ended early goes out while the others still decode: one
+    sync period after the host learned it ended (stub model, :class:`_MarkovDecoder`)."""
+    from mcore_rl.distributed import worker_group
+    from mcore_rl.generation import megatron as decoder
+    from mcore_rl.megatron import attention
+
+    monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(MARKOV_STATES, MARKOV_VOCAB, generator=g) * 2.5
+    prompts = [torch.randint(4, MARKOV_VOCAB, (1 + i % 9,), generator=g).tolist() for i in range(40)]
+    cfg = GenerationConfig(temperature=0.9, max_new_tokens=70, batch_size=24)  # two chunks
+    dec = _MarkovDecoder.build(table)
+    stepped, sent = [], []
+    real_step = dec._step_once
+    monkeypatch.setattr(dec, "_step_once", lambda *a: (stepped.append(1), real_step(*a)))
+    monkeypatch.setattr(worker_group, "send_partial",
+                        lambda tag, rows: sent.append((tag, len(stepped), rows)))
+    out = dec.generate(prompts, 3, 8, False, cfg, 3, 0, 75, row_sink="tag")
+    assert {tag for tag, _, _ in sent} == {"tag"}
+    rows = [row for _, _, batch in sent for row, _ in batch]
+    assert sorted(rows) == list(range(3, 43))  # every row once, numbered in the call
+    steps_at = {}
+    for _, at, batch in sent:
+        for row, response in batch:
+            expected = out[row - 3]
+            assert torch.equal(response.tokens, expected.tokens), row
+            assert torch.equal(response.logprobs, expected.logprobs), row
+            assert response.truncated == expected.truncated, row
+            steps_at[row - 3] = at
+    first_chunk_steps = max(steps_at[i] for i in range(24))  # sent at its end, at the latest
+    early = [i for i in range(24) if len(out[i].tokens) + 3 * decoder._SYNC_EVERY
+             < max(len(out[j].tokens) for j in range(24))]
+    assert early and all(steps_at[i] < first_chunk_steps for i in early)
+    for i in early:  # the sync point after the one whose flags showed it done
+        assert steps_at[i] <= len(out[i].tokens) + 3 * decoder._SYNC_EVERY, i

@@ -441,6 +441,12 @@ class RewardConfig:
     # Hard limit in seconds on one sample's scoring in the pool (or one async call): past it
     # the sample scores 0, counts in train/reward_errors, and the pool's processes are replaced.
     timeout_seconds: float = bounded(10.0, gt=0)
+    # One-turn rollouts: each prompt group goes to the reward pool as the rollout backend
+    # finishes it (the megatron backend: as its decoder marks the rows done), so scoring
+    # overlaps the rest of the decoding; the async and batched rewards still score the whole
+    # rollout after it. The same rewards as scoring after generation; the fraction scored
+    # before generation ended is logged as train/reward_early_fraction.
+    score_while_decoding: bool = True
 
 
 @dataclass

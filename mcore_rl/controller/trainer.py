@@ -291,6 +291,9 @@ class RLTrainer:
                 for total, count in [self._reward_sums.pop(k)] if count}
 
     reward_busy_seconds = 0.0  # the verifiers' own seconds since the last rl_step's metrics
+    # reward.score_while_decoding: the fraction of the last rollout's samples scored before
+    # generation ended (StreamingRewards.early_fraction), logged as train/reward_early_fraction
+    reward_early: Optional[float] = None
 
     def generate_and_submit(self, num_generations: int):
         """Sample the step's prompts, generate ``num_generations`` responses each (rows of a
@@ -300,11 +303,18 @@ class RLTrainer:
         :meth:`collect_rewards`. Timed as ``generation``."""
         idx = self.sampler.next_batch()
         prompt_idx = [i for i in idx for _ in range(num_generations)]
+        examples = [self.train_data.examples[i] for i in prompt_idx]
+        seed = step_seed(self.cfg.run.seed, self.step)
         with self.timer.phase("generation"):  # a multi-turn env's steps included
-            rollout = self.producer.generate(self.train_data, prompt_idx,
-                                             seed=step_seed(self.cfg.run.seed, self.step))
+            if self.cfg.reward.score_while_decoding and not self.producer.multi_turn:
+                rollout, pending = self.producer.generate_scored(self.train_data, prompt_idx,
+                                                                 seed, examples)
+            else:
+                rollout = self.producer.generate(self.train_data, prompt_idx, seed=seed)
+                pending = None
         rollout["sample_mask"] = torch.ones(B.batch_size(rollout))
-        pending = self.producer.submit(rollout, [self.train_data.examples[i] for i in prompt_idx])
+        if pending is None:
+            pending = self.producer.submit(rollout, examples)
         return rollout, pending
 
     def collect_rewards(self, rollout: B.Batch, pending) -> int:
@@ -315,6 +325,8 @@ class RLTrainer:
         with self.timer.phase("reward"):
             rewards, errors, busy = pending.result()
         self.reward_busy_seconds += busy
+        if getattr(pending, "early_fraction", None) is not None:  # scored while decoding
+            self.reward_early = pending.early_fraction
         if hasattr(pending, "components"):  # the reward pool's (not a multi-turn rollout's)
             self._add_reward_components(pending)
         rollout["rewards"] = rewards
@@ -336,7 +348,9 @@ class RLTrainer:
         ``env/tool_calls``, ... : :meth:`RolloutProducer.pop_metrics`)."""
         out = {"timing/reward_busy_s": self.reward_busy_seconds, **self.reward_means(),
                **self.producer.pop_metrics()}
-        self.reward_busy_seconds = 0.0
+        if self.reward_early is not None:
+            out["train/reward_early_fraction"] = self.reward_early
+        self.reward_busy_seconds, self.reward_early = 0.0, None
         return out
 
     def throughput(self, metrics: Dict[str, float]) -> Dict[str, float]:

@@ -51,7 +51,11 @@ not yet checked on GPUs); TP > 1 decodes the same steps eagerly.
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import as_completed
+import functools
+import itertools
+import queue
+import threading
+from concurrent.futures import Future, as_completed
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -91,6 +95,8 @@ _MIN_ROWS, _MIN_SPAN = 8, 128
 # and acts on those it sent the previous time (module docstring); in between, a row that ended
 # steps on without effect (nothing of it is read).
 _SYNC_EVERY = 4
+# Numbers the generate_async calls of this process (their tags for rows sent ahead).
+_CALLS = itertools.count()
 
 
 @contextlib.contextmanager
@@ -124,6 +130,84 @@ def _is_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
     """Bool mask of ``tokens`` (any shape, int64) that end a response: equal to ``stops`` (an
     int: eos) or in it (an int64 tensor of ids, on the tokens' device)."""
     return tokens == stops if isinstance(stops, int) else torch.isin(tokens, stops)
+
+
+def _responses(tokens: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor,
+               stops) -> List[Response]:
+    """One :class:`Response` per row of host tensors ``tokens`` ``[n, W]`` int64, ``logprobs``
+    ``[n, W]`` float32 (response token ``k`` in column ``k``) and ``counts`` ``[n]`` (tokens
+    of each row); truncated: the last token is none of ``stops`` (:func:`_is_stop`)."""
+    if isinstance(stops, torch.Tensor):
+        stops = stops.cpu()
+    out = []
+    for i in range(tokens.shape[0]):
+        c = int(counts[i])
+        response = tokens[i, :c]
+        out.append(Response(response, logprobs[i, :c], not bool(_is_stop(response[-1:], stops))))
+    return out
+
+
+class _Emitter:
+    """Sends a chunk's finished rows to the controller before ``generate`` returns (its
+    ``row_sink``), so their rewards are scored while the other rows decode.
+
+    At a sync point the host has the done flags of the previous one (:class:`_Slots`); the rows
+    they newly mark done are final (a row that ended writes only past its count), so
+    :meth:`collect` gathers them on the device and copies them to host memory without waiting;
+    the next :meth:`collect` (or :meth:`finish`), a sync period later, finds the copy done and
+    sends them. :meth:`finish` then sends the chunk's rows not sent yet.
+
+    Args:
+        send: ``send(list of (row of the generate call, Response))``.
+        rows: the call's row of each chunk row.
+        stops: the stop tokens (an int, or a tensor of ids).
+    """
+
+    def __init__(self, send, rows: range, stops):
+        self.send, self.rows, self.stops = send, rows, stops
+        self.sent: set = set()  # chunk rows sent or on their way
+        self._pending = None  # (chunk rows, host tensors, event or None)
+
+    def collect(self, slots: "_Slots", flags: List[bool], row_of: List[int]) -> None:
+        """At a sync point: send the rows gathered at the previous one; gather those ``flags``
+        (the received done flags of the slots, ``row_of`` their chunk rows) newly mark done."""
+        self._flush()
+        new = [i for i, done in enumerate(flags) if done and row_of[i] >= 0
+               and row_of[i] not in self.sent]
+        if not new:
+            return
+        index = slots.to_device(new)
+        host, event = [], None
+        for t in (slots.out_tokens, slots.out_logprobs, slots.counts):
+            part = t[index]
+            if part.is_cuda:
+                copy = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
+                copy.copy_(part, non_blocking=True)
+                part = copy
+            host.append(part)
+        if index.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        chunk_rows = [row_of[i] for i in new]
+        self.sent.update(chunk_rows)
+        self._pending = (chunk_rows, host, event)
+
+    def finish(self, responses: List[Response]) -> None:
+        """The chunk ended with ``responses`` (one per chunk row): send what is left."""
+        self._flush()
+        rest = [(self.rows[i], r) for i, r in enumerate(responses) if i not in self.sent]
+        if rest:
+            self.send(rest)
+
+    def _flush(self) -> None:
+        if self._pending is None:
+            return
+        chunk_rows, host, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()  # long done: a sync period of steps was queued after it
+        self.send([(self.rows[r], response)
+                   for r, response in zip(chunk_rows, _responses(*host, self.stops))])
 
 
 def _bucket(n: int, floor: int, cap: Optional[int] = None) -> int:
@@ -240,7 +324,7 @@ class MegatronDecoder:
     # ------------------------------------------------------------------ public
     def generate(self, prompts: List[List[int]], first_row: int, seed: int, greedy: bool,
                  cfg: GenerationConfig, eos_token_id: int, pad_token_id: int,
-                 max_total_length: int) -> List[Response]:
+                 max_total_length: int, row_sink=None) -> List[Response]:
         """Decode ``prompts``; one :class:`Response` per prompt.
 
         Args:
@@ -253,6 +337,11 @@ class MegatronDecoder:
             eos_token_id, pad_token_id, max_total_length: as for the ``hf`` backend;
                 ``eos_token_id`` may be a list of ids, each of which ends a response (the
                 per-call ``stop_token_ids`` of :meth:`GenerationBackend.generate_async`).
+            row_sink: a tag of the worker group's partial results
+                (:func:`mcore_rl.distributed.worker_group.send_partial`), or None: finished rows
+                are sent under it as ``[(row of the call, Response), ...]`` before this returns
+                (:class:`_Emitter`: rows that ended, one sync period after the host learns of
+                them; each chunk's other rows when it ends), by TP rank 0 only.
 
         Returns:
             Per prompt: response tokens [R] int64 and logprobs [R] float32 on the CPU,
@@ -276,6 +365,11 @@ class MegatronDecoder:
         # generation.ignore_eos) a device tensor.
         stops = int(ids[0]) if len(ids) == 1 else torch.tensor(sorted({int(t) for t in ids}),
                                                                dtype=torch.long, device=self.device)
+        send = None
+        if row_sink is not None and self._tp_rank() == 0:
+            from mcore_rl.distributed.worker_group import send_partial
+
+            send = functools.partial(send_partial, row_sink)
         out = []
         for start in range(0, len(prompts), cfg.batch_size):
             chunk = prompts[start:start + cfg.batch_size]
@@ -283,11 +377,19 @@ class MegatronDecoder:
             self._reserve(_bucket(len(chunk), _MIN_ROWS),
                           max(len(p) + b for p, b in zip(chunk, budgets)), max_total_length)
             rows = range(first_row + start, first_row + start + len(chunk))
+            emitter = None if send is None else _Emitter(send, rows, stops)
             with _inference_mode(self.model, self.gpt.config), \
                     kv_cache_attention(self.attentions, self._cache):
                 out.extend(self._decode_chunk(chunk, budgets, rows, seed, greedy, sampler, graphs,
-                                              stops, int(pad_token_id)))
+                                              stops, int(pad_token_id), emitter))
         return out
+
+    def _tp_rank(self) -> int:
+        if self.megatron.tensor_model_parallel_size == 1:
+            return 0
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank()
 
     # ------------------------------------------------------------------ buffers
     def _reserve(self, rows: int, width: int, max_total_length: int) -> None:
@@ -330,8 +432,9 @@ class MegatronDecoder:
     # ------------------------------------------------------------------ one chunk
     def _decode_chunk(self, prompts: List[List[int]], budgets: List[int], rows: range, seed: int,
                       greedy: bool, sampler: Sampler, graphs: bool, eos: int,
-                      pad: int) -> List[Response]:
-        """Prefill and decode one chunk in slots ``0 ..`` of the buffers (module docstring)."""
+                      pad: int, emitter: Optional["_Emitter"] = None) -> List[Response]:
+        """Prefill and decode one chunk in slots ``0 ..`` of the buffers (module docstring);
+        finished rows go to ``emitter`` as the host learns of them."""
         s, n = self._slots, len(prompts)
         bucket = _bucket(n, _MIN_ROWS, s.rows)
         lengths = [len(p) for p in prompts]
@@ -348,7 +451,10 @@ class MegatronDecoder:
         while k < steps:
             if (k - 1) % _SYNC_EVERY == 0:
                 if k > 1:  # the flags sent at the previous sync point (module docstring)
-                    keep = [i for i, done in enumerate(s.received_done()) if not done]
+                    flags = s.received_done()
+                    if emitter is not None:  # before a compaction moves those rows
+                        emitter.collect(s, flags, row_of)
+                    keep = [i for i, done in enumerate(flags) if not done]
                     if not keep:
                         break
                     smaller = _bucket(len(keep), _MIN_ROWS, s.rows)
@@ -366,12 +472,9 @@ class MegatronDecoder:
             self._step_once(bucket, span, greedy, sampler, eos, graphs)
             k += 1
         self._collect(results, row_of)
-        tokens, logprobs, counts = (t.cpu() for t in results)
-        out = []
-        for i in range(n):
-            c = int(counts[i])
-            response = tokens[i, :c]
-            out.append(Response(response, logprobs[i, :c], not bool(_is_stop(response[-1:], eos))))
+        out = _responses(*(t.cpu() for t in results), eos)
+        if emitter is not None:
+            emitter.finish(out)
         return out
 
     def _collect(self, results, row_of: List[int]) -> None:
@@ -539,6 +642,10 @@ class MegatronGenerationBackend(GenerationBackend):
         groups = GroupAssembler(len(prompts), group_size)
         dp, num_groups = self.policy.dp_size, len(prompts) // group_size
         bounds = [round(d * num_groups / dp) * group_size for d in range(dp + 1)]
+        # Rows sent ahead of the answers (the worker group's partial results): into `inbox`.
+        tag, inbox = ("megatron-rows", id(self), next(_CALLS)), queue.Queue()
+        listen = getattr(self.policy, "listen", None)
+        streamed = listen is not None and listen(tag, inbox.put)
         first_row = {}
         for d in range(dp):
             if bounds[d] < bounds[d + 1]:
@@ -546,11 +653,40 @@ class MegatronGenerationBackend(GenerationBackend):
                     [[prompts[bounds[d]:bounds[d + 1]], bounds[d], seed, greedy]],
                     decoder=MegatronDecoder, cfg=self.cfg,
                     eos_token_id=stop_ids(self.cfg, self.eos_token_id, stop_token_ids),
-                    pad_token_id=self.pad_token_id, max_total_length=self.max_total_length)
+                    pad_token_id=self.pad_token_id, max_total_length=self.max_total_length,
+                    row_sink=tag if streamed else None)
                 first_row[future] = bounds[d]
-        return self._collect(first_row, groups)
+        if not streamed:
+            return self._collect(first_row, groups)
+        left, lock = [len(first_row)], threading.Lock()
+
+        def answered(future: Future) -> None:  # a call's rows all came before its answer
+            inbox.put(future)
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                listen(tag, None)
+
+        for future in list(first_row):
+            future.add_done_callback(answered)
+        return self._collect_streamed(first_row, groups, inbox)
 
     @staticmethod
     def _collect(first_row: Dict, groups: GroupAssembler) -> Iterator[FinishedGroup]:
         for future in as_completed(first_row):
             yield from groups.add(first_row[future], future.result()[0])
+
+    @staticmethod
+    def _collect_streamed(first_row: Dict, groups: GroupAssembler,
+                          inbox: queue.Queue) -> Iterator[FinishedGroup]:
+        """The groups as their rows come: sent ahead by the decoders (``(row, Response)``
+        lists) or in a call's answer (the call's future), whichever is first."""
+        left = len(first_row)
+        while left:
+            item = inbox.get()
+            if isinstance(item, Future):
+                left -= 1
+                yield from groups.add(first_row[item], item.result()[0])
+            else:
+                yield from groups.add_rows(item)
