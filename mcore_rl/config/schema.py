@@ -329,6 +329,12 @@ class GenerationConfig:
     # as CUDA graphs (captured per bucket of rows and attended length at first use, kept between
     # generate calls); false, or a model with experts, decodes the same steps eagerly.
     cuda_graphs: bool = True
+    # backend=megatron: the rows that share a prompt (equal consecutive prompts: GRPO's group)
+    # read one copy of its keys and values (prefilled once), a two-level attention (prompt
+    # part + each row's response part, one softmax over both); the batch is compacted by whole
+    # groups. Not bit for bit against the rows decoded alone (the sums run in another order):
+    # within a few units in the last place per layer (mcore_rl/megatron/attention.py).
+    shared_prompt_kv: bool = False
     # Logprob contract (docs/logprob-contract.md): the largest train/token_mult_prob_error (mean
     # over response tokens of exp(|trainer logprob - rollout logprob|), NeMo RL's definition)
     # the run accepts, checked on a start-up canary batch and every RL step; null: unchecked.

@@ -210,6 +210,38 @@ class _Emitter:
                    for r, response in zip(chunk_rows, _responses(*host, self.stops))])
 
 
+def _prompt_groups(prompts: List[List[int]]) -> Tuple[int, Optional[List[int]]]:
+    """Rows that share a prompt (``generation.shared_prompt_kv``): runs of equal consecutive
+    prompts (GRPO's group of one prompt's responses) become groups of ``G`` slots, ``G`` the
+    most frequent run length (the longer on a tie); a longer run is cut into groups of ``G``,
+    a shorter one leaves slots without a row.
+
+    Returns:
+        ``(G, slot of each row)``, or ``(1, None)`` when no two consecutive prompts are equal
+        (the per-row layout)."""
+    runs: List[List[int]] = []  # [first row, length]
+    for i, p in enumerate(prompts):
+        if runs and prompts[i - 1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    lengths = [n for _, n in runs]
+    group = max(set(lengths), key=lambda n: (lengths.count(n), n))
+    if group == 1:
+        return 1, None
+    slot_of, groups = [], 0
+    for _, n in runs:
+        for a in range(0, n, group):
+            slot_of.extend(groups * group + j for j in range(min(group, n - a)))
+            groups += 1
+    return group, slot_of
+
+
+def _group_floor(group: int) -> int:
+    """Fewest groups of ``group`` rows a bucket holds: at least :data:`_MIN_ROWS` rows."""
+    return max(1, -(-_MIN_ROWS // group))
+
+
 def _bucket(n: int, floor: int, cap: Optional[int] = None) -> int:
     """The smallest power of two ``>= max(n, floor)``, at most ``cap`` when given."""
     p = floor
@@ -226,14 +258,16 @@ class _Slots:
     ``steps`` [rows] int64 (the response index of the token the next step samples), ``budgets``
     [rows] int64, ``done`` [rows] bool, ``counts`` [rows] int64 (response tokens so far),
     ``uniforms`` [rows, slots] float32 (the row's random stream), ``out_tokens`` [rows, slots]
-    int64 and ``out_logprobs`` [rows, slots] float32 (response token ``k`` in column ``k``).
+    int64 and ``out_logprobs`` [rows, slots] float32 (response token ``k`` in column ``k``),
+    ``plens`` [rows] int64 (the prompt's length: with shared prompts, where its response
+    starts).
 
     On the host: ``seen`` [rows] bool, the done flags as last sent by :meth:`send_done` (pinned
     memory on CUDA, written by the device when the copy runs; :meth:`received_done` waits for
     it)."""
 
     PER_ROW = ("tokens", "positions", "steps", "budgets", "done", "counts", "uniforms",
-               "out_tokens", "out_logprobs")
+               "out_tokens", "out_logprobs", "plens")
 
     def __init__(self, rows: int, slots: int, device: torch.device):
         long = dict(dtype=torch.long, device=device)
@@ -243,7 +277,7 @@ class _Slots:
         self._sent, self._event = 0, torch.cuda.Event() if cuda else None
         self.tokens, self.positions = torch.zeros(rows, **long), torch.zeros(rows, **long)
         self.steps, self.budgets = torch.zeros(rows, **long), torch.zeros(rows, **long)
-        self.counts = torch.zeros(rows, **long)
+        self.counts, self.plens = torch.zeros(rows, **long), torch.zeros(rows, **long)
         self.done = torch.ones(rows, dtype=torch.bool, device=device)
         self.uniforms = torch.zeros(rows, slots, dtype=torch.float32, device=device)
         self.out_tokens = torch.zeros(rows, slots, **long)
@@ -374,14 +408,20 @@ class MegatronDecoder:
         for start in range(0, len(prompts), cfg.batch_size):
             chunk = prompts[start:start + cfg.batch_size]
             budgets = response_budgets(chunk, cfg.max_new_tokens, max_total_length)
-            self._reserve(_bucket(len(chunk), _MIN_ROWS),
-                          max(len(p) + b for p, b in zip(chunk, budgets)), max_total_length)
+            group, slot_of = _prompt_groups(chunk) if cfg.shared_prompt_kv else (1, None)
+            if group == 1:
+                self._reserve(_bucket(len(chunk), _MIN_ROWS),
+                              max(len(p) + b for p, b in zip(chunk, budgets)), max_total_length)
+            else:
+                groups = _bucket(max(slot_of) // group + 1, _group_floor(group))
+                self._reserve_shared(groups * group, groups, max(len(p) for p in chunk),
+                                     max(budgets), max_total_length)
             rows = range(first_row + start, first_row + start + len(chunk))
             emitter = None if send is None else _Emitter(send, rows, stops)
             with _inference_mode(self.model, self.gpt.config), \
                     kv_cache_attention(self.attentions, self._cache):
                 out.extend(self._decode_chunk(chunk, budgets, rows, seed, greedy, sampler, graphs,
-                                              stops, int(pad_token_id), emitter))
+                                              stops, int(pad_token_id), emitter, group, slot_of))
         return out
 
     def _tp_rank(self) -> int:
@@ -399,6 +439,8 @@ class MegatronDecoder:
 
         slots = min(-(-width // _MIN_SPAN) * _MIN_SPAN, max_total_length)
         have = self._slots
+        if self._cache is not None and self._cache.prompt_rows:  # the shared layout's
+            have = None
         if have is not None and have.rows >= rows and have.slots >= width:
             return
         if have is not None:
@@ -409,6 +451,32 @@ class MegatronDecoder:
                               self.device)
         # Megatron's rotary table (as its GPTModel.forward computes it) at positions 0..slots-1.
         self._rope = self.gpt.rotary_pos_emb(slots).reshape(slots, -1)
+
+    def _reserve_shared(self, rows: int, groups: int, prompt_width: int, response_width: int,
+                        max_total_length: int) -> None:
+        """Buffers of the shared-prompt layout (:class:`~mcore_rl.megatron.attention.KVCache`
+        with prompt rows): ``groups`` prompts of up to ``prompt_width`` tokens, ``rows``
+        responses of up to ``response_width``, each rounded up to 128 tokens (at most
+        ``max_total_length``); row states of ``prompt + response`` slots (positions and the
+        rotary table run over both). Grown when smaller (or made from the per-row layout),
+        which drops the graphs."""
+        from mcore_rl.megatron.attention import KVCache
+
+        def rounded(n: int) -> int:
+            return min(-(-n // _MIN_SPAN) * _MIN_SPAN, max_total_length)
+
+        cache, pslots, rslots = self._cache, rounded(prompt_width), rounded(response_width)
+        if cache is not None and cache.prompt_rows:
+            if (cache.rows >= rows and cache.prompt_rows >= groups
+                    and cache.prompt_slots >= pslots and cache.slots >= rslots):
+                return
+            rows, groups = max(rows, cache.rows), max(groups, cache.prompt_rows)
+            pslots, rslots = max(pslots, cache.prompt_slots), max(rslots, cache.slots)
+        self.release()
+        self._slots = _Slots(rows, pslots + rslots, self.device)
+        self._cache = KVCache(self.attentions, rows, rslots, self.gpt.config.params_dtype,
+                              self.device, prompt_rows=groups, prompt_slots=pslots)
+        self._rope = self.gpt.rotary_pos_emb(pslots + rslots).reshape(pslots + rslots, -1)
 
     # ------------------------------------------------------------------ model pieces
     def _hidden(self, tokens: torch.Tensor, rope: torch.Tensor,
@@ -432,20 +500,41 @@ class MegatronDecoder:
     # ------------------------------------------------------------------ one chunk
     def _decode_chunk(self, prompts: List[List[int]], budgets: List[int], rows: range, seed: int,
                       greedy: bool, sampler: Sampler, graphs: bool, eos: int,
-                      pad: int, emitter: Optional["_Emitter"] = None) -> List[Response]:
+                      pad: int, emitter: Optional["_Emitter"] = None, group: int = 1,
+                      slot_of: Optional[List[int]] = None) -> List[Response]:
         """Prefill and decode one chunk in slots ``0 ..`` of the buffers (module docstring);
-        finished rows go to ``emitter`` as the host learns of them."""
+        finished rows go to ``emitter`` as the host learns of them. With shared prompts
+        (:func:`_prompt_groups`): ``group`` rows a group, ``slot_of`` the slot of each chunk
+        row; the buffers' layout is the shared one (:meth:`_reserve_shared`) and the batch is
+        compacted by whole groups."""
         s, n = self._slots, len(prompts)
-        bucket = _bucket(n, _MIN_ROWS, s.rows)
+        cache = self._cache
+        floor = _group_floor(group)
+        cap = s.rows if group == 1 else min(s.rows // group, cache.prompt_rows)
+        if slot_of is None:
+            bucket = _bucket(n, _MIN_ROWS, s.rows)
+            row_of = list(range(n)) + [-1] * (bucket - n)  # chunk row of each slot, -1: none
+        else:
+            bucket = group * _bucket(max(slot_of) // group + 1, floor, cap)
+            row_of = [-1] * bucket
+            for i, slot in enumerate(slot_of):
+                row_of[slot] = i
         lengths = [len(p) for p in prompts]
         steps = max(budgets)
         if not greedy:
-            s.uniforms[:n, :steps] = row_uniforms(seed, rows, steps, self.device)
-        self._prefill(prompts, budgets, bucket, greedy, sampler, eos, pad)
+            uniforms = row_uniforms(seed, rows, steps, self.device)
+            if slot_of is None:
+                s.uniforms[:n, :steps] = uniforms
+            else:
+                s.uniforms[s.to_device(slot_of), :steps] = uniforms
+        if slot_of is None:
+            self._prefill(prompts, budgets, bucket, greedy, sampler, eos, pad)
+        else:
+            self._prefill_shared(prompts, budgets, bucket, row_of, group, greedy, sampler, eos,
+                                 pad)
         results = (torch.zeros(n, s.slots, dtype=torch.long, device=self.device),
                    torch.zeros(n, s.slots, dtype=torch.float32, device=self.device),
                    torch.zeros(n, dtype=torch.long, device=self.device))
-        row_of = list(range(n)) + [-1] * (bucket - n)  # chunk row of each slot, -1: none
         longest = max(lengths)
         k = 1  # response index sampled by the next step (the same for every row of a chunk)
         while k < steps:
@@ -454,21 +543,30 @@ class MegatronDecoder:
                     flags = s.received_done()
                     if emitter is not None:  # before a compaction moves those rows
                         emitter.collect(s, flags, row_of)
-                    keep = [i for i, done in enumerate(flags) if not done]
-                    if not keep:
+                    # groups (rows, without shared prompts) that still ran then
+                    live = [j for j in range(bucket // group)
+                            if not all(flags[j * group:(j + 1) * group])]
+                    if not live:
                         break
-                    smaller = _bucket(len(keep), _MIN_ROWS, s.rows)
+                    smaller = group * _bucket(len(live), floor, cap)
                     if smaller < bucket:  # compaction: the rows that ran then to the front
                         self._collect(results, row_of)
+                        keep = [j * group + i for j in live for i in range(group)]
                         index = s.to_device(keep)
                         s.keep_rows(index)
-                        self._cache.keep_rows(index)
+                        cache.keep_rows(index)
+                        if group > 1:
+                            cache.keep_rows(s.to_device(live), prompts=True)
                         s.done[len(keep):smaller] = True
                         row_of = [row_of[i] for i in keep] + [-1] * (smaller - len(keep))
                         bucket = smaller
                         longest = max(lengths[r] for r in row_of if r >= 0)
                 s.send_done(bucket)
-            span = _bucket(longest + k, _MIN_SPAN, s.slots)
+            if group == 1:
+                span = _bucket(longest + k, _MIN_SPAN, s.slots)
+            else:  # the prompts' span, the responses' span, the group size
+                span = (_bucket(longest, _MIN_SPAN, cache.prompt_slots),
+                        _bucket(k, _MIN_SPAN, cache.slots), group)
             self._step_once(bucket, span, greedy, sampler, eos, graphs)
             k += 1
         self._collect(results, row_of)
@@ -519,14 +617,65 @@ class MegatronDecoder:
         s.positions[n:bucket], s.steps[n:bucket], s.counts[n:bucket] = 0, 0, 0
         s.tokens[n:bucket], s.done[n:bucket] = pad, True
 
+    def _prefill_shared(self, prompts: List[List[int]], budgets: List[int], bucket: int,
+                        row_of: List[int], group: int, greedy: bool, sampler: Sampler, eos: int,
+                        pad: int) -> None:
+        """:meth:`_prefill` with shared prompts: each group's prompt (slots ``j * group ..``,
+        ``row_of`` their chunk rows) is prefilled once, into prompt row ``j`` of the cache, and
+        each row of the group samples its first token from the group's logits with its own
+        random stream; slots without a row are set done."""
+        from mcore_rl.megatron.model import attention_mask
+
+        s, device = self._slots, self.device
+        slots = [i for i, r in enumerate(row_of) if r >= 0]
+        first = {}  # group -> its first chunk row (whose prompt the group shares)
+        for i in slots:
+            first.setdefault(i // group, row_of[i])
+        groups = sorted(first)
+        s.positions[:bucket], s.plens[:bucket], s.steps[:bucket] = 0, 0, 0
+        s.counts[:bucket], s.tokens[:bucket], s.done[:bucket] = 0, pad, True
+        width_of = {j: len(prompts[first[j]]) for j in groups}
+        part = max(1, _PREFILL_TOKENS // max(width_of.values()))
+        for a in range(0, len(groups), part):
+            these = groups[a:a + part]
+            b, width = len(these), max(width_of[j] for j in these)
+            tokens = torch.full((b, width), pad, dtype=torch.long)
+            for i, j in enumerate(these):
+                tokens[i, :width_of[j]] = torch.tensor(prompts[first[j]], dtype=torch.long)
+            tokens = tokens.to(device)
+            self._cache.prefill(s.to_device(these), prompts=True)
+            hidden = self._hidden(tokens, self._rope[:width].view(width, 1, 1, -1),
+                                  attention_mask(self.megatron.layer_spec, b, width, device))
+            last = hidden[s.to_device([width_of[j] - 1 for j in these]),
+                          torch.arange(b, device=device)]  # [b, h]
+            logits = self._logits(last[None])
+            mine = [i for i in slots if i // group in these]
+            index = s.to_device(mine)
+            rows_logits = logits[s.to_device([these.index(i // group) for i in mine])]
+            noise = None if greedy else s.uniforms[index, 0]
+            token, logprob = sampler(rows_logits, noise)
+            s.tokens[index], s.out_tokens[index, 0], s.out_logprobs[index, 0] = \
+                token, token, logprob
+        index = s.to_device(slots)
+        lengths = s.to_device([len(prompts[row_of[i]]) for i in slots])
+        budget = s.to_device([budgets[row_of[i]] for i in slots])
+        s.positions[index], s.plens[index], s.budgets[index] = lengths, lengths, budget
+        s.steps[index], s.counts[index] = 1, 1
+        s.done[index] = _is_stop(s.tokens[index], eos) | (budget <= 1)
+
     # ------------------------------------------------------------------ decode steps
-    def _step(self, bucket: int, span: int, greedy: bool, sampler: Sampler, eos: int) -> None:
-        """One decode step of rows ``0 .. bucket-1``, attending to positions ``< span``: every
-        read and write is on the static buffers (what a CUDA graph replays)."""
+    def _step(self, bucket: int, span, greedy: bool, sampler: Sampler, eos: int) -> None:
+        """One decode step of rows ``0 .. bucket-1``, attending to positions ``< span`` (an
+        int), or with shared prompts to ``span = (prompt span, response span, group size)``
+        (:meth:`KVCache.decode_shared`): every read and write is on the static buffers (what a
+        CUDA graph replays)."""
         s = self._slots
         tokens, positions, steps = s.tokens[:bucket], s.positions[:bucket], s.steps[:bucket]
         done = s.done[:bucket]
-        self._cache.decode(positions, span)
+        if isinstance(span, tuple):
+            self._cache.decode_shared(positions, s.plens[:bucket], *span)
+        else:
+            self._cache.decode(positions, span)
         rope = self._rope[positions].view(1, bucket, 1, -1)
         logits = self._logits(self._hidden(tokens[:, None], rope, None))
         column = steps[:, None]
@@ -542,7 +691,7 @@ class MegatronDecoder:
         positions.add_(1).clamp_(max=last)
         steps.add_(1).clamp_(max=last)
 
-    def _step_once(self, bucket: int, span: int, greedy: bool, sampler: Sampler, eos: int,
+    def _step_once(self, bucket: int, span, greedy: bool, sampler: Sampler, eos: int,
                    graphs: bool) -> None:
         """:meth:`_step`, replayed from its CUDA graph with ``graphs`` (captured on first use:
         that step runs eagerly on the capture stream first, as the warm-up)."""
