@@ -335,7 +335,7 @@ class _MarkovDecoder:
                 positions, b = rope.view(-1).long(), tokens.shape[0]  # one token per row
                 keys[torch.arange(b), 0, positions, 0] = tokens[:, 0].float()
                 upto = torch.arange(cache.slots)[None, :] <= positions[:, None]
-                return (keys[:b, 0, :, 0] * upto).sum(1)[None, :, None]  # [1, b, 1]
+                return (keys[:b, 0, :cache.slots, 0] * upto).sum(1)[None, :, None]  # [1, b, 1]
 
             def _logits(self, hidden):
                 return table[hidden[0, :, 0].long() % MARKOV_STATES]

@@ -335,6 +335,13 @@ class GenerationConfig:
     # groups. Not bit for bit against the rows decoded alone (the sums run in another order):
     # within a few units in the last place per layer (mcore_rl/megatron/attention.py).
     shared_prompt_kv: bool = False
+    # backend=megatron: each decode step's layers run as two functions of tensors compiled by
+    # torch.compile (Inductor: norms, RoPE, bias and residual adds, SwiGLU, the attention's mask
+    # and softmax fused between the matrix products; one compile for every layer and CUDA-graph
+    # bucket, made at the first decode step). Dense local/torch-spec layers at TP=1. Not bit
+    # for bit (fused kernels round intermediates differently): logprobs within 1e-5 of the
+    # eager decoder in fp32 on CPU (tests); the bf16 bound is measured on the GPU.
+    compile_decode: bool = False
     # Logprob contract (docs/logprob-contract.md): the largest train/token_mult_prob_error (mean
     # over response tokens of exp(|trainer logprob - rollout logprob|), NeMo RL's definition)
     # the run accepts, checked on a start-up canary batch and every RL step; null: unchecked.

@@ -316,7 +316,10 @@ class _Slots:
 
 class MegatronDecoder:
     """Decodes prompts with a policy worker's model (module docstring: the scheme); keeps its KV
-    cache, row states and CUDA graphs between calls.
+    cache, row states and CUDA graphs between calls. With ``generation.compile_decode`` a decode
+    step's layers are :class:`~mcore_rl.megatron.decode_layer.DecodeLayers` compiled by
+    ``_compiler`` (``torch.compile``; compiled at the first step, one compile for every layer
+    and bucket), prefill stays Megatron's.
 
     Args:
         model: the worker's model chunk (``DistributedDataParallel`` around, with bf16,
@@ -333,6 +336,9 @@ class MegatronDecoder:
     rounded up to 128 tokens, at most ``max_total_length``), kept between calls (grown when a
     call needs more) until :meth:`release`.
     """
+
+    _layers = None  # DecodeLayers with generation.compile_decode
+    _compiler = staticmethod(torch.compile)  # what compiles them (tests: an eager stand-in)
 
     def __init__(self, model: torch.nn.Module, megatron: MegatronConfig, vocab_size: int):
         from megatron.core.utils import unwrap_model
@@ -394,6 +400,12 @@ class MegatronDecoder:
         weights = tuple(p.data_ptr() for p in self.gpt.parameters())
         if weights != self._weights:  # moved (offload and restore): the graphs read old addresses
             self._graphs, self._weights = {}, weights
+        if cfg.compile_decode and self._layers is None:
+            from mcore_rl.megatron.decode_layer import DecodeLayers
+
+            self._layers = DecodeLayers(self.gpt.decoder.layers, compile=self._compiler)
+        elif not cfg.compile_decode:
+            self._layers = None
         ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
         # One id: compared as an int (the one-turn path, unchanged); several (or none:
         # generation.ignore_eos) a device tensor.
@@ -487,6 +499,24 @@ class MegatronDecoder:
         given instead of taken from the sequence index."""
         hidden = self.gpt.embedding(input_ids=tokens, position_ids=None)
         return self.gpt.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rope)
+
+    def _decode_hidden(self, tokens: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[1, B, h]`` of a decode step (``tokens`` ``[B]``, ``rope``
+        ``[1, B, 1, d]``): :meth:`_hidden`, or with ``generation.compile_decode`` the same
+        embedding and final norm around the compiled decode layers
+        (:class:`~mcore_rl.megatron.decode_layer.DecodeLayers`)."""
+        if self._layers is None:
+            return self._hidden(tokens[:, None], rope, None)
+        from mcore_rl.megatron.rope import cos_sin
+
+        gpt = self.gpt
+        hidden = gpt.embedding(input_ids=tokens[:, None], position_ids=None)
+        cos, signed_sin = cos_sin(rope, hidden.dtype)
+        # _inference_mode runs compiled code eagerly (Megatron's compiled training layers);
+        # these functions are compiled for decoding
+        with torch.compiler.set_stance("default"):
+            hidden = self._layers(hidden, cos, signed_sin, self._cache)
+        return gpt.decoder.final_layernorm(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[b, vocab_size]`` (gathered over TP; bf16 with bf16 weights, as
@@ -677,7 +707,7 @@ class MegatronDecoder:
         else:
             self._cache.decode(positions, span)
         rope = self._rope[positions].view(1, bucket, 1, -1)
-        logits = self._logits(self._hidden(tokens[:, None], rope, None))
+        logits = self._logits(self._decode_hidden(tokens, rope))
         column = steps[:, None]
         noise = None if greedy else s.uniforms[:bucket].gather(1, column).squeeze(1)
         token, logprob = sampler(logits, noise)
@@ -698,7 +728,7 @@ class MegatronDecoder:
         if not graphs:
             return self._step(bucket, span, greedy, sampler, eos)
         key = (bucket, span, greedy, sampler.temperature, sampler.top_p,
-               eos if isinstance(eos, int) else tuple(eos.tolist()))
+               eos if isinstance(eos, int) else tuple(eos.tolist()), self._layers is not None)
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()

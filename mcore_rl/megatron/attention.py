@@ -315,7 +315,8 @@ class KVCache:
     """Static key/value buffers of every attention layer of one model, for ``rows`` sequences of up
     to ``slots`` tokens each, and the mode of the next forward (set by the decoder before it).
 
-    Buffers: ``keys[layer]`` and ``values[layer]`` ``[rows, groups, slots, head_dim]`` (groups and
+    Buffers: ``keys[layer]`` and ``values[layer]`` ``[rows, groups, slots + 1, head_dim]`` (a spare
+    slot at the end, never attended; groups and
     query heads of this tensor-parallel rank; keys after the rotary embedding), keyed by the
     attention's ``layer_number``. Row ``r``'s token at position ``p`` sits at ``[r, :, p]``.
 
@@ -350,7 +351,10 @@ class KVCache:
                                             self.prompt_values)):
                 if not n:
                     continue
-                shape = (n, attn.num_query_groups_per_partition, width)
+                # one spare slot: no attended span covers a whole row, so a step's views of the
+                # buffers are never contiguous, whatever the span (a compiled reader's strides
+                # then do not depend on it: mcore_rl/megatron/decode_layer.py)
+                shape = (n, attn.num_query_groups_per_partition, width + 1)
                 keys[attn.layer_number] = torch.zeros(*shape, attn.key_hidden_size, dtype=dtype,
                                                       device=device)
                 values[attn.layer_number] = torch.zeros(*shape, attn.val_hidden_size,
@@ -401,6 +405,27 @@ class KVCache:
         self._after = torch.cat((self._index[:prompt_span] >= prompt_lengths[:, None],
                                  self._index[:span] > index[:, None]), dim=1)
 
+    def step(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Tuple:
+        """In a decode mode: write layer ``layer``'s key and value ``[B, ng, d]`` of this step
+        at each row's position (response index with shared prompts), and return what the
+        attention reads (:func:`cache_attention`): ``(keys, values, mask, prompt_keys,
+        prompt_values)``, the rows' keys and values ``[B, ng, span, d]`` (views of the buffers),
+        the key mask, and the groups' prompt keys and values ``[B / G, ng, prompt span, d]``
+        (None without shared prompts)."""
+        b = key.shape[0]
+        keys, values = self.keys[layer][:b], self.values[layer][:b]
+        shared = self._response_index is not None
+        at = self._response_index if shared else self._positions
+        rows = self._index[:b]
+        keys[rows, :, at] = key
+        values[rows, :, at] = value
+        keys, values = keys[:, :, :self._span], values[:, :, :self._span]
+        if not shared:
+            return keys, values, self._after, None, None
+        groups, span = b // self._group, self._prompt_span
+        return (keys, values, self._after, self.prompt_keys[layer][:groups, :, :span],
+                self.prompt_values[layer][:groups, :, :span])
+
     def keep_rows(self, index: torch.Tensor, prompts: bool = False) -> None:
         """Keep the rows ``index`` (``[m]`` int64), moved to rows ``0 .. m-1`` (batch
         compaction); of the shared prompts' buffers with ``prompts``."""
@@ -448,21 +473,7 @@ class CachedAttention(torch.nn.Module):
             values[:, :, :s].index_copy_(0, rows, value.permute(1, 2, 0, 3))
             return self.core(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                              attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        b = query.shape[1]
-        rows = cache._index[:b]
-        keys, values = keys[:b], values[:b]
-        shared = cache._response_index is not None
-        at = cache._response_index if shared else cache._positions
-        keys[rows, :, at] = key[0]
-        values[rows, :, at] = value[0]
-        keys, values = keys[:, :, :cache._span], values[:, :, :cache._span]
-        if not shared:
-            return decode_attention(query, keys, values, cache._after, self.core.softmax_scale)
-        groups, span = b // cache._group, cache._prompt_span
-        return shared_decode_attention(
-            query, cache.prompt_keys[layer][:groups, :, :span],
-            cache.prompt_values[layer][:groups, :, :span], keys, values, cache._after,
-            self.core.softmax_scale)
+        return cache_attention(query, cache.step(layer, key[0], value[0]), self.core.softmax_scale)
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -497,6 +508,16 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                                                            float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b * ng, np_ // ng, s)
     return torch.bmm(probs, values.reshape(b * ng, s, hn)).reshape(1, b, np_ * hn)
+
+
+def cache_attention(query: torch.Tensor, kv: Tuple, scale: float) -> torch.Tensor:
+    """The decode attention of ``query`` ``[1, B, np, d]`` over what :meth:`KVCache.step`
+    returned: :func:`decode_attention` over the rows' keys up to the span, or
+    :func:`shared_decode_attention` with shared prompts. Returns ``[1, B, np * d]``."""
+    keys, values, mask, prompt_keys, prompt_values = kv
+    if prompt_keys is None:
+        return decode_attention(query, keys, values, mask, scale)
+    return shared_decode_attention(query, prompt_keys, prompt_values, keys, values, mask, scale)
 
 
 def shared_decode_attention(query: torch.Tensor, prompt_keys: torch.Tensor,
