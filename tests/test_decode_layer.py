@@ -9,7 +9,8 @@ same prompts with Megatron's layers and with the decode-layer functions:
 - traced by torch.compile (a backend that runs the captured graph as it is, so the numbers stay
   eager's): still bit for bit, with one compile per function for every layer, row bucket and
   attended span (and one more for the shared-prompt attention);
-- compiled by Inductor (CPU C++ kernels; slow): the same tokens, logprobs within 1e-5 (fp32).
+- compiled by Inductor (CPU C++ kernels; slow): the same tokens, logprobs within 5e-5 (fp32;
+  7.9e-6 measured).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def test_decode_layers_equal_megatrons_and_compile_once():
 def test_inductor_decode_layers_within_the_bound():
     (out,) = run_distributed(_checks, 1, True, timeout_s=1800)
     assert out["inductor/tokens_equal"]
-    assert out["inductor/logprob_diff"] < 1e-5
+    assert out["inductor/logprob_diff"] < 5e-5  # 7.9e-6 measured (3x weights: large logits)
 
 
 def test_compile_decode_is_refused_where_the_functions_do_not_apply():
