@@ -355,6 +355,24 @@ class _MarkovDecoder:
         return dec
 
     @staticmethod
+    def check(table, prompts, out, budgets, cfg, greedy, eos):
+        """Assert each of ``out`` (a generate call's, first row 3, seed 8) is its row decoded
+        alone (:meth:`reference`); returns the responses' lengths."""
+        from mcore_rl.generation.sampling import Sampler, row_uniforms
+
+        uniforms = row_uniforms(8, range(3, 3 + len(prompts)), max(budgets))
+        lengths = []
+        for i, (prompt, response) in enumerate(zip(prompts, out)):
+            tokens, logprobs = _MarkovDecoder.reference(table, prompt, budgets[i], uniforms[i],
+                                                        greedy, Sampler(cfg), eos)
+            assert response.tokens.tolist() == tokens, i
+            torch.testing.assert_close(response.logprobs, torch.tensor(logprobs), rtol=0,
+                                       atol=1e-6)
+            assert response.truncated == (tokens[-1] != eos)
+            lengths.append(len(tokens))
+        return lengths
+
+    @staticmethod
     def reference(table, prompt, budget, uniforms, greedy, sampler, eos):
         """The row decoded alone, token by token, from the same table: (tokens, logprobs)."""
         tokens, logprobs, state = [], [], sum(prompt)
@@ -378,7 +396,6 @@ def test_decode_loop_acts_on_the_done_flags_of_the_previous_sync_point(monkeypat
     most two periods after the last row ended."""
     from mcore_rl.generation import megatron as decoder
     from mcore_rl.generation.base import response_budgets
-    from mcore_rl.generation.sampling import Sampler, row_uniforms
     from mcore_rl.megatron import attention
 
     monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
@@ -395,15 +412,7 @@ def test_decode_loop_acts_on_the_done_flags_of_the_previous_sync_point(monkeypat
         monkeypatch.setattr(dec, "_step_once", lambda bucket, *a: (stepped.append(bucket),
                                                                    real_step(bucket, *a)))
         out = dec.generate(prompts, 3, 8, greedy, cfg, eos, 0, max_total)
-        uniforms = row_uniforms(8, range(3, 3 + n), max(budgets))
-        lengths = []
-        for i, (prompt, response) in enumerate(zip(prompts, out)):
-            tokens, logprobs = _MarkovDecoder.reference(table, prompt, budgets[i], uniforms[i],
-                                                        greedy, Sampler(cfg), eos)
-            assert response.tokens.tolist() == tokens, i
-            torch.testing.assert_close(response.logprobs, torch.tensor(logprobs), rtol=0, atol=1e-6)
-            assert response.truncated == (tokens[-1] != eos)
-            lengths.append(len(tokens))
+        lengths = _MarkovDecoder.check(table, prompts, out, budgets, cfg, greedy, eos)
         # The rule, from the responses' lengths: before step k a row still runs iff it has
         # more than k tokens; sync points at k = 1, 5, 9, ...
         expected, bucket = [], 64
@@ -506,7 +515,6 @@ def test_shared_prompt_decode_loop_equals_rows_decoded_alone(monkeypatch, greedy
     64 -> 32 -> 16 -> 8 rows). Every response equals the row decoded alone."""
     from mcore_rl.generation import megatron as decoder
     from mcore_rl.generation.base import response_budgets
-    from mcore_rl.generation.sampling import Sampler, row_uniforms
     from mcore_rl.megatron import attention
 
     monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
@@ -528,13 +536,7 @@ def test_shared_prompt_decode_loop_equals_rows_decoded_alone(monkeypatch, greedy
         stepped.append((bucket, span)), real_step(bucket, span, *a)))
     out = dec.generate(prompts, 3, 8, greedy, cfg, eos, 0, max_total)
     assert dec._cache.prompt_rows > 0  # the shared layout ran
-    uniforms = row_uniforms(8, range(3, 3 + len(prompts)), max(budgets))
-    for i, (prompt, response) in enumerate(zip(prompts, out)):
-        tokens, logprobs = _MarkovDecoder.reference(table, prompt, budgets[i], uniforms[i],
-                                                    greedy, Sampler(cfg), eos)
-        assert response.tokens.tolist() == tokens, i
-        torch.testing.assert_close(response.logprobs, torch.tensor(logprobs), rtol=0, atol=1e-6)
-        assert response.truncated == (tokens[-1] != eos)
+    _MarkovDecoder.check(table, prompts, out, budgets, cfg, greedy, eos)
     buckets = [b for b, _ in stepped]
     assert all(span[2] == 4 for _, span in stepped) and {64, 32, 16} <= set(buckets)
     assert greedy or len({len(r.tokens) for r in out}) > 10  # greedy: a group's rows agree

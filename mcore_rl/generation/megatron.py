@@ -37,6 +37,15 @@ so rows that ended stop costing; when none ran, the chunk ends. Acting on flags 
 only compacts and stops up to :data:`_SYNC_EVERY` steps later; a row that ended steps on without
 effect (nothing of it is read), so the responses are the same.
 
+Issue 37's switches (docs/design.md, "Generation backends"): with a row sink
+(``reward.score_while_decoding``) the rows the host finds ended at a sync point are sent to the
+controller one period later (:class:`_Emitter`), ahead of the call's answer, so their rewards
+are scored while the rest decode; ``generation.shared_prompt_kv`` lays a chunk's prompt groups
+(equal consecutive prompts, :func:`_prompt_groups`) in groups of slots that read one copy of
+the prompt's keys and values (prefilled once per group; compaction by whole groups);
+``generation.compile_decode`` runs a decode step's layers through
+:class:`~mcore_rl.megatron.decode_layer.DecodeLayers`, compiled once for every layer and bucket.
+
 Why not Megatron-Core's inference engines or CUDA graphs: its static-batching KV cache keeps one
 sequence offset for the whole batch (prompt tokens past the shortest prompt were fed one position
 at a time), its CUDA-graph decoding needs flash decode (flash-attn) with static batching, and its
