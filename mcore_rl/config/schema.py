@@ -333,7 +333,8 @@ class GenerationConfig:
     # read one copy of its keys and values (prefilled once), a two-level attention (prompt
     # part + each row's response part, one softmax over both); the batch is compacted by whole
     # groups. Not bit for bit against the rows decoded alone (the sums run in another order):
-    # within a few units in the last place per layer (mcore_rl/megatron/attention.py).
+    # each attention output within 4 eps of the probability-weighted |v| (tests); fp32 rollouts
+    # equal, logprobs within 1e-5; bf16: scripts/gpu/decode_step_profile.py.
     shared_prompt_kv: bool = False
     # backend=megatron: each decode step's layers run as two functions of tensors compiled by
     # torch.compile (Inductor: norms, RoPE, bias and residual adds, SwiGLU, the attention's mask
@@ -341,7 +342,7 @@ class GenerationConfig:
     # bucket, made at the first decode step). Dense local/torch-spec layers at TP=1. Not bit
     # for bit (fused kernels round intermediates differently): the same tokens and logprobs
     # within 5e-5 of the eager decoder in fp32 on CPU (tests; 7.9e-6 measured); bf16 on the
-    # GPU: scripts/gpu/megatron_generation.py --compile-check.
+    # GPU: scripts/gpu/decode_step_profile.py (rows and logprobs against the eager decoder).
     compile_decode: bool = False
     # Logprob contract (docs/logprob-contract.md): the largest train/token_mult_prob_error (mean
     # over response tokens of exp(|trainer logprob - rollout logprob|), NeMo RL's definition)

@@ -541,7 +541,7 @@ def shared_decode_attention(query: torch.Tensor, prompt_keys: torch.Tensor,
     one product summed both: not bit for bit. Bound: a few units in the last place of the input
     dtype per output element per layer (fp32 on CPU: rollouts equal and logprobs within 1e-5 of
     the unshared decoder, ``tests/test_megatron_generation.py``; bf16 on the GPU: measured by
-    ``scripts/gpu/megatron_generation.py --shared-check``).
+    ``scripts/gpu/decode_step_profile.py``, its ``shared`` variant against ``base``).
 
     Args:
         query: ``[1, B, np, hn]``, ``B = P * G``.
