@@ -264,3 +264,44 @@ def test_decode_attention_equals_megatron_order_of_operations_in_bf16():
             assert torch.equal(got, want)
         else:
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_shared_prompt_decode_attention_equals_rows_decoded_alone():
+    """``shared_decode_attention`` (one copy of each group's prompt keys, each row's response
+    keys apart) against ``decode_attention`` over the same keys laid out per row (prompt, then
+    response, then padding), in fp32 and bf16: the bound of its docstring, each output element
+    within ``4 * eps(dtype)`` of the probability-weighted mean of ``|v|`` (bf16: the
+    probabilities and the two partial outputs each rounded once more; fp32: the softmax's and
+    the products' sums in another order); groups of 4 rows with prompts of different lengths,
+    rows at different response positions, GQA (9 query heads, 3 KV heads)."""
+    from mcore_rl.megatron.attention import decode_attention, shared_decode_attention
+
+    g = torch.Generator().manual_seed(1)
+    groups, size, ng, np_, hn, sp, sr = 3, 4, 3, 9, 64, 128, 64
+    b, span = groups * size, sp + sr
+    for dtype in (torch.float32, torch.bfloat16):
+        prompt_len = torch.tensor([7, 128, 40]).repeat_interleave(size)  # per row
+        response_pos = torch.randint(0, sr, (b,), generator=g)  # the row's current token
+        pk, pv = (torch.randn(groups, ng, sp, hn, generator=g).to(dtype) for _ in range(2))
+        rk, rv = (torch.randn(b, ng, sr, hn, generator=g).to(dtype) for _ in range(2))
+        query = torch.randn(1, b, np_, hn, generator=g).to(dtype)
+        mask = torch.cat((torch.arange(sp)[None] >= prompt_len[:, None],
+                          torch.arange(sr)[None] > response_pos[:, None]), dim=1)
+        got = shared_decode_attention(query, pk, pv, rk, rv, mask, hn ** -0.5)
+        # the same keys per row: prompt at 0 .. L-1, response at L .. L + j, then zeros
+        keys, values = (torch.zeros(b, ng, span, hn, dtype=dtype) for _ in range(2))
+        for r in range(b):
+            n, j = int(prompt_len[r]), int(response_pos[r])
+            for full, prompt, own in ((keys, pk, rk), (values, pv, rv)):
+                full[r, :, :n] = prompt[r // size, :, :n]
+                full[r, :, n:n + j + 1] = own[r, :, :j + 1]
+        alone_mask = torch.arange(span)[None] > (prompt_len + response_pos)[:, None]
+        want = decode_attention(query, keys, values, alone_mask, hn ** -0.5)
+        assert got.shape == want.shape and got.dtype == dtype
+        q = query.float()[0].reshape(b, ng, -1, hn)
+        scores = (q @ keys.float().transpose(2, 3) * hn ** -0.5).masked_fill(
+            alone_mask[:, None, None, :], float("-inf"))
+        magnitude = (torch.softmax(scores, -1) @ values.float().abs()).reshape(got.shape)
+        diff = (got.float() - want.float()).abs()
+        assert (diff <= 4 * torch.finfo(dtype).eps * magnitude).all(), dtype
+        assert diff.max() > 0  # not the same order of operations: not bit for bit

@@ -321,12 +321,21 @@ class _MarkovDecoder:
                 keys, cache = self._cache.keys[1], self._cache
                 if cache._prefill_rows is not None:  # tokens [b, s]: whole prompts from 0
                     b, s = tokens.shape
+                    if cache._prefill_prompts:  # shared prompts: one row per group
+                        keys = cache.prompt_keys[1]
                     keys[cache._prefill_rows, 0, :s, 0] = tokens.float()
                     return tokens.float().cumsum(1).t()[:, :, None]  # [s, b, 1]
+                if cache._response_index is not None:  # shared prompts: a two-level sum
+                    b, g = tokens.shape[0], cache._group
+                    at, sp, sr = cache._response_index, cache._prompt_span, cache._span
+                    keys[torch.arange(b), 0, at, 0] = tokens[:, 0].float()
+                    prompt = cache.prompt_keys[1][:b // g, 0, :sp, 0].repeat_interleave(g, 0)
+                    both = torch.cat((prompt, keys[:b, 0, :sr, 0]), dim=1)
+                    return (both * ~cache._after).sum(1)[None, :, None]
                 positions, b = rope.view(-1).long(), tokens.shape[0]  # one token per row
                 keys[torch.arange(b), 0, positions, 0] = tokens[:, 0].float()
                 upto = torch.arange(cache.slots)[None, :] <= positions[:, None]
-                return (keys[:b, 0, :, 0] * upto).sum(1)[None, :, None]  # [1, b, 1]
+                return (keys[:b, 0, :cache.slots, 0] * upto).sum(1)[None, :, None]  # [1, b, 1]
 
             def _logits(self, hidden):
                 return table[hidden[0, :, 0].long() % MARKOV_STATES]
@@ -344,6 +353,24 @@ class _MarkovDecoder:
         dec._slots = dec._cache = dec._rope = dec._pool = dec._stream = None
         dec._graphs, dec._weights = {}, ()
         return dec
+
+    @staticmethod
+    def check(table, prompts, out, budgets, cfg, greedy, eos):
+        """Assert each of ``out`` (a generate call's, first row 3, seed 8) is its row decoded
+        alone (:meth:`reference`); returns the responses' lengths."""
+        from mcore_rl.generation.sampling import Sampler, row_uniforms
+
+        uniforms = row_uniforms(8, range(3, 3 + len(prompts)), max(budgets))
+        lengths = []
+        for i, (prompt, response) in enumerate(zip(prompts, out)):
+            tokens, logprobs = _MarkovDecoder.reference(table, prompt, budgets[i], uniforms[i],
+                                                        greedy, Sampler(cfg), eos)
+            assert response.tokens.tolist() == tokens, i
+            torch.testing.assert_close(response.logprobs, torch.tensor(logprobs), rtol=0,
+                                       atol=1e-6)
+            assert response.truncated == (tokens[-1] != eos)
+            lengths.append(len(tokens))
+        return lengths
 
     @staticmethod
     def reference(table, prompt, budget, uniforms, greedy, sampler, eos):
@@ -369,7 +396,6 @@ def test_decode_loop_acts_on_the_done_flags_of_the_previous_sync_point(monkeypat
     most two periods after the last row ended."""
     from mcore_rl.generation import megatron as decoder
     from mcore_rl.generation.base import response_budgets
-    from mcore_rl.generation.sampling import Sampler, row_uniforms
     from mcore_rl.megatron import attention
 
     monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
@@ -386,15 +412,7 @@ def test_decode_loop_acts_on_the_done_flags_of_the_previous_sync_point(monkeypat
         monkeypatch.setattr(dec, "_step_once", lambda bucket, *a: (stepped.append(bucket),
                                                                    real_step(bucket, *a)))
         out = dec.generate(prompts, 3, 8, greedy, cfg, eos, 0, max_total)
-        uniforms = row_uniforms(8, range(3, 3 + n), max(budgets))
-        lengths = []
-        for i, (prompt, response) in enumerate(zip(prompts, out)):
-            tokens, logprobs = _MarkovDecoder.reference(table, prompt, budgets[i], uniforms[i],
-                                                        greedy, Sampler(cfg), eos)
-            assert response.tokens.tolist() == tokens, i
-            torch.testing.assert_close(response.logprobs, torch.tensor(logprobs), rtol=0, atol=1e-6)
-            assert response.truncated == (tokens[-1] != eos)
-            lengths.append(len(tokens))
+        lengths = _MarkovDecoder.check(table, prompts, out, budgets, cfg, greedy, eos)
         # The rule, from the responses' lengths: before step k a row still runs iff it has
         # more than k tokens; sync points at k = 1, 5, 9, ...
         expected, bucket = [], 64
@@ -409,3 +427,138 @@ def test_decode_loop_acts_on_the_done_flags_of_the_previous_sync_point(monkeypat
         assert stepped[0] == 64 and {32, 16, 8} <= set(stepped)
         assert len(stepped) <= max(lengths) + 2 * decoder._SYNC_EVERY
         assert len(set(lengths)) > 10 and min(lengths) < 10 < max(budgets) - 10
+
+
+def test_finished_rows_are_sent_before_generate_returns(monkeypatch):
+    """With a row sink (the worker group's partial results), the decoder sends each row once,
+    as it returns it, and a row that ended early goes out while the others still decode: one
+    sync period after the host learned it ended (stub model, :class:`_MarkovDecoder`)."""
+    from mcore_rl.distributed import worker_group
+    from mcore_rl.generation import megatron as decoder
+    from mcore_rl.megatron import attention
+
+    monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(MARKOV_STATES, MARKOV_VOCAB, generator=g) * 2.5
+    prompts = [torch.randint(4, MARKOV_VOCAB, (1 + i % 9,), generator=g).tolist() for i in range(40)]
+    cfg = GenerationConfig(temperature=0.9, max_new_tokens=70, batch_size=24)  # two chunks
+    dec = _MarkovDecoder.build(table)
+    stepped, sent = [], []
+    real_step = dec._step_once
+    monkeypatch.setattr(dec, "_step_once", lambda *a: (stepped.append(1), real_step(*a)))
+    monkeypatch.setattr(worker_group, "send_partial",
+                        lambda tag, rows: sent.append((tag, len(stepped), rows)))
+    out = dec.generate(prompts, 3, 8, False, cfg, 3, 0, 75, row_sink="tag")
+    assert {tag for tag, _, _ in sent} == {"tag"}
+    rows = [row for _, _, batch in sent for row, _ in batch]
+    assert sorted(rows) == list(range(3, 43))  # every row once, numbered in the call
+    steps_at = {}
+    for _, at, batch in sent:
+        for row, response in batch:
+            expected = out[row - 3]
+            assert torch.equal(response.tokens, expected.tokens), row
+            assert torch.equal(response.logprobs, expected.logprobs), row
+            assert response.truncated == expected.truncated, row
+            steps_at[row - 3] = at
+    first_chunk_steps = max(steps_at[i] for i in range(24))  # sent at its end, at the latest
+    early = [i for i in range(24) if len(out[i].tokens) + 3 * decoder._SYNC_EVERY
+             < max(len(out[j].tokens) for j in range(24))]
+    assert early and all(steps_at[i] < first_chunk_steps for i in early)
+    for i in early:  # the sync point after the one whose flags showed it done
+        assert steps_at[i] <= len(out[i].tokens) + 3 * decoder._SYNC_EVERY, i
+
+
+def even_tokens(response: str, example) -> float:
+    """A verifier (module level, for the reward pool): the share of even token ids."""
+    ids = [int(t) for t in response.split()]
+    return sum(t % 2 == 0 for t in ids) / len(ids)
+
+
+def test_rewards_scored_while_decoding_equal_scoring_after_generation(groups, eos, monkeypatch):
+    """reward.score_while_decoding through the megatron backend on worker processes: the rows
+    come ahead of the workers' answers (the worker group's partial results) and are scored as
+    they come; rollout and rewards equal generate-then-submit's, bit for bit."""
+    from mcore_rl.config.schema import TrainConfig
+    from mcore_rl.rewards.pool import RewardScorer
+    from mcore_rl.rollout.producer import RolloutProducer
+
+    group = groups["dp2_torch"]
+    seen, real_listen = [], group.listen
+    monkeypatch.setattr(group, "listen", lambda tag, fn: real_listen(
+        tag, None if fn is None else (lambda rows: (seen.append(len(rows)), fn(rows)))))
+    cfg = dataclasses.replace(GEN, max_new_tokens=30)
+    backend = MegatronGenerationBackend(group, cfg, eos, PAD, 40, VOCAB)
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+    scorer = RewardScorer(even_tokens, num_workers=0)
+    producer = RolloutProducer(TrainConfig(), backend, tokenizer, scorer)
+    prompts = PROMPTS * 2
+    dataset = SimpleNamespace(input_ids=prompts)
+    examples = [SimpleNamespace(source=f"p{i}") for i in range(len(prompts))]
+    after = producer.generate(dataset, range(len(prompts)), seed=5)
+    expected = producer.submit(after, examples).result()
+    seen.clear()
+    rollout, pending = producer.generate_scored(dataset, range(len(prompts)), 5, examples)
+    rewards = pending.result()
+    for key, value in after.items():
+        assert torch.equal(rollout[key], value), key
+    assert torch.equal(rewards[0], expected[0]) and rewards[1] == expected[1] == 0
+    assert sum(seen) == len(prompts) and len(seen) > 2  # every row ahead of the answers
+    assert pending.early_fraction == 1.0
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_shared_prompt_decode_loop_equals_rows_decoded_alone(monkeypatch, greedy):
+    """generation.shared_prompt_kv on the stub model (:class:`_MarkovDecoder`, whose state is
+    the sum of the prompt keys it reads from its group's one copy and of its own response
+    keys, under the two-level mask): 13 prompts in runs of 4 (and runs of 3, 5 and 1: partial
+    and split groups), two chunks, rows ending at different steps (compaction by whole groups,
+    64 -> 32 -> 16 -> 8 rows). Every response equals the row decoded alone."""
+    from mcore_rl.generation import megatron as decoder
+    from mcore_rl.generation.base import response_budgets
+    from mcore_rl.megatron import attention
+
+    monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
+    g = torch.Generator().manual_seed(7)
+    table = torch.randn(MARKOV_STATES, MARKOV_VOCAB, generator=g) * 2.5
+    eos, max_total = 3, 90
+    distinct = [torch.randint(4, MARKOV_VOCAB, (1 + i % 9,), generator=g).tolist()
+                for i in range(16)]
+    runs = [4] * 10 + [3, 5, 1, 4, 4, 4]
+    prompts = [p for p, n in zip(distinct, runs) for _ in range(n)]
+    assert decoder._prompt_groups(prompts[:44])[0] == 4
+    cfg = GenerationConfig(temperature=0.9, max_new_tokens=70, batch_size=44,
+                           shared_prompt_kv=True)
+    budgets = response_budgets(prompts, cfg.max_new_tokens, max_total)
+    dec = _MarkovDecoder.build(table)
+    stepped = []
+    real_step = dec._step_once
+    monkeypatch.setattr(dec, "_step_once", lambda bucket, span, *a: (
+        stepped.append((bucket, span)), real_step(bucket, span, *a)))
+    out = dec.generate(prompts, 3, 8, greedy, cfg, eos, 0, max_total)
+    assert dec._cache.prompt_rows > 0  # the shared layout ran
+    _MarkovDecoder.check(table, prompts, out, budgets, cfg, greedy, eos)
+    buckets = [b for b, _ in stepped]
+    assert all(span[2] == 4 for _, span in stepped) and {64, 32, 16} <= set(buckets)
+    assert greedy or len({len(r.tokens) for r in out}) > 10  # greedy: a group's rows agree
+
+
+@pytest.mark.parametrize("layout", ["tp2_local", "dp2_torch"])
+def test_shared_prompt_kv_rollouts_equal_rows_decoded_alone(groups, eos, layout):
+    """generation.shared_prompt_kv on the real model (fp32, both layer specs, TP=2 and DP=2):
+    GRPO's groups of 4 responses per prompt read one copy of the prompt's keys and values; the
+    rollouts are those of the per-row cache (chunks of 3 rows: each row decoded with few
+    others) token for token, the logprobs within 1e-5 (the stated bound: the two-level
+    attention sums in another order), and the trainer's get_logprobs agree within 1e-5."""
+    group = groups[layout]
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    long = dataclasses.replace(GEN, max_new_tokens=30)
+    alone = MegatronGenerationBackend(group, long, eos, PAD, 40, VOCAB).generate(prompts, seed=3)
+    shared_cfg = dataclasses.replace(long, batch_size=32, shared_prompt_kv=True)
+    shared = MegatronGenerationBackend(group, shared_cfg, eos, PAD, 40, VOCAB).generate(
+        prompts, seed=3)
+    assert len(set(shared["response_lengths"].tolist())) > 2  # rows end at different steps
+    assert torch.equal(shared["input_ids"], alone["input_ids"])
+    diff = (shared["generation_logprobs"] - alone["generation_logprobs"]).abs().max()
+    assert 0 < diff < 1e-5  # 1e-6 measured; not 0: the two-level attention ran
+    logprobs = group.gather_rows("get_logprobs", shared, 8)
+    assert ((logprobs - shared["generation_logprobs"]).abs() * shared["token_mask"]).max() < 1e-5

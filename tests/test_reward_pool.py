@@ -112,3 +112,61 @@ def test_in_process_scoring_and_bad_arguments():
         RewardScorer(exact_reward, timeout_seconds=0)
     assert default_num_workers("exact") == 0
     assert 1 <= default_num_workers("math") <= 8
+
+
+def length_bonus(responses, examples):
+    """A batched reward (module level): 0.1 per word, at most 1."""
+    return [min(1.0, 0.1 * len(r.split())) for r in responses]
+
+
+length_bonus.batched = True
+
+
+@pytest.mark.parametrize("num_workers", [2, 0])
+def test_rows_scored_as_they_arrive_equal_scoring_after(num_workers):
+    """reward.score_while_decoding: a rollout's rows handed over in pieces, out of order and
+    with pauses (StreamingRewards), score exactly as the whole rollout submitted at once, with
+    a plain reward (in the pool, or in the caller without one) and a batched one (the whole
+    rollout at close); the pool scores the rows it has while more are to come."""
+    from mcore_rl.rewards import RewardComponent
+
+    examples = load_gsm8k(GSM8K_SAMPLE_DIR / "train.jsonl")[:12]
+    responses = ([ex.solution for ex in examples[:6]] + [f"The answer is {ex.answer}." for ex in
+                                                         examples[6:9]]
+                 + ["no idea", "raise", "12"])
+    components = [RewardComponent("math", math_reward, 1.0, "reward/math"),
+                  RewardComponent("bonus", length_bonus, 0.5, "reward/bonus")]
+    scorer = RewardScorer(components, num_workers=num_workers, timeout_seconds=60)
+    try:
+        whole = scorer.submit(responses, examples)
+        expected, expected_errors, _ = whole.result()
+        stream = scorer.open(examples)
+        order = [[5, 0], [11, 3, 7], [1, 2, 4, 6, 8], [9, 10]]
+        for rows in order[:-1]:
+            stream.add(rows, [responses[i] for i in rows])
+        deadline = time.monotonic() + 60  # the pool scores what it has before the last rows
+        while num_workers and stream._scored < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stream.add(order[-1], [responses[i] for i in order[-1]])
+        with pytest.raises(ValueError, match="added twice"):
+            stream.add([0], ["again"])
+        stream.close()
+        rewards, errors, busy = stream.result()
+        components_of = stream.components()
+    finally:
+        scorer.close()
+    assert torch.equal(rewards, expected) and errors == expected_errors and busy > 0
+    for metric, values in whole.components().items():
+        assert torch.equal(components_of[metric], values), metric
+    assert float(expected.max()) > 1.0 > float(expected.min())  # right and wrong answers
+    assert stream.early_fraction == (10 / 12 if num_workers else 1.0)
+
+
+def test_streamed_rollout_missing_rows_or_cancelled_raises():
+    scorer = RewardScorer(exact_reward, num_workers=0)
+    stream = scorer.open([_ex("1"), _ex("2")])
+    stream.add([1], ["2"])
+    with pytest.raises(ValueError, match=r"rows \[0\] were never added"):
+        stream.close()
+    with pytest.raises(RuntimeError, match="cancelled"):
+        stream.result()

@@ -142,6 +142,13 @@ class Bare:
     def exit(self):
         os._exit(3)
 
+    def count(self, tag, n):
+        """Send 0 .. n-1 under ``tag`` before answering (partial results)."""
+        from mcore_rl.distributed.worker_group import send_partial
+
+        sent = [send_partial(tag, (self.rank, i)) for i in range(n)]
+        return n, all(sent)
+
 
 def test_signals_ignored_and_a_dead_worker_fails_its_calls():
     """SIGTERM and SIGUSR1 (preemption: the controller's to handle) leave a worker running; a
@@ -246,3 +253,35 @@ def test_start_up_takes_a_new_port_when_the_rendezvous_port_was_taken(monkeypatc
             group.shutdown()
     finally:
         taken.close()
+
+
+def test_partial_results_come_before_the_answer_to_their_listener():
+    """send_partial in a worker's call: the controller's listener for the tag gets each value,
+    in order, before the call's future is done; other tags' and unlistened values are dropped;
+    a listener that raises is logged and the call still answers; outside a worker process
+    send_partial sends nothing."""
+    from mcore_rl.distributed.worker_group import send_partial
+
+    group = ProcessWorkerGroup(Bare, 2, {})
+    got, before_answer = [], []
+    try:
+        assert group.listen("a", got.append)
+        future = group.call_async("count", "a", 3)
+        answers = future.result(timeout=120)
+        before_answer.extend(got)
+        assert answers == [(3, True), (3, True)]
+        assert sorted(before_answer) == [(r, i) for r in (0, 1) for i in range(3)]
+        assert [i for r, i in before_answer if r == 0] == [0, 1, 2]  # in order per rank
+        group.call("count", "b", 2)  # nobody listens to "b"
+        assert group.listen("a", None)
+        group.call("count", "a", 2)
+        assert len(got) == 6
+
+        def broken(value):
+            raise RuntimeError("listener bug")
+
+        group.listen("c", broken)
+        assert group.call("count", "c", 2) == [(2, True), (2, True)]
+    finally:
+        group.shutdown()
+    assert send_partial("a", 1) is False

@@ -331,6 +331,9 @@ class RLTrainer:
                 for total, count in [self._reward_sums.pop(k)] if count}
 
     reward_busy_seconds = 0.0  # the verifiers' own seconds since the last rl_step's metrics
+    # reward.score_while_decoding: the fraction of the last rollout's samples scored before
+    # generation ended (StreamingRewards.early_fraction), logged as train/reward_early_fraction
+    reward_early: Optional[float] = None
 
     def generate_and_submit(self, num_generations: int):
         """Sample the step's prompts, generate ``num_generations`` responses each (rows of a
@@ -340,14 +343,22 @@ class RLTrainer:
         :meth:`collect_rewards`. Timed as ``generation``."""
         idx = self.sampler.next_batch()
         prompt_idx = [i for i in idx for _ in range(num_generations)]
-        with self.timer.phase("generation"):  # a multi-turn env's steps included
-            rollout = self.producer.generate(self.train_data, prompt_idx,
-                                             seed=step_seed(self.cfg.run.seed, self.step))
-        rollout["sample_mask"] = torch.ones(B.batch_size(rollout))
         examples = [self.train_data.examples[i] for i in prompt_idx]
+        seed = step_seed(self.cfg.run.seed, self.step)
+        with self.timer.phase("generation"):  # a multi-turn env's steps included
+            if (self.cfg.reward.score_while_decoding and not self.producer.multi_turn
+                    and self.learned is None):  # a learned reward scores the whole rollout
+                rollout, pending = self.producer.generate_scored(self.train_data, prompt_idx,
+                                                                 seed, examples)
+            else:
+                rollout = self.producer.generate(self.train_data, prompt_idx, seed=seed)
+                pending = None
+        rollout["sample_mask"] = torch.ones(B.batch_size(rollout))
         if self.learned is not None:
             return rollout, self.learned.submit(rollout, self.producer.texts(rollout), examples)
-        return rollout, self.producer.submit(rollout, examples)
+        if pending is None:
+            pending = self.producer.submit(rollout, examples)
+        return rollout, pending
 
     def collect_rewards(self, rollout: B.Batch, pending) -> int:
         """Wait for the rewards of :meth:`generate_and_submit` and put them in
@@ -357,6 +368,8 @@ class RLTrainer:
         with self.timer.phase("reward"):
             rewards, errors, busy = pending.result()
         self.reward_busy_seconds += busy
+        if getattr(pending, "early_fraction", None) is not None:  # scored while decoding
+            self.reward_early = pending.early_fraction
         if hasattr(pending, "components"):  # the reward pool's (not a multi-turn rollout's)
             self._add_reward_components(pending)
         rollout["rewards"] = rewards
@@ -380,7 +393,9 @@ class RLTrainer:
                **self.producer.pop_metrics()}
         if self.learned is not None:  # the learned reward's, and the tracked verifier's
             out.update(self.learned.pop_metrics("train/"))
-        self.reward_busy_seconds = 0.0
+        if self.reward_early is not None:
+            out["train/reward_early_fraction"] = self.reward_early
+        self.reward_busy_seconds, self.reward_early = 0.0, None
         return out
 
     def throughput(self, metrics: Dict[str, float]) -> Dict[str, float]:

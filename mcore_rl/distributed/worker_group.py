@@ -36,12 +36,20 @@ its Python stack (:meth:`_Group.dump_stacks`: with a ``dump_dir``, every worker 
 registers :data:`DUMP_SIGNAL` with :mod:`faulthandler` at start, appending to
 ``<dump_dir>/<group>_rank_<r>.txt``) and can kill its processes (:meth:`_Group.kill`); the
 groups of this process not shut down yet are :func:`live_groups`.
+
+Partial results (:class:`ProcessWorkerGroup` only): a worker method may send values to the
+controller before it returns (:func:`send_partial`, on its rank's pipe, ahead of the call's
+answer); the controller hands each to the function :meth:`_Group.listen` registered for its
+tag, on the rank's reader thread. The megatron rollout decoder sends rows as they finish, so
+their rewards are scored while the others decode. Ray groups have no such channel
+(:meth:`_Group.listen` returns False; :func:`send_partial` does nothing in an actor).
 """
 
 from __future__ import annotations
 
 import faulthandler
 import functools
+import logging
 import os
 import queue
 import signal
@@ -65,8 +73,29 @@ from mcore_rl.workers.interfaces import TrainWorkerAPI, WorkerAPI
 # (faulthandler, so also while the process is stuck in a C call: a collective, a CUDA sync).
 # Not SIGTERM or SIGUSR1: those are the controller's preemption signals.
 DUMP_SIGNAL = signal.SIGUSR2
+_log = logging.getLogger(__name__)
 
 _LIVE_GROUPS: "weakref.WeakSet[_Group]" = weakref.WeakSet()
+
+# In a ProcessWorkerGroup's worker process, while a call runs: sends one partial message on
+# the rank's pipe (set by _process_main; None elsewhere).
+_partial_sender: Optional[Callable[[Any], None]] = None
+
+
+def send_partial(tag: Any, value: Any) -> bool:
+    """From inside a worker method: send ``value`` (picklable) to the controller now, ahead of
+    the call's answer, to the function registered there for ``tag`` (:meth:`_Group.listen`).
+    Returns False (nothing sent) outside a :class:`ProcessWorkerGroup`'s call (a Ray actor, an
+    in-process worker), so a caller sends its values with the answer instead.
+
+    Raises:
+        BrokenPipeError: the controller is gone.
+    """
+    sender = _partial_sender
+    if sender is None:
+        return False
+    sender((tag, value))
+    return True
 
 
 def live_groups() -> List["_Group"]:
@@ -271,6 +300,13 @@ class _Group:
         self._calls: set = set()
         _LIVE_GROUPS.add(self)
 
+    def listen(self, tag: Any, fn: Optional[Callable[[Any], None]]) -> bool:
+        """Hand every partial value a worker sends under ``tag`` (:func:`send_partial`) to
+        ``fn(value)``, on a reader thread, until ``listen(tag, None)``. Returns whether this
+        group delivers partial values (False: Ray; the workers' values come with the
+        answers)."""
+        return False
+
     def _gather(self, ranks: Sequence[int], method: str, fail_fast: bool = False) -> "_Gather":
         """A :class:`_Gather` for a call of ``method`` on ``ranks``, kept until answered."""
         gather = _Gather(ranks, method, fail_fast)
@@ -444,6 +480,8 @@ def _process_main(conn, worker_cls, kwargs, env, dump_file=None):
                 return
 
     threading.Thread(target=receive, daemon=True).start()
+    global _partial_sender
+    _partial_sender = lambda value: conn.send(("partial", value))  # noqa: E731 (send_partial)
     while True:
         msg = inbox.get()
         if msg is None:
@@ -477,6 +515,7 @@ class ProcessWorkerGroup(_Group):
                  name: str = "workers", dump_dir: Optional[str] = None):
         self._watch(name, dump_dir)
         self._send_lock = threading.Lock()
+        self._listeners: Dict[Any, Callable[[Any], None]] = {}
         for attempt in range(1, _START_TRIES + 1):
             built = self._start(worker_cls, world_size, kwargs, env_per_rank, name, dump_dir)
             try:
@@ -520,7 +559,8 @@ class ProcessWorkerGroup(_Group):
             self._procs.append(p)
             self._waiting[rank].put((built, rank))
         self._readers = [threading.Thread(target=self._read, daemon=True, args=(
-            self._conns[r], self._waiting[r], self._procs[r])) for r in range(world_size)]
+            self._conns[r], self._waiting[r], self._procs[r], self._listeners))
+            for r in range(world_size)]
         for t in self._readers:
             t.start()
         return built
@@ -529,11 +569,19 @@ class ProcessWorkerGroup(_Group):
     def world_size(self) -> int:
         return len(self._conns)
 
+    def listen(self, tag: Any, fn: Optional[Callable[[Any], None]]) -> bool:
+        if fn is None:
+            self._listeners.pop(tag, None)
+        else:
+            self._listeners[tag] = fn
+        return True
+
     @staticmethod
-    def _read(conn, waiting: queue.Queue, proc) -> None:
+    def _read(conn, waiting: queue.Queue, proc, listeners: Dict[Any, Callable]) -> None:
         """One rank's answers on ``conn``, handed to its calls waiting in ``waiting`` in order
-        (``proc``: its process). The objects are the thread's own: a start-up tried again
-        makes new ones."""
+        (``proc``: its process); partial values sent before an answer go to their tag's
+        function in ``listeners`` (none registered: dropped; one that raises: logged, the call
+        goes on). The objects are the thread's own: a start-up tried again makes new ones."""
         while True:
             item = waiting.get()
             if item is None:
@@ -541,6 +589,15 @@ class ProcessWorkerGroup(_Group):
             gather, slot = item
             try:
                 status, value = conn.recv()
+                while status == "partial":
+                    tag, payload = value
+                    fn = listeners.get(tag)
+                    if fn is not None:
+                        try:
+                            fn(payload)
+                        except Exception:  # noqa: BLE001 (the answer must still be read)
+                            _log.exception("worker group: a partial-result listener raised")
+                    status, value = conn.recv()
             except (EOFError, OSError):
                 proc.join(timeout=5)
                 gather.put(slot, False, f"the worker process is gone (exit code "
@@ -721,6 +778,11 @@ class DataParallelGroup:
     def call(self, method: str, *args) -> List[Any]:
         """``method(*args)`` on every rank; the per-rank results."""
         return self.group.call(method, *args)
+
+    def listen(self, tag: Any, fn: Optional[Callable[[Any], None]]) -> bool:
+        """The group's :meth:`_Group.listen` (False for a group without the channel)."""
+        listen = getattr(self.group, "listen", None)
+        return bool(listen(tag, fn)) if listen is not None else False
 
     @_typed_method
     def call_sharded(self, method: str, batch: B.Batch, *args) -> List[Any]:

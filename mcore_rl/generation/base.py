@@ -14,7 +14,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 from concurrent.futures import Future, as_completed
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, NamedTuple, Optional,
+                    Sequence, Tuple)
 
 import torch
 
@@ -339,8 +340,16 @@ class GroupAssembler:
 
     def add(self, first_row: int, responses: List[Response]) -> List[FinishedGroup]:
         """Record the responses of rows ``first_row ..``; returns the groups they complete."""
+        return self.add_rows(enumerate(responses, start=first_row))
+
+    def add_rows(self, rows: Iterable[Tuple[int, Response]]) -> List[FinishedGroup]:
+        """Record ``(row, response)`` pairs in any order; a row recorded before is skipped (a
+        backend that sends rows ahead of its answer also has them in the answer). Returns the
+        groups they complete."""
         done = []
-        for i, response in enumerate(responses, start=first_row):
+        for i, response in rows:
+            if self._responses[i] is not None:
+                continue
             self._responses[i] = response
             g = i // self.group_size
             self._missing[g] -= 1

@@ -49,7 +49,8 @@ def megatron_layout_errors(megatron: MegatronConfig) -> List[str]:
 def megatron_config_errors(cfg: TrainConfig) -> List[str]:
     """The load-time check of ``generation.backend=megatron``: :func:`megatron_layout_errors`
     of ``policy.megatron``; it decodes in the policy's processes, so neither
-    ``generation.num_workers`` nor streaming (``grpo.streaming``, ``ppo.streaming``)."""
+    ``generation.num_workers`` nor streaming (``grpo.streaming``, ``ppo.streaming``);
+    ``generation.compile_decode`` only for dense local/torch-spec layers at TP=1."""
     errors = megatron_layout_errors(cfg.policy.megatron)
     if cfg.generation.num_workers:
         errors.append(f"generation.backend=megatron decodes in the policy's processes: "
@@ -59,6 +60,14 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
         errors.append(f"generation.backend=megatron cannot stream ({cfg.algorithm}.streaming=true): "
                       f"it decodes with the policy workers' own weights, which the streaming loop "
                       f"trains at the same time; the backends that stream: {STREAMING_BACKENDS}")
+    m = cfg.policy.megatron
+    if cfg.generation.compile_decode and (m.tensor_model_parallel_size != 1
+                                          or m.layer_spec == "transformer_engine"
+                                          or cfg.model.arch.num_experts):
+        errors.append("generation.compile_decode=true compiles dense layers of the local or torch "
+                      "spec at policy.megatron.tensor_model_parallel_size=1 (got TP="
+                      f"{m.tensor_model_parallel_size}, layer_spec={m.layer_spec}, "
+                      f"model.arch.num_experts={cfg.model.arch.num_experts})")
     return errors
 
 

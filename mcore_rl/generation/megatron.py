@@ -37,6 +37,15 @@ so rows that ended stop costing; when none ran, the chunk ends. Acting on flags 
 only compacts and stops up to :data:`_SYNC_EVERY` steps later; a row that ended steps on without
 effect (nothing of it is read), so the responses are the same.
 
+Issue 37's switches (docs/design.md, "Generation backends"): with a row sink
+(``reward.score_while_decoding``) the rows the host finds ended at a sync point are sent to the
+controller one period later (:class:`_Emitter`), ahead of the call's answer, so their rewards
+are scored while the rest decode; ``generation.shared_prompt_kv`` lays a chunk's prompt groups
+(equal consecutive prompts, :func:`_prompt_groups`) in groups of slots that read one copy of
+the prompt's keys and values (prefilled once per group; compaction by whole groups);
+``generation.compile_decode`` runs a decode step's layers through
+:class:`~mcore_rl.megatron.decode_layer.DecodeLayers`, compiled once for every layer and bucket.
+
 Why not Megatron-Core's inference engines or CUDA graphs: its static-batching KV cache keeps one
 sequence offset for the whole batch (prompt tokens past the shortest prompt were fed one position
 at a time), its CUDA-graph decoding needs flash decode (flash-attn) with static batching, and its
@@ -51,7 +60,11 @@ not yet checked on GPUs); TP > 1 decodes the same steps eagerly.
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import as_completed
+import functools
+import itertools
+import queue
+import threading
+from concurrent.futures import Future, as_completed
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -91,6 +104,8 @@ _MIN_ROWS, _MIN_SPAN = 8, 128
 # and acts on those it sent the previous time (module docstring); in between, a row that ended
 # steps on without effect (nothing of it is read).
 _SYNC_EVERY = 4
+# Numbers the generate_async calls of this process (their tags for rows sent ahead).
+_CALLS = itertools.count()
 
 
 @contextlib.contextmanager
@@ -126,6 +141,116 @@ def _is_stop(tokens: torch.Tensor, stops) -> torch.Tensor:
     return tokens == stops if isinstance(stops, int) else torch.isin(tokens, stops)
 
 
+def _responses(tokens: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor,
+               stops) -> List[Response]:
+    """One :class:`Response` per row of host tensors ``tokens`` ``[n, W]`` int64, ``logprobs``
+    ``[n, W]`` float32 (response token ``k`` in column ``k``) and ``counts`` ``[n]`` (tokens
+    of each row); truncated: the last token is none of ``stops`` (:func:`_is_stop`)."""
+    if isinstance(stops, torch.Tensor):
+        stops = stops.cpu()
+    out = []
+    for i in range(tokens.shape[0]):
+        c = int(counts[i])
+        response = tokens[i, :c]
+        out.append(Response(response, logprobs[i, :c], not bool(_is_stop(response[-1:], stops))))
+    return out
+
+
+class _Emitter:
+    """Sends a chunk's finished rows to the controller before ``generate`` returns (its
+    ``row_sink``), so their rewards are scored while the other rows decode.
+
+    At a sync point the host has the done flags of the previous one (:class:`_Slots`); the rows
+    they newly mark done are final (a row that ended writes only past its count), so
+    :meth:`collect` gathers them on the device and copies them to host memory without waiting;
+    the next :meth:`collect` (or :meth:`finish`), a sync period later, finds the copy done and
+    sends them. :meth:`finish` then sends the chunk's rows not sent yet.
+
+    Args:
+        send: ``send(list of (row of the generate call, Response))``.
+        rows: the call's row of each chunk row.
+        stops: the stop tokens (an int, or a tensor of ids).
+    """
+
+    def __init__(self, send, rows: range, stops):
+        self.send, self.rows, self.stops = send, rows, stops
+        self.sent: set = set()  # chunk rows sent or on their way
+        self._pending = None  # (chunk rows, host tensors, event or None)
+
+    def collect(self, slots: "_Slots", flags: List[bool], row_of: List[int]) -> None:
+        """At a sync point: send the rows gathered at the previous one; gather those ``flags``
+        (the received done flags of the slots, ``row_of`` their chunk rows) newly mark done."""
+        self._flush()
+        new = [i for i, done in enumerate(flags) if done and row_of[i] >= 0
+               and row_of[i] not in self.sent]
+        if not new:
+            return
+        index = slots.to_device(new)
+        host, event = [], None
+        for t in (slots.out_tokens, slots.out_logprobs, slots.counts):
+            part = t[index]
+            if part.is_cuda:
+                copy = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
+                copy.copy_(part, non_blocking=True)
+                part = copy
+            host.append(part)
+        if index.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        chunk_rows = [row_of[i] for i in new]
+        self.sent.update(chunk_rows)
+        self._pending = (chunk_rows, host, event)
+
+    def finish(self, responses: List[Response]) -> None:
+        """The chunk ended with ``responses`` (one per chunk row): send what is left."""
+        self._flush()
+        rest = [(self.rows[i], r) for i, r in enumerate(responses) if i not in self.sent]
+        if rest:
+            self.send(rest)
+
+    def _flush(self) -> None:
+        if self._pending is None:
+            return
+        chunk_rows, host, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()  # long done: a sync period of steps was queued after it
+        self.send([(self.rows[r], response)
+                   for r, response in zip(chunk_rows, _responses(*host, self.stops))])
+
+
+def _prompt_groups(prompts: List[List[int]]) -> Tuple[int, Optional[List[int]]]:
+    """Rows that share a prompt (``generation.shared_prompt_kv``): runs of equal consecutive
+    prompts (GRPO's group of one prompt's responses) become groups of ``G`` slots, ``G`` the
+    most frequent run length (the longer on a tie); a longer run is cut into groups of ``G``,
+    a shorter one leaves slots without a row.
+
+    Returns:
+        ``(G, slot of each row)``, or ``(1, None)`` when no two consecutive prompts are equal
+        (the per-row layout)."""
+    runs: List[List[int]] = []  # [first row, length]
+    for i, p in enumerate(prompts):
+        if runs and prompts[i - 1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    lengths = [n for _, n in runs]
+    group = max(set(lengths), key=lambda n: (lengths.count(n), n))
+    if group == 1:
+        return 1, None
+    slot_of, groups = [], 0
+    for _, n in runs:
+        for a in range(0, n, group):
+            slot_of.extend(groups * group + j for j in range(min(group, n - a)))
+            groups += 1
+    return group, slot_of
+
+
+def _group_floor(group: int) -> int:
+    """Fewest groups of ``group`` rows a bucket holds: at least :data:`_MIN_ROWS` rows."""
+    return max(1, -(-_MIN_ROWS // group))
+
+
 def _bucket(n: int, floor: int, cap: Optional[int] = None) -> int:
     """The smallest power of two ``>= max(n, floor)``, at most ``cap`` when given."""
     p = floor
@@ -142,14 +267,16 @@ class _Slots:
     ``steps`` [rows] int64 (the response index of the token the next step samples), ``budgets``
     [rows] int64, ``done`` [rows] bool, ``counts`` [rows] int64 (response tokens so far),
     ``uniforms`` [rows, slots] float32 (the row's random stream), ``out_tokens`` [rows, slots]
-    int64 and ``out_logprobs`` [rows, slots] float32 (response token ``k`` in column ``k``).
+    int64 and ``out_logprobs`` [rows, slots] float32 (response token ``k`` in column ``k``),
+    ``plens`` [rows] int64 (the prompt's length: with shared prompts, where its response
+    starts).
 
     On the host: ``seen`` [rows] bool, the done flags as last sent by :meth:`send_done` (pinned
     memory on CUDA, written by the device when the copy runs; :meth:`received_done` waits for
     it)."""
 
     PER_ROW = ("tokens", "positions", "steps", "budgets", "done", "counts", "uniforms",
-               "out_tokens", "out_logprobs")
+               "out_tokens", "out_logprobs", "plens")
 
     def __init__(self, rows: int, slots: int, device: torch.device):
         long = dict(dtype=torch.long, device=device)
@@ -159,7 +286,7 @@ class _Slots:
         self._sent, self._event = 0, torch.cuda.Event() if cuda else None
         self.tokens, self.positions = torch.zeros(rows, **long), torch.zeros(rows, **long)
         self.steps, self.budgets = torch.zeros(rows, **long), torch.zeros(rows, **long)
-        self.counts = torch.zeros(rows, **long)
+        self.counts, self.plens = torch.zeros(rows, **long), torch.zeros(rows, **long)
         self.done = torch.ones(rows, dtype=torch.bool, device=device)
         self.uniforms = torch.zeros(rows, slots, dtype=torch.float32, device=device)
         self.out_tokens = torch.zeros(rows, slots, **long)
@@ -198,7 +325,10 @@ class _Slots:
 
 class MegatronDecoder:
     """Decodes prompts with a policy worker's model (module docstring: the scheme); keeps its KV
-    cache, row states and CUDA graphs between calls.
+    cache, row states and CUDA graphs between calls. With ``generation.compile_decode`` a decode
+    step's layers are :class:`~mcore_rl.megatron.decode_layer.DecodeLayers` compiled by
+    ``_compiler`` (``torch.compile``; compiled at the first step, one compile for every layer
+    and bucket), prefill stays Megatron's.
 
     Args:
         model: the worker's model chunk (``DistributedDataParallel`` around, with bf16,
@@ -215,6 +345,9 @@ class MegatronDecoder:
     rounded up to 128 tokens, at most ``max_total_length``), kept between calls (grown when a
     call needs more) until :meth:`release`.
     """
+
+    _layers = None  # DecodeLayers with generation.compile_decode
+    _compiler = staticmethod(torch.compile)  # what compiles them (tests: an eager stand-in)
 
     def __init__(self, model: torch.nn.Module, megatron: MegatronConfig, vocab_size: int):
         from megatron.core.utils import unwrap_model
@@ -240,7 +373,7 @@ class MegatronDecoder:
     # ------------------------------------------------------------------ public
     def generate(self, prompts: List[List[int]], first_row: int, seed: int, greedy: bool,
                  cfg: GenerationConfig, eos_token_id: int, pad_token_id: int,
-                 max_total_length: int) -> List[Response]:
+                 max_total_length: int, row_sink=None) -> List[Response]:
         """Decode ``prompts``; one :class:`Response` per prompt.
 
         Args:
@@ -253,6 +386,11 @@ class MegatronDecoder:
             eos_token_id, pad_token_id, max_total_length: as for the ``hf`` backend;
                 ``eos_token_id`` may be a list of ids, each of which ends a response (the
                 per-call ``stop_token_ids`` of :meth:`GenerationBackend.generate_async`).
+            row_sink: a tag of the worker group's partial results
+                (:func:`mcore_rl.distributed.worker_group.send_partial`), or None: finished rows
+                are sent under it as ``[(row of the call, Response), ...]`` before this returns
+                (:class:`_Emitter`: rows that ended, one sync period after the host learns of
+                them; each chunk's other rows when it ends), by TP rank 0 only.
 
         Returns:
             Per prompt: response tokens [R] int64 and logprobs [R] float32 on the CPU,
@@ -271,23 +409,48 @@ class MegatronDecoder:
         weights = tuple(p.data_ptr() for p in self.gpt.parameters())
         if weights != self._weights:  # moved (offload and restore): the graphs read old addresses
             self._graphs, self._weights = {}, weights
+        if cfg.compile_decode and self._layers is None:
+            from mcore_rl.megatron.decode_layer import DecodeLayers
+
+            self._layers = DecodeLayers(self.gpt.decoder.layers, compile=self._compiler)
+        elif not cfg.compile_decode:
+            self._layers = None
         ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
         # One id: compared as an int (the one-turn path, unchanged); several (or none:
         # generation.ignore_eos) a device tensor.
         stops = int(ids[0]) if len(ids) == 1 else torch.tensor(sorted({int(t) for t in ids}),
                                                                dtype=torch.long, device=self.device)
+        send = None
+        if row_sink is not None and self._tp_rank() == 0:
+            from mcore_rl.distributed.worker_group import send_partial
+
+            send = functools.partial(send_partial, row_sink)
         out = []
         for start in range(0, len(prompts), cfg.batch_size):
             chunk = prompts[start:start + cfg.batch_size]
             budgets = response_budgets(chunk, cfg.max_new_tokens, max_total_length)
-            self._reserve(_bucket(len(chunk), _MIN_ROWS),
-                          max(len(p) + b for p, b in zip(chunk, budgets)), max_total_length)
+            group, slot_of = _prompt_groups(chunk) if cfg.shared_prompt_kv else (1, None)
+            if group == 1:
+                self._reserve(_bucket(len(chunk), _MIN_ROWS),
+                              max(len(p) + b for p, b in zip(chunk, budgets)), max_total_length)
+            else:
+                groups = _bucket(max(slot_of) // group + 1, _group_floor(group))
+                self._reserve_shared(groups * group, groups, max(len(p) for p in chunk),
+                                     max(budgets), max_total_length)
             rows = range(first_row + start, first_row + start + len(chunk))
+            emitter = None if send is None else _Emitter(send, rows, stops)
             with _inference_mode(self.model, self.gpt.config), \
                     kv_cache_attention(self.attentions, self._cache):
                 out.extend(self._decode_chunk(chunk, budgets, rows, seed, greedy, sampler, graphs,
-                                              stops, int(pad_token_id)))
+                                              stops, int(pad_token_id), emitter, group, slot_of))
         return out
+
+    def _tp_rank(self) -> int:
+        if self.megatron.tensor_model_parallel_size == 1:
+            return 0
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank()
 
     # ------------------------------------------------------------------ buffers
     def _reserve(self, rows: int, width: int, max_total_length: int) -> None:
@@ -297,6 +460,8 @@ class MegatronDecoder:
 
         slots = min(-(-width // _MIN_SPAN) * _MIN_SPAN, max_total_length)
         have = self._slots
+        if self._cache is not None and self._cache.prompt_rows:  # the shared layout's
+            have = None
         if have is not None and have.rows >= rows and have.slots >= width:
             return
         if have is not None:
@@ -308,6 +473,32 @@ class MegatronDecoder:
         # Megatron's rotary table (as its GPTModel.forward computes it) at positions 0..slots-1.
         self._rope = self.gpt.rotary_pos_emb(slots).reshape(slots, -1)
 
+    def _reserve_shared(self, rows: int, groups: int, prompt_width: int, response_width: int,
+                        max_total_length: int) -> None:
+        """Buffers of the shared-prompt layout (:class:`~mcore_rl.megatron.attention.KVCache`
+        with prompt rows): ``groups`` prompts of up to ``prompt_width`` tokens, ``rows``
+        responses of up to ``response_width``, each rounded up to 128 tokens (at most
+        ``max_total_length``); row states of ``prompt + response`` slots (positions and the
+        rotary table run over both). Grown when smaller (or made from the per-row layout),
+        which drops the graphs."""
+        from mcore_rl.megatron.attention import KVCache
+
+        def rounded(n: int) -> int:
+            return min(-(-n // _MIN_SPAN) * _MIN_SPAN, max_total_length)
+
+        cache, pslots, rslots = self._cache, rounded(prompt_width), rounded(response_width)
+        if cache is not None and cache.prompt_rows:
+            if (cache.rows >= rows and cache.prompt_rows >= groups
+                    and cache.prompt_slots >= pslots and cache.slots >= rslots):
+                return
+            rows, groups = max(rows, cache.rows), max(groups, cache.prompt_rows)
+            pslots, rslots = max(pslots, cache.prompt_slots), max(rslots, cache.slots)
+        self.release()
+        self._slots = _Slots(rows, pslots + rslots, self.device)
+        self._cache = KVCache(self.attentions, rows, rslots, self.gpt.config.params_dtype,
+                              self.device, prompt_rows=groups, prompt_slots=pslots)
+        self._rope = self.gpt.rotary_pos_emb(pslots + rslots).reshape(pslots + rslots, -1)
+
     # ------------------------------------------------------------------ model pieces
     def _hidden(self, tokens: torch.Tensor, rope: torch.Tensor,
                 mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -317,6 +508,24 @@ class MegatronDecoder:
         given instead of taken from the sequence index."""
         hidden = self.gpt.embedding(input_ids=tokens, position_ids=None)
         return self.gpt.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rope)
+
+    def _decode_hidden(self, tokens: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[1, B, h]`` of a decode step (``tokens`` ``[B]``, ``rope``
+        ``[1, B, 1, d]``): :meth:`_hidden`, or with ``generation.compile_decode`` the same
+        embedding and final norm around the compiled decode layers
+        (:class:`~mcore_rl.megatron.decode_layer.DecodeLayers`)."""
+        if self._layers is None:
+            return self._hidden(tokens[:, None], rope, None)
+        from mcore_rl.megatron.rope import cos_sin
+
+        gpt = self.gpt
+        hidden = gpt.embedding(input_ids=tokens[:, None], position_ids=None)
+        cos, signed_sin = cos_sin(rope, hidden.dtype)
+        # _inference_mode runs compiled code eagerly (Megatron's compiled training layers);
+        # these functions are compiled for decoding
+        with torch.compiler.set_stance("default"):
+            hidden = self._layers(hidden, cos, signed_sin, self._cache)
+        return gpt.decoder.final_layernorm(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[b, vocab_size]`` (gathered over TP; bf16 with bf16 weights, as
@@ -330,48 +539,79 @@ class MegatronDecoder:
     # ------------------------------------------------------------------ one chunk
     def _decode_chunk(self, prompts: List[List[int]], budgets: List[int], rows: range, seed: int,
                       greedy: bool, sampler: Sampler, graphs: bool, eos: int,
-                      pad: int) -> List[Response]:
-        """Prefill and decode one chunk in slots ``0 ..`` of the buffers (module docstring)."""
+                      pad: int, emitter: Optional["_Emitter"] = None, group: int = 1,
+                      slot_of: Optional[List[int]] = None) -> List[Response]:
+        """Prefill and decode one chunk in slots ``0 ..`` of the buffers (module docstring);
+        finished rows go to ``emitter`` as the host learns of them. With shared prompts
+        (:func:`_prompt_groups`): ``group`` rows a group, ``slot_of`` the slot of each chunk
+        row; the buffers' layout is the shared one (:meth:`_reserve_shared`) and the batch is
+        compacted by whole groups."""
         s, n = self._slots, len(prompts)
-        bucket = _bucket(n, _MIN_ROWS, s.rows)
+        cache = self._cache
+        floor = _group_floor(group)
+        cap = s.rows if group == 1 else min(s.rows // group, cache.prompt_rows)
+        if slot_of is None:
+            bucket = _bucket(n, _MIN_ROWS, s.rows)
+            row_of = list(range(n)) + [-1] * (bucket - n)  # chunk row of each slot, -1: none
+        else:
+            bucket = group * _bucket(max(slot_of) // group + 1, floor, cap)
+            row_of = [-1] * bucket
+            for i, slot in enumerate(slot_of):
+                row_of[slot] = i
         lengths = [len(p) for p in prompts]
         steps = max(budgets)
         if not greedy:
-            s.uniforms[:n, :steps] = row_uniforms(seed, rows, steps, self.device)
-        self._prefill(prompts, budgets, bucket, greedy, sampler, eos, pad)
+            uniforms = row_uniforms(seed, rows, steps, self.device)
+            if slot_of is None:
+                s.uniforms[:n, :steps] = uniforms
+            else:
+                s.uniforms[s.to_device(slot_of), :steps] = uniforms
+        if slot_of is None:
+            self._prefill(prompts, budgets, bucket, greedy, sampler, eos, pad)
+        else:
+            self._prefill_shared(prompts, budgets, bucket, row_of, group, greedy, sampler, eos,
+                                 pad)
         results = (torch.zeros(n, s.slots, dtype=torch.long, device=self.device),
                    torch.zeros(n, s.slots, dtype=torch.float32, device=self.device),
                    torch.zeros(n, dtype=torch.long, device=self.device))
-        row_of = list(range(n)) + [-1] * (bucket - n)  # chunk row of each slot, -1: none
         longest = max(lengths)
         k = 1  # response index sampled by the next step (the same for every row of a chunk)
         while k < steps:
             if (k - 1) % _SYNC_EVERY == 0:
                 if k > 1:  # the flags sent at the previous sync point (module docstring)
-                    keep = [i for i, done in enumerate(s.received_done()) if not done]
-                    if not keep:
+                    flags = s.received_done()
+                    if emitter is not None:  # before a compaction moves those rows
+                        emitter.collect(s, flags, row_of)
+                    # groups (rows, without shared prompts) that still ran then
+                    live = [j for j in range(bucket // group)
+                            if not all(flags[j * group:(j + 1) * group])]
+                    if not live:
                         break
-                    smaller = _bucket(len(keep), _MIN_ROWS, s.rows)
+                    smaller = group * _bucket(len(live), floor, cap)
                     if smaller < bucket:  # compaction: the rows that ran then to the front
                         self._collect(results, row_of)
+                        keep = [j * group + i for j in live for i in range(group)]
                         index = s.to_device(keep)
                         s.keep_rows(index)
-                        self._cache.keep_rows(index)
+                        cache.keep_rows(index)
+                        if group > 1:
+                            cache.keep_rows(s.to_device(live), prompts=True)
                         s.done[len(keep):smaller] = True
                         row_of = [row_of[i] for i in keep] + [-1] * (smaller - len(keep))
                         bucket = smaller
                         longest = max(lengths[r] for r in row_of if r >= 0)
                 s.send_done(bucket)
-            span = _bucket(longest + k, _MIN_SPAN, s.slots)
+            if group == 1:
+                span = _bucket(longest + k, _MIN_SPAN, s.slots)
+            else:  # the prompts' span, the responses' span, the group size
+                span = (_bucket(longest, _MIN_SPAN, cache.prompt_slots),
+                        _bucket(k, _MIN_SPAN, cache.slots), group)
             self._step_once(bucket, span, greedy, sampler, eos, graphs)
             k += 1
         self._collect(results, row_of)
-        tokens, logprobs, counts = (t.cpu() for t in results)
-        out = []
-        for i in range(n):
-            c = int(counts[i])
-            response = tokens[i, :c]
-            out.append(Response(response, logprobs[i, :c], not bool(_is_stop(response[-1:], eos))))
+        out = _responses(*(t.cpu() for t in results), eos)
+        if emitter is not None:
+            emitter.finish(out)
         return out
 
     def _collect(self, results, row_of: List[int]) -> None:
@@ -416,16 +656,67 @@ class MegatronDecoder:
         s.positions[n:bucket], s.steps[n:bucket], s.counts[n:bucket] = 0, 0, 0
         s.tokens[n:bucket], s.done[n:bucket] = pad, True
 
+    def _prefill_shared(self, prompts: List[List[int]], budgets: List[int], bucket: int,
+                        row_of: List[int], group: int, greedy: bool, sampler: Sampler, eos: int,
+                        pad: int) -> None:
+        """:meth:`_prefill` with shared prompts: each group's prompt (slots ``j * group ..``,
+        ``row_of`` their chunk rows) is prefilled once, into prompt row ``j`` of the cache, and
+        each row of the group samples its first token from the group's logits with its own
+        random stream; slots without a row are set done."""
+        from mcore_rl.megatron.model import attention_mask
+
+        s, device = self._slots, self.device
+        slots = [i for i, r in enumerate(row_of) if r >= 0]
+        first = {}  # group -> its first chunk row (whose prompt the group shares)
+        for i in slots:
+            first.setdefault(i // group, row_of[i])
+        groups = sorted(first)
+        s.positions[:bucket], s.plens[:bucket], s.steps[:bucket] = 0, 0, 0
+        s.counts[:bucket], s.tokens[:bucket], s.done[:bucket] = 0, pad, True
+        width_of = {j: len(prompts[first[j]]) for j in groups}
+        part = max(1, _PREFILL_TOKENS // max(width_of.values()))
+        for a in range(0, len(groups), part):
+            these = groups[a:a + part]
+            b, width = len(these), max(width_of[j] for j in these)
+            tokens = torch.full((b, width), pad, dtype=torch.long)
+            for i, j in enumerate(these):
+                tokens[i, :width_of[j]] = torch.tensor(prompts[first[j]], dtype=torch.long)
+            tokens = tokens.to(device)
+            self._cache.prefill(s.to_device(these), prompts=True)
+            hidden = self._hidden(tokens, self._rope[:width].view(width, 1, 1, -1),
+                                  attention_mask(self.megatron.layer_spec, b, width, device))
+            last = hidden[s.to_device([width_of[j] - 1 for j in these]),
+                          torch.arange(b, device=device)]  # [b, h]
+            logits = self._logits(last[None])
+            mine = [i for i in slots if i // group in these]
+            index = s.to_device(mine)
+            rows_logits = logits[s.to_device([these.index(i // group) for i in mine])]
+            noise = None if greedy else s.uniforms[index, 0]
+            token, logprob = sampler(rows_logits, noise)
+            s.tokens[index], s.out_tokens[index, 0], s.out_logprobs[index, 0] = \
+                token, token, logprob
+        index = s.to_device(slots)
+        lengths = s.to_device([len(prompts[row_of[i]]) for i in slots])
+        budget = s.to_device([budgets[row_of[i]] for i in slots])
+        s.positions[index], s.plens[index], s.budgets[index] = lengths, lengths, budget
+        s.steps[index], s.counts[index] = 1, 1
+        s.done[index] = _is_stop(s.tokens[index], eos) | (budget <= 1)
+
     # ------------------------------------------------------------------ decode steps
-    def _step(self, bucket: int, span: int, greedy: bool, sampler: Sampler, eos: int) -> None:
-        """One decode step of rows ``0 .. bucket-1``, attending to positions ``< span``: every
-        read and write is on the static buffers (what a CUDA graph replays)."""
+    def _step(self, bucket: int, span, greedy: bool, sampler: Sampler, eos: int) -> None:
+        """One decode step of rows ``0 .. bucket-1``, attending to positions ``< span`` (an
+        int), or with shared prompts to ``span = (prompt span, response span, group size)``
+        (:meth:`KVCache.decode_shared`): every read and write is on the static buffers (what a
+        CUDA graph replays)."""
         s = self._slots
         tokens, positions, steps = s.tokens[:bucket], s.positions[:bucket], s.steps[:bucket]
         done = s.done[:bucket]
-        self._cache.decode(positions, span)
+        if isinstance(span, tuple):
+            self._cache.decode_shared(positions, s.plens[:bucket], *span)
+        else:
+            self._cache.decode(positions, span)
         rope = self._rope[positions].view(1, bucket, 1, -1)
-        logits = self._logits(self._hidden(tokens[:, None], rope, None))
+        logits = self._logits(self._decode_hidden(tokens, rope))
         column = steps[:, None]
         noise = None if greedy else s.uniforms[:bucket].gather(1, column).squeeze(1)
         token, logprob = sampler(logits, noise)
@@ -439,14 +730,14 @@ class MegatronDecoder:
         positions.add_(1).clamp_(max=last)
         steps.add_(1).clamp_(max=last)
 
-    def _step_once(self, bucket: int, span: int, greedy: bool, sampler: Sampler, eos: int,
+    def _step_once(self, bucket: int, span, greedy: bool, sampler: Sampler, eos: int,
                    graphs: bool) -> None:
         """:meth:`_step`, replayed from its CUDA graph with ``graphs`` (captured on first use:
         that step runs eagerly on the capture stream first, as the warm-up)."""
         if not graphs:
             return self._step(bucket, span, greedy, sampler, eos)
         key = (bucket, span, greedy, sampler.temperature, sampler.top_p,
-               eos if isinstance(eos, int) else tuple(eos.tolist()))
+               eos if isinstance(eos, int) else tuple(eos.tolist()), self._layers is not None)
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -539,6 +830,10 @@ class MegatronGenerationBackend(GenerationBackend):
         groups = GroupAssembler(len(prompts), group_size)
         dp, num_groups = self.policy.dp_size, len(prompts) // group_size
         bounds = [round(d * num_groups / dp) * group_size for d in range(dp + 1)]
+        # Rows sent ahead of the answers (the worker group's partial results): into `inbox`.
+        tag, inbox = ("megatron-rows", id(self), next(_CALLS)), queue.Queue()
+        listen = getattr(self.policy, "listen", None)
+        streamed = listen is not None and listen(tag, inbox.put)
         first_row = {}
         for d in range(dp):
             if bounds[d] < bounds[d + 1]:
@@ -546,11 +841,40 @@ class MegatronGenerationBackend(GenerationBackend):
                     [[prompts[bounds[d]:bounds[d + 1]], bounds[d], seed, greedy]],
                     decoder=MegatronDecoder, cfg=self.cfg,
                     eos_token_id=stop_ids(self.cfg, self.eos_token_id, stop_token_ids),
-                    pad_token_id=self.pad_token_id, max_total_length=self.max_total_length)
+                    pad_token_id=self.pad_token_id, max_total_length=self.max_total_length,
+                    row_sink=tag if streamed else None)
                 first_row[future] = bounds[d]
-        return self._collect(first_row, groups)
+        if not streamed:
+            return self._collect(first_row, groups)
+        left, lock = [len(first_row)], threading.Lock()
+
+        def answered(future: Future) -> None:  # a call's rows all came before its answer
+            inbox.put(future)
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                listen(tag, None)
+
+        for future in list(first_row):
+            future.add_done_callback(answered)
+        return self._collect_streamed(first_row, groups, inbox)
 
     @staticmethod
     def _collect(first_row: Dict, groups: GroupAssembler) -> Iterator[FinishedGroup]:
         for future in as_completed(first_row):
             yield from groups.add(first_row[future], future.result()[0])
+
+    @staticmethod
+    def _collect_streamed(first_row: Dict, groups: GroupAssembler,
+                          inbox: queue.Queue) -> Iterator[FinishedGroup]:
+        """The groups as their rows come: sent ahead by the decoders (``(row, Response)``
+        lists) or in a call's answer (the call's future), whichever is first."""
+        left = len(first_row)
+        while left:
+            item = inbox.get()
+            if isinstance(item, Future):
+                left -= 1
+                yield from groups.add(first_row[item], item.result()[0])
+            else:
+                yield from groups.add_rows(item)

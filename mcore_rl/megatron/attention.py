@@ -315,40 +315,65 @@ class KVCache:
     """Static key/value buffers of every attention layer of one model, for ``rows`` sequences of up
     to ``slots`` tokens each, and the mode of the next forward (set by the decoder before it).
 
-    Buffers: ``keys[layer]`` and ``values[layer]`` ``[rows, groups, slots, head_dim]`` (groups and
+    Buffers: ``keys[layer]`` and ``values[layer]`` ``[rows, groups, slots + 1, head_dim]`` (a spare
+    slot at the end, never attended; groups and
     query heads of this tensor-parallel rank; keys after the rotary embedding), keyed by the
     attention's ``layer_number``. Row ``r``'s token at position ``p`` sits at ``[r, :, p]``.
 
-    Modes (:meth:`prefill`, :meth:`decode`): see :class:`CachedAttention`.
+    Modes (:meth:`prefill`, :meth:`decode`, :meth:`decode_shared`): see :class:`CachedAttention`.
+
+    Shared prompts (``prompt_rows > 0``, ``generation.shared_prompt_kv``): the ``G`` rows of a
+    prompt group read one copy of the prompt's keys and values. ``prompt_keys[layer]`` /
+    ``prompt_values[layer]`` ``[prompt_rows, groups, prompt_slots, head_dim]`` hold group
+    ``p``'s prompt at ``[p, :, i]`` (position ``i``); ``keys`` / ``values`` then hold each row's
+    response only, response token ``j`` (position ``prompt length + j``) at ``[r, :, j]``; rows
+    ``p * G .. p * G + G - 1`` are group ``p``'s.
 
     Args:
         attentions: the model's ``SelfAttention`` modules (their ``layer_number``,
             ``num_query_groups_per_partition``, ``key_hidden_size``, ``val_hidden_size``).
         rows, slots: buffer sizes.
         dtype, device: of the buffers (the model's ``params_dtype`` and device).
+        prompt_rows, prompt_slots: sizes of the shared prompts' buffers (0: none).
     """
 
     def __init__(self, attentions, rows: int, slots: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, prompt_rows: int = 0, prompt_slots: int = 0):
         self.rows, self.slots = rows, slots
+        self.prompt_rows, self.prompt_slots = prompt_rows, prompt_slots
         self.keys: Dict[int, torch.Tensor] = {}
         self.values: Dict[int, torch.Tensor] = {}
+        self.prompt_keys: Dict[int, torch.Tensor] = {}
+        self.prompt_values: Dict[int, torch.Tensor] = {}
         for attn in attentions:
-            shape = (rows, attn.num_query_groups_per_partition, slots)
-            self.keys[attn.layer_number] = torch.zeros(*shape, attn.key_hidden_size, dtype=dtype,
-                                                       device=device)
-            self.values[attn.layer_number] = torch.zeros(*shape, attn.val_hidden_size,
-                                                         dtype=dtype, device=device)
-        self._index = torch.arange(max(rows, slots), device=device)
+            for n, width, keys, values in ((rows, slots, self.keys, self.values),
+                                           (prompt_rows, prompt_slots, self.prompt_keys,
+                                            self.prompt_values)):
+                if not n:
+                    continue
+                # one spare slot: no attended span covers a whole row, so a step's views of the
+                # buffers are never contiguous, whatever the span (a compiled reader's strides
+                # then do not depend on it: mcore_rl/megatron/decode_layer.py)
+                shape = (n, attn.num_query_groups_per_partition, width + 1)
+                keys[attn.layer_number] = torch.zeros(*shape, attn.key_hidden_size, dtype=dtype,
+                                                      device=device)
+                values[attn.layer_number] = torch.zeros(*shape, attn.val_hidden_size,
+                                                        dtype=dtype, device=device)
+        self._index = torch.arange(max(rows, slots, prompt_slots), device=device)
         self._prefill_rows: Optional[torch.Tensor] = None
+        self._prefill_prompts = False
         self._positions: Optional[torch.Tensor] = None
         self._after: Optional[torch.Tensor] = None
         self._span = 0
+        # decode_shared: each row's response index, the prompt span, rows per group
+        self._response_index: Optional[torch.Tensor] = None
+        self._prompt_span, self._group = 0, 0
 
-    def prefill(self, rows: torch.Tensor) -> None:
+    def prefill(self, rows: torch.Tensor, prompts: bool = False) -> None:
         """The next forward runs whole prompts from position 0 for the cache rows ``rows``
-        (``[n]`` int64, the forward's batch order)."""
-        self._prefill_rows, self._positions = rows, None
+        (``[n]`` int64, the forward's batch order); rows of the shared prompts' buffers with
+        ``prompts``."""
+        self._prefill_rows, self._positions, self._prefill_prompts = rows, None, prompts
 
     def decode(self, positions: torch.Tensor, span: int) -> None:
         """The next forward runs one token for each of the cache rows ``0 .. B-1``, row ``r`` at
@@ -358,12 +383,55 @@ class KVCache:
         if not 0 < span <= self.slots:
             raise ValueError(f"KVCache.decode: span {span} outside [1, {self.slots}]")
         self._prefill_rows, self._positions, self._span = None, positions, span
+        self._response_index = None
         self._after = self._index[:span] > positions[:, None]  # [B, span], True: after the row
 
-    def keep_rows(self, index: torch.Tensor) -> None:
-        """Keep the rows ``index`` (``[m]`` int64), moved to rows ``0 .. m-1`` (batch compaction)."""
+    def decode_shared(self, positions: torch.Tensor, prompt_lengths: torch.Tensor,
+                      prompt_span: int, span: int, group: int) -> None:
+        """As :meth:`decode`, with the shared prompts' layout: row ``r`` (of group ``r //
+        group``) at position ``positions[r]`` after a prompt of ``prompt_lengths[r]`` tokens
+        (``[B]`` int64 each, updated in place by the decoder) writes its key and value at
+        response index ``positions[r] - prompt_lengths[r]`` (clamped into the buffers: a row
+        that ended steps on unread) and attends to its group's prompt keys ``< prompt_span``
+        and its own response keys ``< span``. Computes that forward's key mask ``[B,
+        prompt_span + span]`` (True: masked)."""
+        if not (0 < span <= self.slots and 0 < prompt_span <= self.prompt_slots):
+            raise ValueError(f"KVCache.decode_shared: spans {prompt_span}, {span} outside "
+                             f"[1, {self.prompt_slots}], [1, {self.slots}]")
+        self._prefill_rows, self._positions, self._span = None, positions, span
+        self._prompt_span, self._group = prompt_span, group
+        index = (positions - prompt_lengths).clamp_(0, self.slots - 1)
+        self._response_index = index
+        self._after = torch.cat((self._index[:prompt_span] >= prompt_lengths[:, None],
+                                 self._index[:span] > index[:, None]), dim=1)
+
+    def step(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Tuple:
+        """In a decode mode: write layer ``layer``'s key and value ``[B, ng, d]`` of this step
+        at each row's position (response index with shared prompts), and return what the
+        attention reads (:func:`cache_attention`): ``(keys, values, mask, prompt_keys,
+        prompt_values)``, the rows' keys and values ``[B, ng, span, d]`` (views of the buffers),
+        the key mask, and the groups' prompt keys and values ``[B / G, ng, prompt span, d]``
+        (None without shared prompts)."""
+        b = key.shape[0]
+        keys, values = self.keys[layer][:b], self.values[layer][:b]
+        shared = self._response_index is not None
+        at = self._response_index if shared else self._positions
+        rows = self._index[:b]
+        keys[rows, :, at] = key
+        values[rows, :, at] = value
+        keys, values = keys[:, :, :self._span], values[:, :, :self._span]
+        if not shared:
+            return keys, values, self._after, None, None
+        groups, span = b // self._group, self._prompt_span
+        return (keys, values, self._after, self.prompt_keys[layer][:groups, :, :span],
+                self.prompt_values[layer][:groups, :, :span])
+
+    def keep_rows(self, index: torch.Tensor, prompts: bool = False) -> None:
+        """Keep the rows ``index`` (``[m]`` int64), moved to rows ``0 .. m-1`` (batch
+        compaction); of the shared prompts' buffers with ``prompts``."""
         m = index.numel()
-        for buffers in (self.keys, self.values):
+        for buffers in ((self.prompt_keys, self.prompt_values) if prompts
+                        else (self.keys, self.values)):
             for t in buffers.values():
                 t[:m] = t[index]
 
@@ -395,21 +463,17 @@ class CachedAttention(torch.nn.Module):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        cache = self.cache
-        keys, values = cache.keys[self.layer_number], cache.values[self.layer_number]
+        cache, layer = self.cache, self.layer_number
+        keys, values = cache.keys[layer], cache.values[layer]
         if cache._prefill_rows is not None:
+            if cache._prefill_prompts:
+                keys, values = cache.prompt_keys[layer], cache.prompt_values[layer]
             s, rows = key.shape[0], cache._prefill_rows
             keys[:, :, :s].index_copy_(0, rows, key.permute(1, 2, 0, 3))
             values[:, :, :s].index_copy_(0, rows, value.permute(1, 2, 0, 3))
             return self.core(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                              attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        positions, b = cache._positions, query.shape[1]
-        rows = cache._index[:b]
-        keys, values = keys[:b], values[:b]
-        keys[rows, :, positions] = key[0]
-        values[rows, :, positions] = value[0]
-        return decode_attention(query, keys[:, :, :cache._span], values[:, :, :cache._span],
-                                cache._after, self.core.softmax_scale)
+        return cache_attention(query, cache.step(layer, key[0], value[0]), self.core.softmax_scale)
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -444,6 +508,74 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                                                            float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b * ng, np_ // ng, s)
     return torch.bmm(probs, values.reshape(b * ng, s, hn)).reshape(1, b, np_ * hn)
+
+
+def cache_attention(query: torch.Tensor, kv: Tuple, scale: float) -> torch.Tensor:
+    """The decode attention of ``query`` ``[1, B, np, d]`` over what :meth:`KVCache.step`
+    returned: :func:`decode_attention` over the rows' keys up to the span, or
+    :func:`shared_decode_attention` with shared prompts. Returns ``[1, B, np * d]``."""
+    keys, values, mask, prompt_keys, prompt_values = kv
+    if prompt_keys is None:
+        return decode_attention(query, keys, values, mask, scale)
+    return shared_decode_attention(query, prompt_keys, prompt_values, keys, values, mask, scale)
+
+
+def shared_decode_attention(query: torch.Tensor, prompt_keys: torch.Tensor,
+                            prompt_values: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            attention_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`decode_attention` of rows in groups that share their prompt: the ``G`` rows of
+    group ``p`` (rows ``p * G .. p * G + G - 1``) attend to the group's one copy of the prompt's
+    keys and values and to their own response keys and values; a two-level attention (prompt
+    part + per-row part, as split-KV / flash-decoding splits the keys), combined by one softmax
+    over the two parts' scores side by side.
+
+    The prompt part is one batched product per (group, KV head) with the ``G * np / ng`` query
+    heads of the group's rows as its rows, so each prompt key and value is read once for the
+    group instead of ``G`` times. Scores in the input dtype with the scale in the fp32
+    accumulator, the softmax in fp32 written in the input dtype, as :func:`decode_attention`.
+
+    Against the rows decoded alone (:func:`decode_attention` over the prompt and the response
+    in one row of the cache), the scores are the same dot products, but the softmax sums its
+    terms in another arrangement (the prompt's padding between the two parts) and the output is
+    the prompt part's product plus the response part's, each rounded to the input dtype, where
+    one product summed both: not bit for bit. Bound: a few units in the last place of the input
+    dtype per output element per layer (fp32 on CPU: rollouts equal and logprobs within 1e-5 of
+    the unshared decoder, ``tests/test_megatron_generation.py``; bf16 on the GPU: measured by
+    ``scripts/gpu/decode_step_profile.py``, its ``shared`` variant against ``base``).
+
+    Args:
+        query: ``[1, B, np, hn]``, ``B = P * G``.
+        prompt_keys, prompt_values: ``[P, ng, Sp, hn]`` (group ``p``'s prompt positions
+            ``0 .. Sp-1``).
+        keys, values: ``[B, ng, Sr, hn]`` (row ``r``'s response tokens ``0 .. Sr-1``).
+        attention_mask: ``[B, Sp + Sr]`` bool, ``True`` = masked out (prompt padding, response
+            tokens after the row's); every row keeps at least one key.
+        scale: softmax scale.
+
+    Returns:
+        ``[1, B, np * hn]`` in the dtype of ``query``.
+    """
+    b, ng, sr, hn = keys.shape
+    p, sp = prompt_keys.shape[0], prompt_keys.shape[2]
+    g, nq = b // p, query.shape[2] // ng
+    q = query[0].view(p, g, ng, nq, hn)
+    # prompt part: [P * ng, G * nq, hn] queries of a group against its keys [P * ng, hn, Sp]
+    qp = q.transpose(1, 2).reshape(p * ng, g * nq, hn)
+    kp = prompt_keys.reshape(p * ng, sp, hn).transpose(1, 2)
+    scores_p = torch.baddbmm(qp.new_empty(p * ng, g * nq, sp), qp, kp, beta=0.0, alpha=scale)
+    # response part: [B * ng, nq, hn] against each row's own keys [B * ng, hn, Sr]
+    qr = query[0].reshape(b * ng, nq, hn)
+    kr = keys.reshape(b * ng, sr, hn).transpose(1, 2)
+    scores_r = torch.baddbmm(qr.new_empty(b * ng, nq, sr), qr, kr, beta=0.0, alpha=scale)
+    scores = torch.cat((scores_p.view(p, ng, g, nq, sp).transpose(1, 2),
+                        scores_r.view(p, g, ng, nq, sr)), dim=-1)  # [P, G, ng, nq, Sp + Sr]
+    scores.masked_fill_(attention_mask.view(p, g, 1, 1, sp + sr), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs_p = probs[..., :sp].transpose(1, 2).reshape(p * ng, g * nq, sp)
+    out_p = torch.bmm(probs_p, prompt_values.reshape(p * ng, sp, hn))
+    out_r = torch.bmm(probs[..., sp:].reshape(b * ng, nq, sr), values.reshape(b * ng, sr, hn))
+    out = out_p.view(p, ng, g, nq, hn).transpose(1, 2) + out_r.view(p, g, ng, nq, hn)
+    return out.reshape(1, b, ng * nq * hn)
 
 
 @contextlib.contextmanager

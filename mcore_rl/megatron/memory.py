@@ -405,11 +405,12 @@ def decoder_buffers(cfg: TrainConfig, dp: int, prompt: int) -> Tuple[int, int]:
 
 def kv_cache_bytes(arch: ModelArchConfig, megatron: MegatronConfig, rows: int, slots: int) -> int:
     """Bytes of the decoder's :class:`~mcore_rl.megatron.attention.KVCache` on one rank: keys
-    and values ``[rows, g / TP, slots, d]`` per layer of its stage, in the parameters' dtype."""
+    and values ``[rows, g / TP, slots + 1, d]`` per layer of its stage (a spare slot), in the
+    parameters' dtype."""
     e = 2 if megatron.precision == "bf16" else 4
     tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
     groups = max(1, arch.num_query_groups // tp)
-    return _ceil_div(arch.num_layers, pp) * 2 * rows * groups * slots * head_dim(arch) * e
+    return _ceil_div(arch.num_layers, pp) * 2 * rows * groups * (slots + 1) * head_dim(arch) * e
 
 
 def engine_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: int,

@@ -52,6 +52,13 @@ def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
     return cos, signed
 
 
+def cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float = 1.0):
+    """``(cos, signed sin)`` of ``freqs`` as :func:`rotate` uses them (cosine and sine times
+    ``mscale`` in ``dtype``, the sine's first half negated): for callers that rotate with the
+    same numbers themselves (:mod:`mcore_rl.megatron.decode_layer`)."""
+    return _cos_sin(freqs, dtype, mscale)
+
+
 def rotate(original, t: torch.Tensor, freqs: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """Megatron-Core's ``_apply_rotary_pos_emb_bshd`` (RoFormer, Su et al. 2021, eq. 34,
     non-interleaved halves) with ``cos``/``sin`` computed once per ``freqs`` tensor.

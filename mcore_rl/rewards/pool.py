@@ -9,6 +9,9 @@ batched rewards (remote scorers, models) run in the controller's scoring thread.
 in the controller feeds the pool, so the controller can run the policy's logprob forward
 meanwhile and collect the rewards with :meth:`PendingRewards.result` just before the
 advantages.
+A rollout can also be scored while it is decoded (:meth:`RewardScorer.open`, a
+:class:`StreamingRewards`): rows go to the pool as the rollout backend finishes them, so after
+generation only the last rows are left to score (``reward.score_while_decoding``).
 
 Each sample runs in a worker's main thread, so math-verify's own ``signal.alarm`` timeouts
 work there. On top of that every sample has a hard deadline (``timeout_seconds`` after it was
@@ -235,27 +238,58 @@ class RewardScorer:
         busy = time.perf_counter() - start
         if pool:
             busy += self._run(responses, examples, scores)
-        warn_errors(scores, len(responses))
+        return self._finish(scores, busy)
+
+    def _finish(self, scores: Scores, busy: float
+                ) -> Tuple[Tuple[torch.Tensor, int, float], None, Dict[str, torch.Tensor]]:
+        """What :meth:`PendingRewards._set` takes for the finished ``scores`` (a warning first
+        when some failed)."""
+        warn_errors(scores, len(scores.values))
         components = {c.metric: torch.tensor([row[k] for row in scores.values],
                                              dtype=torch.float32)
                       for k, c in enumerate(self.components)}
         return ((weighted_total(scores.values, self.weights), sum(scores.errors), busy), None,
                 components)
 
-    def _run(self, responses: List[str], examples: List[Example], scores: Scores) -> float:
+    def open(self, examples: Sequence[Example]) -> "StreamingRewards":
+        """Start scoring a rollout whose ``B`` responses come in pieces (rows scored as the
+        decoder finishes them, while the rest decode): :meth:`StreamingRewards.add` each piece,
+        :meth:`StreamingRewards.close` once all have come, then ``result()`` as for
+        :meth:`submit`. The rewards are those :meth:`submit` gives for the same responses
+        (docs/design.md, "Rollout floor").
+
+        Args:
+            examples: the ``B`` examples the responses will answer, in row order.
+        """
+        return StreamingRewards(self, list(examples))
+
+    def _run(self, responses: List[str], examples: List[Example], scores: Scores,
+             feed: Optional["_Feed"] = None,
+             on_scored: Optional[Callable[[], None]] = None) -> float:
         """Score the plain rewards in the pool into ``scores`` (at most ``num_workers`` samples
         in flight), enforce the deadlines, recover from hung and dead workers. Returns the
-        seconds the rewards ran, summed over samples."""
+        seconds the rewards ran, summed over samples. With ``feed``, the samples to score are
+        those its :meth:`_Feed.put` hands over (``responses[i]`` set before), in that order,
+        until it is closed; without, all of them. ``on_scored`` is called for each sample whose
+        result came back."""
         fns = tuple(self.components[k].fn for k in self.pooled)
         n = len(responses)
         busy = 0.0
         errors: Dict[int, str] = {}
         tries = [0] * n
-        todo = list(range(n - 1, -1, -1))  # a stack, popped from the end: index order
+        # a stack, popped from the end: index order
+        todo = list(range(n - 1, -1, -1)) if feed is None else []
+        closed = feed is None
         in_flight: Dict[cf.Future, Tuple[int, float]] = {}  # future -> (sample, deadline)
         suspects: set = set()  # in flight when a worker died: tried again alone
         pool = self._pool or self._new_pool()
-        while todo or in_flight:
+        while todo or in_flight or not closed:
+            if not closed:
+                new, closed = feed.take()
+                todo[:0] = new[::-1]  # after those waiting: arrival order
+                if not (todo or in_flight):
+                    feed.wait()
+                    continue
             while todo and len(in_flight) < self.num_workers:
                 if in_flight and (todo[-1] in suspects
                                   or any(j in suspects for j, _ in in_flight.values())):
@@ -272,9 +306,13 @@ class RewardScorer:
                 if i in suspects:
                     break
             wait_for = max(0.0, min(d for _, d in in_flight.values()) - time.monotonic())
-            done, _ = cf.wait(in_flight, timeout=wait_for, return_when=cf.FIRST_COMPLETED)
+            arrivals = [] if closed else [feed.signal]  # new samples wake the wait too
+            done, _ = cf.wait([*in_flight, *arrivals], timeout=wait_for,
+                              return_when=cf.FIRST_COMPLETED)
             broken = False
             for fut in done:
+                if fut not in in_flight:  # the feed's signal
+                    continue
                 i, _ = in_flight.pop(fut)
                 try:
                     values, row_errors, seconds = fut.result()
@@ -283,6 +321,8 @@ class RewardScorer:
                         scores.values[i][k] = value
                         if error is not None:
                             scores.fail(i, k, examples[i].source, error)
+                    if on_scored is not None:
+                        on_scored()
                 except BrokenProcessPool:
                     broken = True
                     suspects.add(i)
@@ -317,3 +357,176 @@ class RewardScorer:
             errors[i] = f"{why} ({tries[i]} tries)"
         else:
             todo.append(i)
+
+
+class _Feed:
+    """Sample indices handed to a scoring job as they arrive (:meth:`RewardScorer._run`):
+    :meth:`put` and :meth:`close` on one side; :meth:`take`, :meth:`wait` and :attr:`signal`
+    (a future set when something arrived or the feed closed) on the other."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._new: List[int] = []
+        self._closed = False
+        self.signal: cf.Future = cf.Future()
+
+    def put(self, indices: Sequence[int]) -> None:
+        with self._lock:
+            self._new.extend(indices)
+            if not self.signal.done():
+                self.signal.set_result(None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if not self.signal.done():
+                self.signal.set_result(None)
+
+    def take(self) -> Tuple[List[int], bool]:
+        """``(indices arrived since the last call, whether the feed is closed)``; a new
+        :attr:`signal` while it is open."""
+        with self._lock:
+            new, self._new = self._new, []
+            if not self._closed:
+                self.signal = cf.Future()
+            return new, self._closed
+
+    def wait(self) -> None:
+        """Until something arrives or the feed closes (at once if either happened since the
+        last :meth:`take`)."""
+        self.signal.result()
+
+
+class StreamingRewards(PendingRewards):
+    """The rewards of one rollout scored as its responses arrive (:meth:`RewardScorer.open`).
+
+    :meth:`add` hands over responses by row; each plain reward scores them at once, in the
+    reward pool (one job thread feeds it for the whole rollout, at most ``num_workers`` samples
+    in flight, deadlines and dead workers as in :meth:`RewardScorer.submit`) or, without a
+    pool, in the calling thread. The async and batched rewards score the whole rollout at
+    :meth:`close` (a batched reward's numbers may depend on its batch: it gets the batch
+    :meth:`RewardScorer.submit` would give it). :meth:`result` then gives the rewards, errors and
+    busy seconds :meth:`RewardScorer.submit` gives for the same responses (the scores are the
+    same; the first error logged may be another one).
+
+    Attributes:
+        early_fraction: after :meth:`close`, the fraction of samples whose plain rewards were
+            scored before it was called (how much scoring overlapped generation), or None
+            before it and when there is no plain reward.
+    """
+
+    def __init__(self, scorer: RewardScorer, examples: List[Example]):
+        super().__init__()
+        self._scorer, self._examples = scorer, examples
+        n, k = len(examples), len(scorer.components)
+        self._texts: List[Optional[str]] = [None] * n
+        self._scores = Scores([[0.0] * k for _ in range(n)], [0] * k)
+        self._busy = 0.0
+        self._scored = 0  # samples whose plain rewards are done
+        self._count_lock = threading.Lock()
+        self._closed = False
+        self.early_fraction: Optional[float] = None
+        self._feed: Optional[_Feed] = None
+        if scorer.num_workers and scorer.pooled:
+            self._feed = _Feed()
+            threading.Thread(target=self._pool_job, name="reward-scoring", daemon=True).start()
+
+    def add(self, rows: Sequence[int], texts: Sequence[str]) -> None:
+        """Responses ``texts`` (decoded) of rows ``rows`` of the rollout; scored now.
+
+        Raises:
+            ValueError: a row outside the rollout or already added, lengths differ, or after
+                :meth:`close`.
+        """
+        if self._closed or len(rows) != len(texts):
+            raise ValueError(f"StreamingRewards.add: {len(rows)} rows for {len(texts)} texts"
+                             + (" after close()" if self._closed else ""))
+        for row, text in zip(rows, texts):
+            if not 0 <= row < len(self._texts) or self._texts[row] is not None:
+                raise ValueError(f"StreamingRewards.add: row {row} outside [0, "
+                                 f"{len(self._texts)}) or added twice")
+            self._texts[row] = text
+        if self._feed is not None:
+            self._feed.put(list(rows))
+            return
+        self._score_here(list(rows), self._scorer.pooled)
+        self._scored += len(rows)
+
+    def close(self) -> None:
+        """Every row has been added: the async and batched rewards score the rollout, and
+        :meth:`result` returns once all are done.
+
+        Raises:
+            ValueError: rows never added (the pool's job is stopped first).
+        """
+        missing = [i for i, t in enumerate(self._texts) if t is None]
+        if missing:
+            self.cancel()
+            raise ValueError(f"StreamingRewards.close: rows {missing[:8]} were never added "
+                             f"({len(missing)} of {len(self._texts)})")
+        with self._count_lock:
+            self._closed = True
+            if self._scorer.pooled:
+                self.early_fraction = self._scored / max(1, len(self._texts))
+        if self._feed is not None:
+            self._feed.close()  # the job thread scores the rest, then the others
+            return
+        try:
+            self._set(*self._rest())
+        except BaseException as e:  # noqa: BLE001 (surfaced by result())
+            self._set(exception=e)
+
+    def cancel(self) -> None:
+        """Give up (generation failed): stop the pool's job; :meth:`result` raises."""
+        self._closed = True
+        if self._feed is not None:
+            self._feed.close()
+        else:
+            self._set(exception=RuntimeError("StreamingRewards: cancelled before close()"))
+
+    # ------------------------------------------------------------------ internals
+    def _score_here(self, rows: List[int], only: List[int]) -> None:
+        """Score ``rows`` with the rewards ``only`` in this thread, into the rollout's scores."""
+        if not rows or not only:
+            return
+        start = time.perf_counter()
+        scorer = self._scorer
+        part = score_components(scorer.components, [self._texts[i] for i in rows],
+                                [self._examples[i] for i in rows], scorer.timeout_seconds,
+                                only=only)
+        self._busy += time.perf_counter() - start
+        scores = self._scores
+        for j, row in enumerate(rows):
+            for k in only:
+                scores.values[row][k] = part.values[j][k]
+        for k in only:
+            scores.errors[k] += part.errors[k]
+        scores.failed_rows.update(rows[j] for j in part.failed_rows)
+        if scores.first_error is None:
+            scores.first_error = part.first_error
+
+    def _rest(self):
+        """Score the rewards not scored as rows came (async, batched) over the whole rollout;
+        the finished result for :meth:`PendingRewards._set`."""
+        scorer = self._scorer
+        rest = [k for k in range(len(scorer.components)) if k not in scorer.pooled]
+        self._score_here(list(range(len(self._texts))), rest)
+        return scorer._finish(self._scores, self._busy)
+
+    def _pool_job(self) -> None:
+        scorer = self._scorer
+
+        try:
+            with scorer._lock:
+                self._busy += scorer._run(self._texts, self._examples, self._scores, self._feed,
+                                          on_scored=self._count)
+                if any(t is None for t in self._texts):  # cancelled
+                    raise RuntimeError("StreamingRewards: cancelled before close()")
+                self._set(*self._rest())
+        except BaseException as e:  # noqa: BLE001 (surfaced by result())
+            self._set(exception=e)
+
+    def _count(self) -> None:
+        with self._count_lock:
+            if not self._closed:
+                self._scored += 1

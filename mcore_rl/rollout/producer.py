@@ -131,6 +131,43 @@ class RolloutProducer:
         self._metrics.append(episode_metrics(episodes, metrics_prefix))
         return rollout
 
+    def generate_scored(self, dataset, indices: Sequence[int], seed: int,
+                        examples: Sequence[Any]) -> Tuple[B.Batch, Any]:
+        """One turn (``env.name=single_turn``): :meth:`generate` and :meth:`submit` at once,
+        each prompt group's responses handed to the reward pool as the backend finishes it
+        (:meth:`RewardScorer.open`), so scoring overlaps the rest of the decoding
+        (``reward.score_while_decoding``; the megatron backend hands over rows as its decoder
+        marks them done, the others per part of the call they finish: docs/design.md,
+        "Rollout floor"). The rollout and the rewards equal those of :meth:`generate` then
+        :meth:`submit` for the same seed.
+
+        Returns:
+            ``(rollout, pending)``: the backend's batch, and a
+            :class:`~mcore_rl.rewards.pool.StreamingRewards` (``result()`` as :meth:`submit`'s).
+
+        Raises:
+            ValueError: a multi-turn environment (its rewards come with the episodes), or as
+                :meth:`generate`.
+        """
+        from mcore_rl.generation.base import assemble_rollout
+
+        if self.multi_turn:
+            raise ValueError("generate_scored: one-turn rollouts only (env.name=single_turn)")
+        prompts = self._first_prompts(dataset, indices)
+        pending = self.scorer.open(examples)
+        responses: List[Any] = [None] * len(prompts)
+        try:
+            for group in self.backend.generate_async(prompts, seed):
+                responses[group.rows.start:group.rows.stop] = group.responses
+                pending.add(list(group.rows), [
+                    self.tokenizer.decode(r.tokens.tolist(), skip_special_tokens=True)
+                    for r in group.responses])
+        except BaseException:
+            pending.cancel()
+            raise
+        pending.close()
+        return assemble_rollout(prompts, responses, self.backend.pad_token_id), pending
+
     def submit(self, rollout: B.Batch, examples: Sequence[Any]):
         """Start scoring ``rollout`` (from :meth:`generate`) against its ``examples``: the
         verifier in the reward pool for one turn (:meth:`RewardScorer.submit`), the episodes'

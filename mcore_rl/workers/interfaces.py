@@ -92,8 +92,8 @@ class PolicyAPI(TrainWorkerAPI, Protocol):
 
     def generate(self, prompts: List[List[int]], first_row: int, seed: int, greedy: bool, *,
                  decoder: Callable, cfg: Any, eos_token_id: Union[int, List[int]],
-                 pad_token_id: int,
-                 max_total_length: int) -> list: ...
+                 pad_token_id: int, max_total_length: int,
+                 row_sink: Any = None) -> list: ...
 
     def release_decoder(self) -> None: ...
 

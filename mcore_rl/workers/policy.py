@@ -138,7 +138,7 @@ class PolicyWorker(MegatronTrainWorker):
     @requires_device_state(training=False)
     def generate(self, prompts: List[List[int]], first_row: int, seed: int, greedy: bool, *,
                  decoder: Callable, cfg, eos_token_id: int, pad_token_id: int,
-                 max_total_length: int) -> list:
+                 max_total_length: int, row_sink: Any = None) -> list:
         """Decode ``prompts`` (this DP rank's share) with the policy's own model and weights
         (``generation.backend: megatron``).
 
@@ -149,11 +149,12 @@ class PolicyWorker(MegatronTrainWorker):
         not import the generation floor above it). The decoder (KV cache, CUDA graphs) is made
         at the first call and kept for the next; it raises ``NotImplementedError`` for pipeline
         or sequence parallelism. Collective over TP (every TP rank of one DP group gets the
-        same prompts); the weights are left unchanged."""
+        same prompts); the weights are left unchanged. ``row_sink``: passed to the decoder
+        (where it sends finished rows before the call returns)."""
         if self._decoder is None:
             self._decoder = decoder(self.model[0], self.megatron_cfg, self.vocab_size)
         return self._decoder.generate(prompts, first_row, seed, greedy, cfg, eos_token_id,
-                                      pad_token_id, max_total_length)
+                                      pad_token_id, max_total_length, row_sink=row_sink)
 
     def release_decoder(self) -> None:
         """Free the decoder's KV cache, row states and CUDA graphs (``MegatronDecoder.release``;

@@ -21,8 +21,17 @@ Also prints decode throughput: generated tokens per second of the timed ``genera
 short warm-up call first), the same for the ``hf`` backend on the same weights and prompts (for
 comparison, not checked; ``--skip-hf`` leaves it out), with ``--vllm`` the same for a vLLM engine
 (``generation.backend=vllm``, colocated: one engine process on the same GPU, refit from the
-policy over CUDA IPC), the megatron-core and torch versions, and
-last a one-line JSON record of the figures (``RESULT {...}``). The script runs on a checkout
+policy over CUDA IPC: mcore-rl's configuration, a request per row with its own seed and the
+sampled tokens' logprobs), with ``--vllm-best`` vLLM at its own best (issue 37: a plain
+``vllm.LLM`` in a process of its own, dummy weights of the same shape, CUDA graphs, prefix
+caching, its default sampler, FlashInfer's sampler where FlashInfer is installed, no per-row
+seeds), timed in three sampling configurations on one engine: per-row seeds with logprobs
+(mcore-rl's), no seeds with logprobs (what RL needs), no seeds without logprobs (plain
+serving); the megatron-core and torch versions, and
+last a one-line JSON record of the figures (``RESULT {...}``). ``--ignore-eos``: every row
+decodes its whole budget in every backend (the same tokens to make, whatever the weights);
+``--compile-decode`` and ``--shared-prompt-kv`` set those ``generation`` keys for the megatron
+backend (with ``--generations G`` rows per prompt, adjacent, for the shared prompts). The script runs on a checkout
 without ``generation.cuda_graphs`` too (the code before CUDA-graph decoding), without
 ``--eager-check``: that is how the before/after figures of bench/RESULTS.md were taken in one call
 (scripts/gpu/decode_bench.py).
@@ -79,6 +88,15 @@ def main() -> int:
     p.add_argument("--mean-abs", type=float, default=0.02, help="bf16 tolerance, mean |diff|")
     p.add_argument("--skip-hf", action="store_true", help="no hf backend comparison")
     p.add_argument("--vllm", action="store_true", help="also a vLLM engine on the same GPU")
+    p.add_argument("--vllm-best", action="store_true",
+                   help="also vLLM at its own best configuration (no per-row seeds, CUDA graphs, "
+                        "prefix caching, its default sampler)")
+    p.add_argument("--ignore-eos", action="store_true", help="generation.ignore_eos everywhere")
+    p.add_argument("--compile-decode", action="store_true", help="generation.compile_decode")
+    p.add_argument("--shared-prompt-kv", action="store_true",
+                   help="generation.shared_prompt_kv")
+    p.add_argument("--generations", type=int, default=1,
+                   help="rows per prompt (adjacent: GRPO's groups)")
     p.add_argument("--eager-check", type=int, default=0, metavar="N",
                    help="greedy CUDA-graph vs eager decoding of the first N prompts (check 4)")
     args = p.parse_args()
@@ -97,14 +115,19 @@ def main() -> int:
         global_batch_size=args.rollouts)))
     try:
         gen = GenerationConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                               batch_size=args.batch_size)
+                               batch_size=args.batch_size, ignore_eos=args.ignore_eos)
+        if args.compile_decode or args.shared_prompt_kv:  # keys the code before issue 37 lacks
+            gen = dataclasses.replace(gen, compile_decode=args.compile_decode,
+                                      shared_prompt_kv=args.shared_prompt_kv)
         lo, hi = args.prompt_length
         backend = MegatronGenerationBackend(group, gen, eos_token_id=EOS, pad_token_id=PAD,
                                             max_total_length=hi + args.max_new_tokens,
                                             vocab_size=VOCAB)
         g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(1, VOCAB - 1, (int(n),), generator=g).tolist()
-                   for n in torch.randint(lo, hi + 1, (args.rollouts,), generator=g)]
+        distinct = -(-args.rollouts // args.generations)
+        prompts = [q for n in torch.randint(lo, hi + 1, (distinct,), generator=g)
+                   for q in [torch.randint(1, VOCAB - 1, (int(n),), generator=g).tolist()]
+                   for _ in range(args.generations)][:args.rollouts]
         group.call("offload_before_refit")
         backend.generate(prompts[:4], seed=0)  # warm-up
         start = time.perf_counter()
@@ -113,7 +136,8 @@ def main() -> int:
         tokens = int(batch["response_lengths"].sum())
         print(f"decode: {args.rollouts} rollouts, {tokens} response tokens in {seconds:.2f} s: "
               f"{tokens / seconds:.0f} tokens/s ({args.layer_spec} spec, batch_size "
-              f"{args.batch_size})", flush=True)
+              f"{args.batch_size}, compile_decode={args.compile_decode}, shared_prompt_kv="
+              f"{args.shared_prompt_kv})", flush=True)
         result.update(tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds))
 
         logprobs = group.gather_rows("get_logprobs", batch, 8)
@@ -150,6 +174,8 @@ def main() -> int:
 
         if args.vllm:
             result.update(vllm_tokens_per_s=_vllm_throughput(group, gen, prompts, hi + args.max_new_tokens))
+        if args.vllm_best:
+            result.update(vllm_best=_vllm_best(gen, prompts, hi + args.max_new_tokens))
         # The hf backend on the same weights: its throughput, for comparison.
         if args.skip_hf:
             return _finish(group, backend, prompts, result)
@@ -195,6 +221,83 @@ def _vllm_throughput(group, gen: GenerationConfig, prompts, max_total_length: in
     print(f"vllm backend, same weights and prompts: {tokens} response tokens in {seconds:.2f} s: "
           f"{tokens / seconds:.0f} tokens/s (refit over CUDA IPC {refit:.2f} s)", flush=True)
     return round(tokens / seconds)
+
+
+def _vllm_best(gen: GenerationConfig, prompts, max_total_length: int) -> dict:
+    """vLLM at its own best (``--vllm-best``), in a process of its own: ``{configuration:
+    tokens/s}`` for per-row seeds with logprobs (mcore-rl's requests), no seeds with logprobs,
+    no seeds without logprobs; with ``sampler``: FlashInfer's or vLLM's torch sampler."""
+    import multiprocessing
+    import tempfile
+
+    model_dir = tempfile.mkdtemp(prefix="vllm_best_")
+    arch_to_hf_config(ARCH, VOCAB).save_pretrained(model_dir)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_vllm_configs, args=(model_dir, gen, prompts, max_total_length,
+                                                   queue))
+    proc.start()
+    try:
+        out = queue.get(timeout=900)
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    if isinstance(out, str):
+        print(f"vllm best: failed: {out}", flush=True)
+        return {"error": out}
+    for name, value in out.items():
+        if name != "sampler":
+            print(f"vllm best ({out['sampler']} sampler, CUDA graphs, prefix caching), {name}: "
+                  f"{value['tokens']} response tokens in {value['seconds']:.2f} s: "
+                  f"{value['tokens_per_s']} tokens/s", flush=True)
+    return out
+
+
+def _vllm_configs(model_dir: str, gen: GenerationConfig, prompts, max_total_length: int,
+                  queue) -> None:
+    """In its own process: one ``vllm.LLM`` (dummy weights of the model's shape, bf16, CUDA
+    graphs, prefix caching, ``max_num_seqs`` = the rows), each sampling configuration timed
+    after a warm-up call; the figures (or the error's text) put on ``queue``."""
+    import importlib.util
+
+    from mcore_rl.generation.sampling import row_seed
+
+    try:
+        flashinfer = importlib.util.find_spec("flashinfer") is not None
+        os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "1" if flashinfer else "0"
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
+                  seed=0, max_model_len=max_total_length, max_num_seqs=len(prompts),
+                  enable_prefix_caching=True, gpu_memory_utilization=0.6,
+                  generation_config="vllm")
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        common = dict(max_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+                      ignore_eos=gen.ignore_eos, detokenize=False)
+        if not gen.ignore_eos:
+            common["stop_token_ids"] = [EOS]
+        configs = {
+            "per-row seeds, logprobs": [SamplingParams(seed=row_seed(1, r), logprobs=0, **common)
+                                        for r in range(len(prompts))],
+            "no seeds, logprobs": SamplingParams(logprobs=0, **common),
+            "no seeds, no logprobs": SamplingParams(**common),
+        }
+        out = {"sampler": "FlashInfer" if flashinfer else "torch"}
+        for name, params in configs.items():
+            warm = params[:4] if isinstance(params, list) else params
+            llm.generate(requests[:4], warm, use_tqdm=False)
+            start = time.perf_counter()
+            outs = llm.generate(requests, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            out[name] = {"tokens": tokens, "seconds": round(seconds, 3),
+                         "tokens_per_s": round(tokens / seconds)}
+        queue.put(out)
+    except Exception as e:  # noqa: BLE001 (reported, the other figures stand)
+        queue.put(f"{type(e).__name__}: {e}"[:500])
 
 
 def _finish(group, backend, prompts, result) -> int:

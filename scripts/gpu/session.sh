@@ -64,6 +64,21 @@
 #   decode3     rollout tokens/s of megatron, hf and vLLM on one GPU at 256 x 512 (the 0.5B
 #               Qwen2 shape of scripts/gpu/megatron_generation.py; issue 23)
 #
+# Stages of issue 37 (one GPU; the step's before/after in the same call):
+#   prof37      kernels and ms per decode step of the megatron decoder at the GSM8K shape
+#               (SmolLM2-135M's, random weights: no model needed), variants base, compile
+#               (generation.compile_decode), shared (generation.shared_prompt_kv),
+#               compile+shared, each against base's rollout, top 10 kernels
+#               (scripts/gpu/decode_step_profile.py)
+#   gsm8k       with GSM8K_VARIANTS="b37 a37": before (today's best, reward scored after
+#               generation) and after (rewards scored while decoding, compile_decode,
+#               shared_prompt_kv); s37, c37, k37: each change alone on top of b37
+#   arith37     grpo_smollm2_arith, ARITH37_STEPS (40) steps, held-out every 20: ARITH37_RUNS of
+#               before and after (as b37 / a37): seconds per step and the held-out curve
+#   decode37    256 x 512 rollouts (groups of 8): megatron before and after, vLLM as mcore-rl
+#               runs it (per-row seeds), vLLM at its best (no seeds, CUDA graphs, prefix caching,
+#               its sampler; FlashInfer's where installed), all decoding every token
+#
 # Stages of four GPUs (issue 33; nvidia-h100-x4 or nvidia-h200-x4), the Llama-3.1-8B shape from
 # random weights (configs/grpo_llama8b.yaml; the tokenizer carried in .tok/, copied to /tmp/tok):
 #   parity8     logprobs, loss, grad norm and weights after a step at TP=4 against TP=2 x DP=2
@@ -238,7 +253,12 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
         [best]="policy.sequence_packing=true policy.max_tokens_per_microbatch=65536 loss.prev_logprobs=train_forward reward.num_workers=14"
         [fwd2]="policy.micro_batch_size=128 policy.logprob_micro_batch_size=128 loss.prev_logprobs=train_forward policy.megatron.compile_layers=true reward.num_workers=14"
         [hf]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=hf"
-        [vllm]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=vllm cluster.colocate_generation=true")
+        [vllm]="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 generation.backend=vllm cluster.colocate_generation=true"
+        [b37]="$BEST37 reward.score_while_decoding=false"
+        [s37]="$BEST37"
+        [c37]="$BEST37 reward.score_while_decoding=false generation.compile_decode=true"
+        [k37]="$BEST37 reward.score_while_decoding=false generation.shared_prompt_kv=true"
+        [a37]="$BEST37 $AFTER37")
     # base<variant>: the variant on the code in .base/ (a carried `git archive` of an earlier
     # commit's mcore_rl/ bench/ configs/), run from there: before and after on the same machine.
     local name dir
@@ -251,8 +271,45 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
         (cd "$dir" && PYTHONPATH=/tmp/site:$dir NAME=$name MODE="${name#gsm8k_}" \
             timeout "${GSM8K_TIMEOUT:-240}" bash $step "$MODEL" "$DATA/train.jsonl" \
             "$DATA/test.jsonl" logging.progress=false ${variant_args[$v]}) > /dev/null 2>&1 || status=1
+        cp "/tmp/peer_$name/metrics.jsonl" "$RES/$name.metrics.jsonl" 2>/dev/null
     done
     cp "$OUT"/gsm8k_*.json "$OUT"/gsm8k_*.log "$RES/" 2>/dev/null
+}
+
+# Issue 37: today's best GSM8K overrides, and the changes that make "after"
+BEST37="policy.sequence_packing=true policy.max_tokens_per_microbatch=65536 loss.prev_logprobs=train_forward reward.num_workers=14"
+AFTER37="generation.compile_decode=true generation.shared_prompt_kv=true"
+
+stage_prof37() {
+    timeout "${PROF37_TIMEOUT:-540}" python3 scripts/gpu/decode_step_profile.py \
+        --variants "${PROF37_VARIANTS:-base,compile,shared,compile+shared}" \
+        > "$RES/prof37.log" 2>&1 || status=1
+    echo "== prof37"; quiet < "$RES/prof37.log" | grep -v "^RESULT" | tail -n 60
+}
+
+stage_arith37() {  # ARITH37_RUNS: before after
+    local run extra
+    for run in ${ARITH37_RUNS:-before after}; do
+        extra="reward.score_while_decoding=false"
+        [ "$run" = after ] && extra=$AFTER37
+        # shellcheck disable=SC2086
+        timeout "${ARITH37_TIMEOUT:-240}" python3 -m mcore_rl train --config-name grpo_smollm2_arith \
+            "${common[@]}" model.hf_path="$MODEL" run.output_dir="/tmp/runs/arith37_$run" \
+            grpo.max_steps="${ARITH37_STEPS:-40}" grpo.val_every=20 $extra \
+            > "$RES/arith37_$run.log" 2>&1 || { status=1; quiet < "$RES/arith37_$run.log" | tail -n 8; }
+        cp "/tmp/runs/arith37_$run/metrics.jsonl" "$RES/arith_37$run.metrics.jsonl" 2>/dev/null
+    done
+}
+
+stage_decode37() {  # megatron before/after, vLLM today and at its best, 256 x 512, groups of 8
+    local shape=(--rollouts 256 --batch-size 256 --prompt-length 64 128 --max-new-tokens 512
+                 --generations 8 --ignore-eos --skip-hf)
+    timeout 420 python3 scripts/gpu/megatron_generation.py "${shape[@]}" --vllm --vllm-best \
+        > "$RES/decode37_before.log" 2>&1 || status=1
+    timeout 240 python3 scripts/gpu/megatron_generation.py "${shape[@]}" --compile-decode \
+        --shared-prompt-kv > "$RES/decode37_after.log" 2>&1 || status=1
+    echo "== decode37"
+    grep -h -E "tokens/s|PASS|FAIL|Error|failed" "$RES"/decode37_*.log | tail -n 16
 }
 
 stage_profile() {  # the GSM8K step (mbs 64/128) under the torch profiler: one call per method
@@ -458,6 +515,20 @@ PY
     fi
     [ -f "$RES/rm_pairs_stats.json" ] && cat "$RES/rm_pairs_stats.json"
     grep -h -E "accuracy" "$RES/eval_gsm8k.log" 2>/dev/null | tail -n 2
+    for f in "$RES"/gsm8k_*.metrics.jsonl; do  # issue 37: same rollouts? reward wait, parity
+        [ -f "$f" ] || continue
+        python3 - "$f" <<'PY'
+import json, os, statistics, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "train/reward_mean" in r]
+if rows:
+    med = lambda k: statistics.median(r.get(k, float("nan")) for r in rows[2:] or rows)
+    print(f"== {os.path.basename(sys.argv[1])}: step 1 reward {rows[0]['train/reward_mean']:.4f}, "
+          f"reward wait median {med('timing/reward_s'):.3f} s, early fraction "
+          f"{med('train/reward_early_fraction'):.2f}, token_mult_prob_error median "
+          f"{med('train/token_mult_prob_error'):.4f}, logprob_mismatch_max median "
+          f"{med('train/logprob_mismatch_max'):.3f}")
+PY
+    done
 }
 
 [ -d .tok ] && mkdir -p /tmp/tok && cp .tok/* /tmp/tok/

@@ -1,0 +1,286 @@
+"""A transformer layer's decode step (one token per row against the KV cache) as two functions
+of tensors, so that one ``torch.compile`` (Inductor) serves every layer and every CUDA-graph
+bucket of the rollout decoder (``generation.compile_decode``; docs/design.md, "Generation
+backends").
+
+Why not compile Megatron's ``TransformerLayer`` itself: its forward reads module attributes
+that differ between layers (the KV cache of its ``layer_number``), on which torch.compile
+specializes, so it would compile once per layer (30 for SmolLM2-135M, over its recompile
+limit), and again per row bucket and attended span. Here a layer is
+
+- :func:`attention_in`: input RMSNorm, the QKV projection (+ bias), the split into query / key /
+  value heads, the query and key RMSNorms (``qk_layernorm``), RoPE;
+- the KV-cache write (eager: two index writes, :meth:`~mcore_rl.megatron.attention.KVCache.
+  step`);
+- :func:`attention_out`: the decode attention over the cache
+  (:func:`~mcore_rl.megatron.attention.cache_attention`), the output projection (+ bias), the
+  residual add, the pre-MLP RMSNorm, the SwiGLU MLP (+ biases), the residual add;
+
+each taking the layer's weights as arguments (:class:`LayerWeights`, read from Megatron's
+modules in place: nothing is copied) and the layer's constants (:class:`LayerShape`, the same
+for every layer) as keywords. The row and span dimensions are marked dynamic
+(``torch._dynamo.maybe_mark_dynamic``), so a compile is made once per function and KV layout.
+
+Eager, the functions compute what Megatron-Core's layer computes, op for op (``torch.matmul``
+with the transposed weight then ``+ bias``, as its linear layers; ``rms_norm`` as
+``torch.nn.RMSNorm``; the unfused bias-dropout-add in eval, ``residual + (x + bias)``; the
+unfused GLU, ``silu(gate) * (up + glu_linear_offset)``; RoPE as
+:func:`mcore_rl.megatron.rope.rotate`): bit for bit (tests). Compiled, Inductor fuses the
+elementwise work between the matrix products (norms, bias and residual adds, RoPE, SwiGLU,
+the attention's mask and softmax) into a few kernels, whose intermediate rounding differs from
+the eager ops': the bound is stated and tested where it is used.
+
+Supported: dense layers of the ``local`` / ``torch`` specs (RMSNorm, SwiGLU, RoPE with
+non-interleaved halves, optional QKV bias and QK RMSNorm) at tensor parallelism 1; anything
+else raises ``NotImplementedError`` naming it (:func:`layer_weights`), and the decoder keeps
+Megatron's layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """Constants of a layer's decode step (equal for every layer of a model; baked into the
+    compiled functions).
+
+    Attributes:
+        heads, groups, head_dim: query heads, KV groups and head size of this rank.
+        eps: the input and pre-MLP RMSNorms' epsilon.
+        qk_eps: the query / key RMSNorms' epsilon, or None without ``qk_layernorm``.
+        glu_offset: Megatron's ``glu_linear_offset`` (``up + offset`` in the GLU; 0.0).
+        scale: the attention's softmax scale.
+    """
+
+    heads: int
+    groups: int
+    head_dim: int
+    eps: float
+    qk_eps: Optional[float]
+    glu_offset: float
+    scale: float
+
+
+class LayerWeights(NamedTuple):
+    """One layer's parameters, in place (Megatron's tensors, not copies): RMSNorm weights
+    ``ln1``, ``ln2`` ``[h]``; ``qkv`` ``[ng (np/ng + 2) d, h]`` and its bias or None; ``q_ln``,
+    ``k_ln`` ``[d]`` or None; ``proj`` ``[h, np d]`` and bias; ``fc1`` ``[2 f, h]`` (gate, then
+    up) and bias; ``fc2`` ``[h, f]`` and bias."""
+
+    ln1: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: Optional[torch.Tensor]
+    q_ln: Optional[torch.Tensor]
+    k_ln: Optional[torch.Tensor]
+    proj: torch.Tensor
+    proj_bias: Optional[torch.Tensor]
+    ln2: torch.Tensor
+    fc1: torch.Tensor
+    fc1_bias: Optional[torch.Tensor]
+    fc2: torch.Tensor
+    fc2_bias: Optional[torch.Tensor]
+
+
+def _linear_bias(module) -> Optional[torch.Tensor]:
+    """The bias Megatron adds after a parallel linear layer's product: its ``bias`` (added in
+    the layer, or by the caller when ``skip_bias_add``); None without one."""
+    return getattr(module, "bias", None)
+
+
+def _norm_or_none(module):
+    """A q/k norm module, or None for none (Megatron's ``IdentityOp`` without qk_layernorm)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return None if module is None or isinstance(module, IdentityOp) else module
+
+
+def layer_weights(layer) -> Tuple[LayerShape, LayerWeights]:
+    """The decode-step constants and weights of a Megatron ``TransformerLayer``.
+
+    Raises:
+        NotImplementedError: a layer these functions do not compute as Megatron does, named:
+            tensor parallelism > 1, norms other than ``torch.nn.RMSNorm``, an MoE or non-GLU /
+            non-SiLU MLP, GLU clamping, an attention output gate, interleaved or fused RoPE,
+            YaRN scaling, a residual in fp32, or a QKV layer that drops its bias.
+    """
+    config = layer.config
+    attn, mlp = layer.self_attention, layer.mlp
+    problems = []
+    if getattr(config, "tensor_model_parallel_size", 1) != 1:
+        problems.append("tensor_model_parallel_size > 1")
+    norms = [layer.input_layernorm, layer.pre_mlp_layernorm]
+    qk = [_norm_or_none(getattr(attn, "q_layernorm", None)),
+          _norm_or_none(getattr(attn, "k_layernorm", None))]
+    if not all(isinstance(n, torch.nn.RMSNorm) for n in norms + [n for n in qk if n is not None]):
+        problems.append("norms other than torch.nn.RMSNorm (the local and torch specs')")
+    if (qk[0] is None) != (qk[1] is None):
+        problems.append("a query norm without a key norm")
+    if not hasattr(mlp, "linear_fc1") or getattr(layer, "is_moe_layer", False):
+        problems.append("an MoE MLP")
+    elif not (config.gated_linear_unit and config.activation_func is F.silu):
+        problems.append("an MLP other than SwiGLU")
+    if getattr(config, "activation_func_clamp_value", None) is not None:
+        problems.append("activation_func_clamp_value")
+    if getattr(config, "attention_output_gate", False):
+        problems.append("attention_output_gate")
+    if config.rotary_interleaved or config.apply_rope_fusion or \
+            getattr(config, "multi_latent_attention", False):
+        problems.append("interleaved, fused or multi-latent RoPE")
+    if getattr(config, "rope_type", None) == "yarn" or getattr(config, "no_rope_freq", None):
+        problems.append("YaRN or no-RoPE layers")
+    if config.fp32_residual_connection:
+        problems.append("fp32_residual_connection")
+    if getattr(attn.linear_qkv, "skip_bias_add", False) and _linear_bias(attn.linear_qkv) is not None:
+        problems.append("a QKV layer with skip_bias_add (Megatron drops that bias)")
+    if problems:
+        raise NotImplementedError("compiled decode layers do not support " + ", ".join(problems))
+    shape = LayerShape(
+        heads=attn.num_attention_heads_per_partition,
+        groups=attn.num_query_groups_per_partition,
+        head_dim=attn.hidden_size_per_attention_head,
+        eps=float(layer.input_layernorm.eps),
+        qk_eps=None if qk[0] is None else float(qk[0].eps),
+        glu_offset=float(getattr(config, "glu_linear_offset", 0.0) or 0.0),
+        scale=float(attn.core_attention.softmax_scale))
+    if float(layer.pre_mlp_layernorm.eps) != shape.eps or \
+            (qk[1] is not None and float(qk[1].eps) != shape.qk_eps):
+        raise NotImplementedError("compiled decode layers need one epsilon for both norms")
+    weights = LayerWeights(
+        ln1=layer.input_layernorm.weight, qkv=attn.linear_qkv.weight,
+        qkv_bias=_linear_bias(attn.linear_qkv),
+        q_ln=None if qk[0] is None else qk[0].weight, k_ln=None if qk[1] is None else qk[1].weight,
+        proj=attn.linear_proj.weight, proj_bias=_linear_bias(attn.linear_proj),
+        ln2=layer.pre_mlp_layernorm.weight, fc1=mlp.linear_fc1.weight,
+        fc1_bias=_linear_bias(mlp.linear_fc1), fc2=mlp.linear_fc2.weight,
+        fc2_bias=_linear_bias(mlp.linear_fc2))
+    return shape, weights
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Megatron's parallel linear layer at TP=1: ``matmul(x, weight.t())`` then ``+ bias``."""
+    out = torch.matmul(x, weight.t())
+    return out if bias is None else out + bias
+
+
+def attention_in(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
+                 signed_sin: torch.Tensor, *, shape: LayerShape
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention's inputs of one decode step (the one-token sequence dimension of
+    Megatron's ``[1, B, ...]`` tensors dropped: the same products).
+
+    Args:
+        hidden: ``[B, h]`` the layer's input (the residual stream).
+        w: the layer's weights.
+        cos, signed_sin: ``[B, 1, d_rot]`` in ``hidden``'s dtype, each row's RoPE cosine and
+            sine with its first half negated (:func:`mcore_rl.megatron.rope.cos_sin`).
+        shape: the layer's constants.
+
+    Returns:
+        ``(query [B, np, d], key [B, ng, d], value [B, ng, d])``, RoPE applied to the query
+        and key.
+    """
+    x = F.rms_norm(hidden, (hidden.shape[-1],), w.ln1, shape.eps)
+    mixed = _linear(x, w.qkv, w.qkv_bias)
+    per_group = shape.heads // shape.groups
+    d = shape.head_dim
+    mixed = mixed.view(mixed.shape[0], shape.groups, (per_group + 2) * d)
+    query, key, value = torch.split(mixed, [per_group * d, d, d], dim=2)
+    query = query.reshape(query.size(0), -1, d)
+    if w.q_ln is not None:
+        query = F.rms_norm(query, (d,), w.q_ln, shape.qk_eps)
+        key = F.rms_norm(key, (d,), w.k_ln, shape.qk_eps)
+    return _rope(query, cos, signed_sin), _rope(key, cos, signed_sin), value
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`mcore_rl.megatron.rope.rotate`'s arithmetic with its cosine and signed sine."""
+    rot = cos.shape[-1]
+    head, rest = (t, None) if rot == t.shape[-1] else (t[..., :rot], t[..., rot:])
+    half = rot // 2
+    out = head * cos + torch.cat((head[..., half:], head[..., :half]), dim=-1) * signed_sin
+    return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+def attention_out(hidden: torch.Tensor, query: torch.Tensor, kv: Tuple, w: LayerWeights, *,
+                  shape: LayerShape) -> torch.Tensor:
+    """The rest of the layer: attention over the cache, output projection, residual, MLP,
+    residual.
+
+    Args:
+        hidden: ``[B, h]`` the layer's input (the residual).
+        query: ``[B, np, d]`` from :func:`attention_in`.
+        kv: the cache's buffers and mask of this step (:meth:`~mcore_rl.megatron.attention.
+            KVCache.step`), for :func:`~mcore_rl.megatron.attention.cache_attention`.
+        w, shape: the layer's weights and constants.
+
+    Returns:
+        ``[B, h]`` the layer's output.
+    """
+    from mcore_rl.megatron.attention import cache_attention
+
+    core = cache_attention(query[None], kv, shape.scale)[0]
+    hidden = hidden + _linear(core, w.proj, w.proj_bias)
+    x = F.rms_norm(hidden, (hidden.shape[-1],), w.ln2, shape.eps)
+    gate, up = torch.chunk(_linear(x, w.fc1, w.fc1_bias), 2, dim=-1)
+    return hidden + _linear(F.silu(gate) * (up + shape.glu_offset), w.fc2, w.fc2_bias)
+
+
+class DecodeLayers:
+    """The decode step of a model's layers through :func:`attention_in` /
+    :func:`attention_out` (module docstring).
+
+    Args:
+        layers: Megatron's ``TransformerLayer`` modules, in order.
+        compile: the compiler of the two functions (``torch.compile`` with Inductor by
+            default); None runs them eagerly (bit for bit Megatron's layers: the tests' check of
+            the functions themselves).
+
+    Raises:
+        NotImplementedError: from :func:`layer_weights`.
+    """
+
+    def __init__(self, layers, compile: Optional[Callable] = torch.compile):
+        read = [layer_weights(layer) for layer in layers]
+        self.shape = read[0][0]
+        if any(s != self.shape for s, _ in read):
+            raise NotImplementedError("compiled decode layers need equal layers")
+        self.numbers = [layer.layer_number for layer in layers]
+        self.weights: List[LayerWeights] = [w for _, w in read]
+        self._in, self._out = attention_in, attention_out
+        if compile is not None:
+            self._in = compile(attention_in)
+            self._out = compile(attention_out)
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 cache) -> torch.Tensor:
+        """The layers' output ``[1, B, h]`` for input ``hidden`` ``[1, B, h]`` (after the
+        embedding) and RoPE ``cos``, ``signed_sin`` ``[1, B, 1, d_rot]``, each layer writing its
+        key and value into ``cache`` (a :class:`~mcore_rl.megatron.attention.KVCache` in a
+        decode mode)."""
+        # [B, ...] tensors, contiguous: their strides are the same at every layer and bucket
+        hidden, cos, signed_sin = hidden[0].contiguous(), cos[0], signed_sin[0]
+        for t in (cos, signed_sin):
+            _dynamic(t, 0)
+        for number, w in zip(self.numbers, self.weights):
+            _dynamic(hidden, 0)
+            query, key, value = self._in(hidden, w, cos, signed_sin, shape=self.shape)
+            kv = cache.step(number, key, value)
+            _dynamic(query, 0)
+            for t in kv:  # rows (or groups) and span of the cache views and the mask
+                _dynamic(t, *(() if t is None else (0, 1) if t.dim() == 2 else (0, 2)))
+            hidden = self._out(hidden, query, kv, w, shape=self.shape)
+        return hidden[None]
+
+
+def _dynamic(t: Optional[torch.Tensor], *dims: int) -> None:
+    """Mark dims of ``t`` (the row bucket, the attended span) dynamic for torch.compile: one
+    compile for every bucket (not a constraint: torch may still specialize)."""
+    if t is not None:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
