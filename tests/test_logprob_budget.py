@@ -18,6 +18,9 @@ from mcore_rl.generation.hf import HFGenerationBackend
 
 SMALL = [
     "cluster.use_ray=false",
+    # the tests plant their drift on the backend's generate(); scoring while decoding takes the
+    # rollout through generate_async instead (the same rollouts and rewards)
+    "reward.score_while_decoding=false",
     "grpo.num_prompts_per_step=2",
     "grpo.num_generations=2",
     "grpo.val_every=0",

@@ -648,6 +648,7 @@ class ProcessWorkerGroup(_Group):
             p.join(timeout=5 if kill else 30)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=30)  # reaped: no process of the group outlives its stop
         for waiting in self._waiting:
             waiting.put(None)
 

@@ -106,15 +106,20 @@ class Recorder:
                 self.peaks[name] = max(self.peaks.get(name, 0), peak)
 
         timer.phase = phase
-        generate = trainer.generation.generate
+        # the rollouts' lengths, whichever way the producer makes them (with
+        # reward.score_while_decoding it returns (rollout, pending rewards))
+        for name in ("generate", "generate_scored"):
+            setattr(trainer.producer, name, self._lengths(getattr(trainer.producer, name)))
 
+    def _lengths(self, fn):
         def generated(*args, **kwargs):
-            out = generate(*args, **kwargs)
-            self.longest = max(self.longest, int(out["input_lengths"].max()))
-            self.longest_prompt = max(self.longest_prompt, int(out["prompt_lengths"].max()))
+            out = fn(*args, **kwargs)
+            rollout = out[0] if isinstance(out, tuple) else out
+            self.longest = max(self.longest, int(rollout["input_lengths"].max()))
+            self.longest_prompt = max(self.longest_prompt, int(rollout["prompt_lengths"].max()))
             return out
 
-        trainer.generation.generate = generated
+        return generated
 
     def _stats(self, reset: bool) -> List[Dict[str, int]]:
         return self.trainer.policy.call(PolicyAPI).memory_stats(reset)

@@ -82,7 +82,11 @@ class Recorder:
         self.longest = 0
         self.longest_prompt = 0
         t = trainer
-        t.generation.generate = self._wrap("generation", t.generation.generate, result_rows=True)
+        # the rollout, whichever way the producer makes it (reward.score_while_decoding:
+        # generate_scored, which returns (rollout, pending rewards))
+        for name in ("generate", "generate_scored"):
+            setattr(t.producer, name, self._wrap("generation", getattr(t.producer, name),
+                                                 result_rows=True))
         t.policy_logprobs = self._wrap("logprobs", t.policy_logprobs)
         t.train_policy = self._wrap("train", t.train_policy)
 
@@ -97,7 +101,8 @@ class Recorder:
             peak = self.peaks.setdefault(phase, {"max_allocated": 0, "max_reserved": 0})
             for key in peak:
                 peak[key] = max(peak[key], *(s[key] for s in stats))
-            batch = out if result_rows else (args[0] if args else None)
+            batch = (out[0] if isinstance(out, tuple) else out) if result_rows else (
+                args[0] if args else None)
             if isinstance(batch, dict) and "input_lengths" in batch:
                 self.longest = max(self.longest, int(batch["input_lengths"].max()))
             if result_rows and isinstance(batch, dict) and "prompt_lengths" in batch:
