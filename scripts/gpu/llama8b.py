@@ -13,7 +13,9 @@ runs ``--steps`` RL steps (``Loop.fit``). Measured:
   the policy's process (:func:`mcore_rl.megatron.memory.plan_memory` at the longest row seen,
   without the rollout engine's share, which lives in the engines' processes), and the GPUs'
   used memory (NVML, every process, sampled every 0.1 s; the largest over the phase's windows
-  and GPUs) against the whole predicted phase.
+  and GPUs) against the whole predicted phase, and each process's own peak on GPU 0 in each
+  phase (NVML's per-process used memory, named by its command line: the policy rank, the
+  vLLM engine's worker), which splits the GPU's figure into the planner's terms.
 
 Usage (one device call; carry the wheels as scripts/gpu/env.sh expects, vLLM installed into
 /tmp/site by ``session.sh vllm``):
@@ -64,13 +66,31 @@ class GPUSampler(threading.Thread):
         self.nvml = pynvml
         self.period = period
         self.samples: List[Tuple[float, List[int]]] = []
+        self.procs: List[Tuple[float, Dict[int, int]]] = []  # GPU 0: pid -> used bytes
         self.stop = threading.Event()
 
     def run(self) -> None:
         while self.handles and not self.stop.is_set():
             used = [self.nvml.nvmlDeviceGetMemoryInfo(h).used for h in self.handles]
-            self.samples.append((time.perf_counter(), used))
+            t = time.perf_counter()
+            self.samples.append((t, used))
+            try:
+                running = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handles[0])
+                self.procs.append((t, {p.pid: p.usedGpuMemory or 0 for p in running}))
+            except Exception:  # a driver or container that hides processes: GPU totals only
+                pass
             time.sleep(self.period)
+
+    def process_peaks(self, windows: List[Tuple[float, float]]) -> List[Tuple[str, float]]:
+        """Each process's largest used GiB on GPU 0 within ``windows``, named by its command
+        line (pid: first 60 characters), largest first."""
+        best: Dict[int, int] = {}
+        for t, used in self.procs:
+            if any(a <= t <= b for a, b in windows):
+                for pid, b in used.items():
+                    best[pid] = max(best.get(pid, 0), b)
+        return sorted(((f"{pid}: {_cmdline(pid)}", b / GIB) for pid, b in best.items()),
+                      key=lambda x: -x[1])
 
     def peak(self, windows: List[Tuple[float, float]]) -> int:
         """The largest used bytes of any GPU within ``windows``."""
@@ -79,6 +99,14 @@ class GPUSampler(threading.Thread):
             if any(a <= t <= b for a, b in windows):
                 best = max(best, max(used))
         return best
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:60].strip()
+    except OSError:
+        return "?"
 
 
 class Recorder:
@@ -169,10 +197,13 @@ def main() -> int:
         mem.append({"phase": phase, "policy_alloc_gib": rec.peaks.get(phase, 0) / GIB,
                     "policy_plan_gib": None if predicted_policy is None else predicted_policy / GIB,
                     "gpu_used_gib": sampler.peak(rec.windows[phase]) / GIB,
-                    "gpu_plan_gib": None if predicted_total is None else predicted_total / GIB})
+                    "gpu_plan_gib": None if predicted_total is None else predicted_total / GIB,
+                    "gpu0_processes": sampler.process_peaks(rec.windows[phase])})
     keys = ["timing/step_s", "timing/generation_s", "timing/refit_s", "timing/logprobs_s",
             "timing/train_s", "perf/tokens_per_s_per_gpu", "train/response_length",
-            "train/num_tokens", "refit/seconds", "refit/gbytes", "train/token_mult_prob_error"]
+            "train/num_tokens", "refit/seconds", "refit/gbytes", "train/token_mult_prob_error",
+            "refit/offload_train_s", "refit/wake_weights_s", "refit/transfer_s",
+            "refit/offload_weights_s", "refit/wake_kv_s"]
     timed = rows[args.warmup:] or rows
 
     def median(k):
@@ -199,6 +230,10 @@ def main() -> int:
           f"{m['timing/logprobs_s']:6.2f} {m['timing/train_s']:6.2f} "
           f"{m['perf/tokens_per_s_per_gpu']:9.0f}  refit {m['refit/seconds']:.2f} s for "
           f"{m['refit/gbytes']:.1f} GB")
+    parts = [k for k in keys if k.startswith("refit/") and k.endswith("_s") and m[k] == m[k]]
+    if parts:
+        print("  refit hand-overs (medians, s): " + ", ".join(
+            f"{k.split('/')[1][:-2]} {m[k]:.2f}" for k in parts))
     print(f"\n== {args.name}: memory per phase, GiB (policy: max_memory_allocated of its process vs "
           f"plan; GPU: NVML used, every process, vs the whole plan)")
     for r in mem:
@@ -206,6 +241,8 @@ def main() -> int:
         gp = "-" if r["gpu_plan_gib"] is None else f"{r['gpu_plan_gib']:.1f}"
         print(f"{r['phase']:>10} policy {r['policy_alloc_gib']:6.1f} plan {pp:>6}   "
               f"GPU {r['gpu_used_gib']:6.1f} plan {gp:>6}")
+        for name, gib in r["gpu0_processes"]:
+            print(f"{'':>12}GPU 0 process {gib:6.2f} GiB  {name}")
     return 0
 
 
