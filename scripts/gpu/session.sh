@@ -446,7 +446,7 @@ stage_l8off() {  # L8OFF_RECOMPUTE (full, selective or null); L8OFF_SET: more ov
 
 stage_l8meg() {
     L8_STEPS=${L8MEG_STEPS:-3} l8run l8_megatron "${L8_TIMEOUT:-900}" generation.backend=megatron \
-        generation.batch_size=128
+        generation.batch_size="${L8MEG_BATCH:-256}"
 }
 
 stage_watch() {
