@@ -24,6 +24,7 @@ and the run's tokenizer files.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from pathlib import Path
@@ -72,6 +73,29 @@ def _sources(checkpoint: Path, hf_config: Path | None, tokenizer: Path | None):
             f"else pass --tokenizer)"
         )
     return policy, config, tokenizer
+
+
+@contextlib.contextmanager
+def load_on_cpu():
+    """Within the block, ``torch.load`` maps what it reads to the CPU unless told otherwise.
+
+    A checkpoint saved by GPU workers keeps CUDA tensors in its common (unsharded) state, which
+    Megatron's ``load_common_state_dict`` reads through ``torch.distributed.checkpoint`` with a
+    bare ``torch.load``; on a machine without the GPU (export runs on CPU) that load fails with
+    "Attempted to set the storage of a tensor on device cpu to a storage on ... cuda:0"
+    (seen exporting a reward model trained on an H100)."""
+    original = torch.load
+
+    def load(*args, **kwargs):
+        if len(args) < 2:
+            kwargs.setdefault("map_location", "cpu")
+        return original(*args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
 
 
 def _check_against_checkpoint(request, saved, policy: Path, arch) -> None:
@@ -163,7 +187,8 @@ def load_hf_state_dict(policy: str | Path, hf_config,
         if reward_model:
             attach_scalar_heads([model], embedding.dtype, 0, torch.device("cpu"), bias=False)
         _check_against_checkpoint(model.sharded_state_dict(), saved, policy, arch)
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(policy))
+        with load_on_cpu():
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(policy))
         model.load_state_dict(loaded["model"])
         # Padding rows stay zero in training (no token reaches them); trained rows do not.
         if model.embedding.word_embeddings.weight[arch.vocab_size:].count_nonzero():

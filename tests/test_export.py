@@ -198,3 +198,25 @@ def test_missing_inputs_are_named(tmp_path, capsys):
     assert out in _cli_error(capsys, "--checkpoint", str(missing), "--output", out)
     assert "--max-shard-size" in _cli_error(capsys, "--checkpoint", str(missing), "--output",
                                             str(tmp_path / "new"), "--max-shard-size", "5XB")
+
+
+def test_load_on_cpu_reads_a_gpu_saved_common_state_on_a_cpu_machine(monkeypatch):
+    """A checkpoint's common state saved by GPU workers holds storages tagged cuda:0; a bare
+    ``torch.load`` (as torch.distributed.checkpoint reads it) fails on a machine without
+    CUDA, and export's ``load_on_cpu`` reads it onto the CPU."""
+    import io
+
+    from mcore_rl.export import load_on_cpu
+
+    buf = io.BytesIO()
+    with monkeypatch.context() as m:  # tag the storages as a GPU rank's save does
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"step": torch.tensor([3.0, 4.0])}, buf)
+    buf.seek(0)
+    with pytest.raises(RuntimeError):
+        torch.load(buf, weights_only=False)
+    buf.seek(0)
+    with load_on_cpu():
+        state = torch.load(buf, weights_only=False)
+    assert state["step"].device.type == "cpu" and state["step"].tolist() == [3.0, 4.0]
+    assert torch.load is not None and "load_on_cpu" not in repr(torch.load)
