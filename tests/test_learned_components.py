@@ -69,7 +69,8 @@ def test_the_learned_component_joins_the_weighted_sum(rmwpkg):
     from mcore_rl.rewards.pool import RewardScorer
 
     reward = RewardConfig(names=["exact", "model", LENGTH], weights=[1.0, 0.5, 0.25])
-    assert weighted_names(reward) == [("exact", 1.0, "reward/exact"), ("model", 0.5, "reward/model"),
+    assert weighted_names(reward) == [("exact", 1.0, "reward/exact"),
+                                      ("model", 0.5, "reward/model"),
                                       (LENGTH, 0.25, "reward/length")]
     others = RewardScorer(reward_components(reward, exclude=("model",)))
     learned = LearnedRewards(_Learned(), None, others, [1.0, 0.5, 0.25], 1, "reward/model")

@@ -90,8 +90,9 @@ def _as_judge_message(message: str) -> str:
 
 
 def reward_model_errors(cfg: TrainConfig) -> List[str]:
-    """A reward model (``model`` in ``reward.name`` or ``reward.names``): ``reward_model.hf_path`` names a Hugging Face checkpoint with a
-    tokenizer (or ``reward_model.tokenizer``) and a score head (``score.weight``: a
+    """A reward model (``model`` in ``reward.name`` or ``reward.names``):
+    ``reward_model.hf_path`` names a Hugging Face checkpoint with a tokenizer (or
+    ``reward_model.tokenizer``) and a score head (``score.weight``: a
     ``*ForSequenceClassification`` with one label); the scoring token budget holds a row."""
     rm = cfg.reward_model
     if rm.hf_path is None:
@@ -116,9 +117,9 @@ def reward_model_errors(cfg: TrainConfig) -> List[str]:
 
 
 def judge_errors(cfg: TrainConfig) -> List[str]:
-    """A judge (``judge`` in ``reward.name`` or ``reward.names``): the template (:func:`judge_template_errors`), the score pattern
-    and range, the judge's checkpoint, and its generation backend's own check on
-    :func:`judge_run_config` (keys named ``judge.*``)."""
+    """A judge (``judge`` in ``reward.name`` or ``reward.names``): the template
+    (:func:`judge_template_errors`), the score pattern and range, the judge's checkpoint, and
+    its generation backend's own check on :func:`judge_run_config` (keys named ``judge.*``)."""
     j = cfg.judge
     errors = judge_template_errors(j.template)
     try:

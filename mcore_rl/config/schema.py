@@ -464,11 +464,11 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     """The reward: a verifier, a learned reward (a reward model, a judge), or several weighted
-    (mcore_rl/rewards/; at most one of them learned). A reward function is ``(response_text, example) -> float``
-    (``example.fields`` holds the data set's extra columns); ``async def`` ones are awaited
-    concurrently and batched ones (the attribute ``batched = True``: ``(responses, examples) ->
-    list of floats``) get a step's samples in one call, both in the controller (for remote
-    scorers); the others score in the pool."""
+    (mcore_rl/rewards/; at most one of them learned). A reward function is ``(response_text,
+    example) -> float`` (``example.fields`` holds the data set's extra columns); ``async def``
+    ones are awaited concurrently and batched ones (the attribute ``batched = True``:
+    ``(responses, examples) -> list of floats``) get a step's samples in one call, both in the
+    controller (for remote scorers); the others score in the pool."""
 
     # Verifier (mcore_rl/config/registry.py VERIFIERS): "exact" (synthetic: first line is the
     # integer answer), "math" (GSM8K, math-verify), or "module:function" of your own; or a

@@ -14,8 +14,10 @@ worker starts (it reads and checks its inputs, raising
 with the rollout batch (``input_ids``, ``input_lengths``, ``prompt_lengths``, ``truncated``),
 the decoded responses and the examples they answer, and closed with :meth:`close`. A verifier's
 ``(response_text, Example) -> float`` and this give the same thing per sample, so a weighted sum
-of components takes either. :class:`LearnedRewards` runs one in the RL step: in a thread of its
-own (its forward overlaps the policy's logprob forward), with the verifier of
+of components takes either (``reward.names=[math,model]``, ``reward.weights``; at most one
+learned reward a run). :class:`LearnedRewards` runs one in the RL step: in a thread of its own
+(its forward overlaps the policy's logprob forward), alone or weighted among the other rewards
+of ``reward.names`` (scored in their pool as without it), with the verifier of
 ``reward.verifier`` scored beside it for the curves only (reward hacking shows as the learned
 reward rising while the verifier's falls).
 

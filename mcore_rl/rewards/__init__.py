@@ -11,7 +11,8 @@ Built in (chosen by name from the ``VERIFIERS`` table of :mod:`mcore_rl.config.r
 (:func:`~mcore_rl.rewards.math.math_reward`, GSM8K); a user's function by its import path
 (``reward.name=my_pkg.rewards:score``). Several are summed with weights (``reward.names``,
 ``reward.weights``: :func:`reward_components`), each one also logged as ``reward/<name>``
-(:attr:`RewardComponent.metric`). A sample whose reward raises scores 0 for that reward and is
+(:attr:`RewardComponent.metric`); one of them may be a learned reward (``model``, ``judge``),
+scored and weighted in by :mod:`mcore_rl.controller.learned_rewards`. A sample whose reward raises scores 0 for that reward and is
 counted (``train/reward_errors``); the run goes on.
 """
 
