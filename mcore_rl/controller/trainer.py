@@ -492,8 +492,9 @@ class RLTrainer:
     def validate(self) -> Dict[str, float]:
         """Greedy accuracy (mean reward; with several rewards their weighted sum, and each one's
         mean as ``val/reward/<name>``) on up to ``val_num_prompts`` held-out prompts. With a
-        learned reward: ``val/reward`` its mean, ``val/accuracy`` the mean of the tracked
-        ``reward.verifier`` (without one, the learned reward's), and its own figures."""
+        learned reward (alone or one of several): ``val/reward`` the run's reward's mean,
+        ``val/accuracy`` the mean of the tracked ``reward.verifier`` (without one, the run's
+        reward's), and the learned reward's own figures."""
         if self.test_data is None or len(self.test_data) == 0:
             return {}
         n = min(self.section.val_num_prompts, len(self.test_data))
