@@ -259,6 +259,19 @@ BAD = [
     ("judge template without the response", ["reward.name=judge",
                                              "judge.template='Rate {{prompt}} from 0 to 10:'"],
      "has no {{response}} placeholder"),
+    ("two learned rewards", ["reward.names=[exact,model,judge]", "reward.weights=[1,1,1]",
+                             "reward_model.hf_path={in}/rm_other_tok"],
+     "reward.names=[exact,model,judge] names 2 learned rewards (model, judge): a run scores with "
+     "at most one"),
+    ("weights beside a learned component", ["reward.names=[exact,model]", "reward.weights=[1.0]",
+                                            "reward_model.hf_path={in}/rm_other_tok"],
+     "reward.weights has 1 weights for 2 reward(s) (reward.names: exact, model)"),
+    ("learned component without its checkpoint", ["reward.names=[exact,model]"],
+     "a reward model (model in reward.name or reward.names) needs reward_model.hf_path"),
+    ("tracked verifier without a learned reward", ["reward.names=[exact,math]",
+                                                   "reward.verifier=exact"],
+     "reward.verifier=exact tracks a verifier beside a learned reward (model or judge in "
+     "reward.name or reward.names); reward.names=[exact,math] has none"),
 ]
 
 

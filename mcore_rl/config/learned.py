@@ -90,12 +90,14 @@ def _as_judge_message(message: str) -> str:
 
 
 def reward_model_errors(cfg: TrainConfig) -> List[str]:
-    """``reward.name=model``: ``reward_model.hf_path`` names a Hugging Face checkpoint with a
-    tokenizer (or ``reward_model.tokenizer``) and a score head (``score.weight``: a
+    """A reward model (``model`` in ``reward.name`` or ``reward.names``):
+    ``reward_model.hf_path`` names a Hugging Face checkpoint with a tokenizer (or
+    ``reward_model.tokenizer``) and a score head (``score.weight``: a
     ``*ForSequenceClassification`` with one label); the scoring token budget holds a row."""
     rm = cfg.reward_model
     if rm.hf_path is None:
-        return ["reward.name=model needs reward_model.hf_path: a *ForSequenceClassification "
+        return ["a reward model (model in reward.name or reward.names) needs "
+                "reward_model.hf_path: a *ForSequenceClassification "
                 "checkpoint with one label (e.g. `mcore-rl export` of an algorithm=rm run)"]
     errors = hf_checkpoint_errors("reward_model.hf_path", rm.hf_path, tokenizer=rm.tokenizer is None)
     if rm.tokenizer is not None:
@@ -115,9 +117,9 @@ def reward_model_errors(cfg: TrainConfig) -> List[str]:
 
 
 def judge_errors(cfg: TrainConfig) -> List[str]:
-    """``reward.name=judge``: the template (:func:`judge_template_errors`), the score pattern
-    and range, the judge's checkpoint, and its generation backend's own check on
-    :func:`judge_run_config` (keys named ``judge.*``)."""
+    """A judge (``judge`` in ``reward.name`` or ``reward.names``): the template
+    (:func:`judge_template_errors`), the score pattern and range, the judge's checkpoint, and
+    its generation backend's own check on :func:`judge_run_config` (keys named ``judge.*``)."""
     j = cfg.judge
     errors = judge_template_errors(j.template)
     try:
@@ -157,28 +159,50 @@ def rm_errors(cfg: TrainConfig) -> List[str]:
     return errors
 
 
+def learned_names(reward) -> List[str]:
+    """The learned rewards (:data:`~mcore_rl.config.registry.LEARNED_REWARDS`: ``model``,
+    ``judge``) among the run's rewards (``reward.names``, else ``reward.name``), in order; a
+    run that passes :func:`learned_reward_rules` has at most one."""
+    names = reward.names if reward.names is not None else [reward.name]
+    return [n for n in names if n in LEARNED_REWARDS]
+
+
+def learned_reward_name(reward) -> Optional[str]:
+    """The run's learned reward (the first of :func:`learned_names`), or None."""
+    return next(iter(learned_names(reward)), None)
+
+
 def learned_reward_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
     """The rule of :data:`mcore_rl.config.rules.RULES`: :func:`rm_errors` for ``algorithm:
-    rm``; for a learned ``reward.name`` (:data:`~mcore_rl.config.registry.LEARNED_REWARDS`)
-    its checks (:func:`reward_model_errors`, :func:`judge_errors`) and the one-turn path
+    rm``; for a learned reward (:data:`~mcore_rl.config.registry.LEARNED_REWARDS`) as
+    ``reward.name`` or one weighted component of ``reward.names``: at most one of them, its
+    checks (:func:`reward_model_errors`, :func:`judge_errors`) and the one-turn path
     (``env.name=single_turn``: a multi-turn environment's rewards are its own);
     ``reward.verifier`` only beside a learned reward."""
     if cfg.algorithm == "rm":
         return rm_errors(cfg)
-    name = cfg.reward.name
-    if name not in LEARNED_REWARDS:
-        if cfg.reward.verifier is None or any(e.startswith("reward.") for e in field_errors):
+    r = cfg.reward
+    key = "reward.names" if r.names is not None else "reward.name"
+    learned = learned_names(r)
+    if not learned:
+        if r.verifier is None or any(e.startswith("reward.") for e in field_errors):
             return []
-        return [f"reward.verifier={cfg.reward.verifier} tracks a verifier beside a learned "
-                f"reward (reward.name {' or '.join(LEARNED_REWARDS)}); reward.name={name} is "
-                f"the reward itself: unset reward.verifier"]
+        return [f"reward.verifier={r.verifier} tracks a verifier beside a learned reward "
+                f"({' or '.join(LEARNED_REWARDS)} in reward.name or reward.names); "
+                f"{key}={_listed(r)} has none: unset reward.verifier (a verifier of "
+                f"reward.names is logged as reward/<name>)"]
+    if len(learned) > 1:
+        return [f"reward.names={_listed(r)} names {len(learned)} learned rewards "
+                f"({', '.join(learned)}): a run scores with at most one; keep one of them"]
+    name = learned[0]
     errors = reward_model_errors(cfg) if name == "model" else judge_errors(cfg)
-    if cfg.reward.names is not None or cfg.reward.weights is not None:
-        errors.append(f"reward.name={name} is the run's only reward: reward.names and "
-                      f"reward.weights combine verifiers and cannot take a learned reward yet; "
-                      f"unset them (track a verifier beside it with reward.verifier)")
     if cfg.env.name != "single_turn":
-        errors.append(f"reward.name={name} scores one-turn rollouts: it needs "
-                      f"env.name=single_turn (got {cfg.env.name}, whose environment gives the "
-                      f"rewards)")
+        errors.append(f"{key}={_listed(r)}: the learned reward {name} scores one-turn rollouts: "
+                      f"it needs env.name=single_turn (got {cfg.env.name}, whose environment "
+                      f"gives the rewards)")
     return errors
+
+
+def _listed(reward) -> str:
+    """``reward.names`` as the user writes it (``[math,model]``), else ``reward.name``."""
+    return reward.name if reward.names is None else "[" + ",".join(reward.names) + "]"

@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from mcore_rl.config.families import (arch_errors, layout_errors, microbatch_width_multiple,
                                       parallel_shape_errors)
-from mcore_rl.config.learned import learned_reward_rules
+from mcore_rl.config.learned import learned_reward_name, learned_reward_rules
 from mcore_rl.config.paths import hf_checkpoint_errors, tokenizer_dir_error
 from mcore_rl.config.plugins import plugin_errors
 from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, ENVIRONMENTS, backend_errors,
@@ -41,15 +41,16 @@ CRITIC_ALGORITHM = "ppo"
 def _megatron_sections(cfg: TrainConfig) -> Tuple[Tuple[str, bool], ...]:
     """The sections with a Megatron layout, each with whether its model is ``model.*``:
     ``policy``, ``value`` with a critic, ``reward_model`` (of ``model.*`` for ``algorithm: rm``;
-    of ``reward_model.hf_path`` for ``reward.name=model``), ``judge`` (of ``model.*`` unless
-    ``judge.hf_path``) for ``reward.name=judge``."""
+    of ``reward_model.hf_path`` for a reward model in ``reward.name`` or ``reward.names``),
+    ``judge`` (of ``model.*`` unless ``judge.hf_path``) for a judge there."""
     if cfg.algorithm == "rm":
         return (("reward_model", True),)
     sections = (("policy", True), ("value", True)) if cfg.algorithm == CRITIC_ALGORITHM \
         else (("policy", True),)
-    if cfg.reward.name == "model":
+    learned = learned_reward_name(cfg.reward)
+    if learned == "model":
         sections += (("reward_model", False),)
-    if cfg.reward.name == "judge":
+    if learned == "judge":
         sections += (("judge", cfg.judge.hf_path is None),)
     return sections
 

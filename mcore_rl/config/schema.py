@@ -463,26 +463,28 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    """The reward: a verifier, several weighted (mcore_rl/rewards/), or a learned reward (a
-    reward model, a judge). A reward function is ``(response_text, example) -> float``
-    (``example.fields`` holds the data set's extra columns); ``async def`` ones are awaited
-    concurrently and batched ones (the attribute ``batched = True``: ``(responses, examples) ->
-    list of floats``) get a step's samples in one call, both in the controller (for remote
-    scorers); the others score in the pool."""
+    """The reward: a verifier, a learned reward (a reward model, a judge), or several weighted
+    (mcore_rl/rewards/; at most one of them learned). A reward function is ``(response_text,
+    example) -> float`` (``example.fields`` holds the data set's extra columns); ``async def``
+    ones are awaited concurrently and batched ones (the attribute ``batched = True``:
+    ``(responses, examples) -> list of floats``) get a step's samples in one call, both in the
+    controller (for remote scorers); the others score in the pool."""
 
     # Verifier (mcore_rl/config/registry.py VERIFIERS): "exact" (synthetic: first line is the
     # integer answer), "math" (GSM8K, math-verify), or "module:function" of your own; or a
     # learned reward: "model" (a reward model's score of the last token: reward_model.*) or
     # "judge" (a generative judge's parsed rating: judge.*).
     name: str = plugin("exact", names(VERIFIERS) + names(LEARNED_REWARDS))
-    # With a learned reward (reward.name model or judge): a verifier scored beside it on every
-    # rollout, for tracking only (train/verifier_reward; validation's val/accuracy, with the
-    # learned reward as val/reward); null: none (val/accuracy is then the learned reward).
+    # With a learned reward (model or judge, in reward.name or reward.names): a verifier scored
+    # beside it on every rollout, for tracking only (train/verifier_reward; validation's
+    # val/accuracy, with the run's reward as val/reward); null: none (val/accuracy is then the
+    # run's reward).
     verifier: Optional[str] = one_of(None, names(VERIFIERS))
-    # Several rewards (each as reward.name, verifiers only), summed with reward.weights; with two
-    # or more, each is logged as reward/<name> (unweighted; val/reward/<name> in validation).
-    # When set, replaces reward.name; null: reward.name alone.
-    names: Optional[List[str]] = plugin(None, names(VERIFIERS))
+    # Several rewards (each as reward.name), summed with reward.weights; with two or more, each
+    # is logged as reward/<name> (unweighted; val/reward/<name> in validation). At most one
+    # learned reward (model or judge) among them: it scores the whole rollout after generation,
+    # the others as reward.name would. When set, replaces reward.name; null: reward.name alone.
+    names: Optional[List[str]] = plugin(None, names(VERIFIERS) + names(LEARNED_REWARDS))
     # The weight of each reward of reward.names (or of reward.name: one weight); null: 1 each.
     weights: Optional[List[float]] = None
     # Processes that score in parallel, overlapped with the logprob forward
@@ -747,7 +749,7 @@ class RewardModelConfig:
 
     # A Hugging Face *ForSequenceClassification checkpoint with one label (score.weight; e.g.
     # `mcore-rl export` of an algorithm=rm run) of the families mcore-rl converts; needed by
-    # reward.name=model.
+    # reward.name=model (or model in reward.names).
     hf_path: Optional[str] = None
     # Its tokenizer directory; null: hf_path's.
     tokenizer: Optional[str] = None

@@ -14,8 +14,10 @@ worker starts (it reads and checks its inputs, raising
 with the rollout batch (``input_ids``, ``input_lengths``, ``prompt_lengths``, ``truncated``),
 the decoded responses and the examples they answer, and closed with :meth:`close`. A verifier's
 ``(response_text, Example) -> float`` and this give the same thing per sample, so a weighted sum
-of components takes either. :class:`LearnedRewards` runs one in the RL step: in a thread of its
-own (its forward overlaps the policy's logprob forward), with the verifier of
+of components takes either (``reward.names=[math,model]``, ``reward.weights``; at most one
+learned reward a run). :class:`LearnedRewards` runs one in the RL step: in a thread of its own
+(its forward overlaps the policy's logprob forward), alone or weighted among the other rewards
+of ``reward.names`` (scored in their pool as without it), with the verifier of
 ``reward.verifier`` scored beside it for the curves only (reward hacking shows as the learned
 reward rising while the verifier's falls).
 
@@ -47,6 +49,7 @@ from mcore_rl.config.checks import ConfigError
 from mcore_rl.config.schema import OptimizerConfig, TrainConfig
 from mcore_rl.data import batch as B
 from mcore_rl.data.example import Example
+from mcore_rl.rewards import weighted_total
 from mcore_rl.utils.logging import pop_prefixed
 from mcore_rl.workers.interfaces import PolicyAPI, RewardModelAPI
 
@@ -341,39 +344,93 @@ class JudgeReward:
 
 
 class _Pending:
-    """A learned reward's scores being computed (with the verifier's beside them), with the
-    interface of :class:`~mcore_rl.rewards.pool.PendingRewards`: :meth:`result` gives
-    ``(rewards [B] float32, errors, busy_seconds)``."""
+    """A learned reward's scores being computed (with the other rewards of ``reward.names`` and
+    the tracked verifier beside them), with the interface of
+    :class:`~mcore_rl.rewards.pool.PendingRewards`: :meth:`result` gives ``(rewards [B]
+    float32, errors, busy_seconds)``, :meth:`components` each reward's own scores."""
 
-    def __init__(self, owner: "LearnedRewards", future: cf.Future, tracked: Any):
-        self._owner, self._future, self._tracked = owner, future, tracked
+    def __init__(self, owner: "LearnedRewards", future: cf.Future, others: Any, tracked: Any,
+                 prefix: str):
+        self._owner, self._future, self._others, self._tracked = owner, future, others, tracked
+        self._prefix = prefix
+        self._result: Optional[Tuple[torch.Tensor, int, float]] = None
+        self._components: Dict[str, torch.Tensor] = {}
+
+    @property
+    def early_fraction(self) -> Optional[float]:
+        """The other rewards' (scored while decoding:
+        :attr:`~mcore_rl.rewards.pool.StreamingRewards.early_fraction`), or None."""
+        return getattr(self._others, "early_fraction", None)
 
     def done(self) -> bool:
-        return self._future.done() and (self._tracked is None or self._tracked.done())
+        """Whether :meth:`result` would return without waiting."""
+        return self._future.done() and all(p is None or p.done()
+                                           for p in (self._others, self._tracked))
 
     def result(self) -> Tuple[torch.Tensor, int, float]:
-        scored, seconds = self._future.result()
-        verifier, busy = None, 0.0
-        if self._tracked is not None:
-            verifier, _, busy = self._tracked.result()
-        self._owner._record("train/", scored, seconds, verifier)
-        return scored.rewards, scored.errors, busy
+        """``(rewards [B] float32, errors, busy seconds)``: the weighted sum of the learned
+        reward and the others (:meth:`LearnedRewards.combine`), their errors, the verifiers'
+        own seconds; the metrics recorded once (:meth:`LearnedRewards.pop_metrics`)."""
+        if self._result is None:
+            scored, seconds = self._future.result()
+            verifier, busy = None, 0.0
+            if self._tracked is not None:
+                verifier, _, busy = self._tracked.result()
+            rewards, errors, others_busy, self._components = self._owner.combine(scored,
+                                                                                 self._others)
+            self._owner._record(self._prefix, scored, seconds, verifier)
+            self._result = rewards, errors, busy + others_busy
+        return self._result
+
+    def components(self) -> Dict[str, torch.Tensor]:
+        """Each reward's own scores, unweighted, in ``reward.names`` order: ``reward/<name>``
+        -> ``[B]`` float32 (the learned reward's included); waits like :meth:`result`."""
+        self.result()
+        return self._components
 
 
 class LearnedRewards:
-    """A learned reward (``reward``, module docstring) in the RL step, with the verifier pool
-    ``verifier`` of ``reward.verifier`` (a :class:`~mcore_rl.rewards.pool.RewardScorer`, or
-    None) scored beside it and logged only.
+    """A learned reward (``reward``, module docstring) in the RL step: the run's reward alone,
+    or one weighted component of ``reward.names`` beside the others (verifiers, environment
+    rewards, the user's functions: the pool ``others``), with the verifier pool ``verifier`` of
+    ``reward.verifier`` scored beside them and logged only.
+
+    The learned reward scores the whole rollout after generation, in its thread; the others
+    score as without a learned reward (in their pool, while decoding with
+    ``reward.score_while_decoding``). A sample's reward is ``sum_k weights[k] * score_k`` over
+    ``reward.names`` in order (:func:`~mcore_rl.rewards.weighted_total`: one learned reward of
+    weight 1 is its own scores).
+
+    Args:
+        reward: the learned reward (``score(rollout, texts, examples) -> Scored``, ``close()``).
+        verifier: the pool of ``reward.verifier`` (a
+            :class:`~mcore_rl.rewards.pool.RewardScorer`), or None.
+        others: the pool of the other rewards of ``reward.names``, in order, or None.
+        weights: the weight of each reward of ``reward.names`` in order, the learned one's at
+            ``index`` (default: ``[1.0]``, the learned reward alone).
+        index: the learned reward's position in ``reward.names``.
+        metric: its logged key (``reward/<name>``, :func:`~mcore_rl.rewards.weighted_names`).
 
     Metrics (:meth:`pop_metrics`, per prefix ``train/`` or ``val/``): the reward's own
     (``<prefix><metric>``), ``<prefix>verifier_reward`` (the verifier's mean) and
     ``timing/learned_reward_s`` (the wall seconds of a scoring call, in its thread, overlapping
     the step's other phases; training only). Each is the mean over the scoring calls since the
-    last :meth:`pop_metrics` (one per RL step, several with GRPO's dynamic sampling).
+    last :meth:`pop_metrics` (one per RL step, several with GRPO's dynamic sampling). Each
+    reward's own scores come with the pending rewards (:meth:`_Pending.components`).
+
+    Raises:
+        ValueError: ``weights`` not one per reward (``others``' and the learned one), or
+            ``index`` outside them.
     """
 
-    def __init__(self, reward: Any, verifier: Any = None):
-        self.reward, self.verifier = reward, verifier
+    def __init__(self, reward: Any, verifier: Any = None, others: Any = None,
+                 weights: Sequence[float] = (1.0,), index: int = 0, metric: str = "reward/learned"):
+        self.reward, self.verifier, self.others = reward, verifier, others
+        count = 1 + (len(others.components) if others is not None else 0)
+        if len(weights) != count or not 0 <= index < count:
+            raise ValueError(f"LearnedRewards: {len(weights)} weights and index {index} for "
+                             f"{count} rewards")
+        self.weights, self.index, self.metric = [float(w) for w in weights], index, metric
         self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="mcore-rl-learned-reward")
         self._metrics: List[Dict[str, float]] = []
 
@@ -391,23 +448,42 @@ class LearnedRewards:
             m["timing/learned_reward_s"] = seconds
         self._metrics.append(m)
 
-    def submit(self, rollout: B.Batch, texts: Sequence[str], examples: Sequence[Example]) -> _Pending:
-        """Start scoring (the learned reward in its thread, the verifier in its pool); returns
-        at once with the pending rewards."""
+    def combine(self, scored: Scored, others: Any
+                ) -> Tuple[torch.Tensor, int, float, Dict[str, torch.Tensor]]:
+        """The learned reward's ``scored`` with the other rewards' pending scores ``others``
+        (a :class:`~mcore_rl.rewards.pool.PendingRewards`, waited for; None without others):
+        ``(rewards [B] float32, errors, the others' busy seconds, components)``, rewards the
+        weighted sum over ``reward.names`` in order, components each reward's own ``[B]``
+        float32 scores by ``reward/<name>``."""
+        learned = scored.rewards.float()
+        if others is None:
+            values, errors, busy, theirs = [[] for _ in range(len(learned))], 0, 0.0, {}
+        else:
+            _, errors, busy = others.result()
+            values, theirs = others.values(), others.components()
+        i = self.index
+        rows = [v[:i] + [s] + v[i:] for v, s in zip(values, learned.tolist())]
+        items = list(theirs.items())
+        components = dict(items[:i] + [(self.metric, learned)] + items[i:])
+        return weighted_total(rows, self.weights), scored.errors + errors, busy, components
+
+    def submit(self, rollout: B.Batch, texts: Sequence[str], examples: Sequence[Example],
+               prefix: str = "train/", others: Any = None) -> _Pending:
+        """Start scoring (the learned reward in its thread, the others and the verifier in
+        their pools); returns at once with the pending rewards, whose metrics wait under
+        ``prefix`` in :meth:`pop_metrics`. ``others``: the other rewards' scoring already
+        started (``reward.score_while_decoding``), else started here."""
         future = self._thread.submit(self._timed, rollout, list(texts), list(examples))
+        if others is None and self.others is not None:
+            others = self.others.submit(texts, examples)
         tracked = None if self.verifier is None else self.verifier.submit(texts, examples)
-        return _Pending(self, future, tracked)
+        return _Pending(self, future, others, tracked, prefix)
 
     def score(self, rollout: B.Batch, texts: Sequence[str], examples: Sequence[Example],
               prefix: str = "train/") -> Tuple[torch.Tensor, int, float]:
-        """Score now: ``(rewards [B] float32, errors, the verifier's busy seconds)``; the
-        metrics wait under ``prefix`` in :meth:`pop_metrics`."""
-        scored, seconds = self._thread.submit(self._timed, rollout, list(texts), list(examples)).result()
-        verifier, busy = None, 0.0
-        if self.verifier is not None:
-            verifier, _, busy = self.verifier.score(texts, examples)
-        self._record(prefix, scored, seconds, verifier)
-        return scored.rewards, scored.errors, busy
+        """Score now: :meth:`submit` and wait, ``(rewards [B] float32, errors, the verifiers'
+        busy seconds)``."""
+        return self.submit(rollout, texts, examples, prefix).result()
 
     def pop_metrics(self, prefix: str) -> Dict[str, float]:
         """The metrics under ``prefix`` (and training's timing) since the last call: means over

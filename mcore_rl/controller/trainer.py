@@ -112,7 +112,8 @@ class RLTrainer:
         from mcore_rl.config.families import parallel_shape_errors
         from mcore_rl.megatron.parallel import resolve_device
         from mcore_rl.megatron.te import runtime_errors as te_runtime_errors
-        from mcore_rl.rewards import check_on_example, reward_components
+        from mcore_rl.config.learned import learned_reward_name
+        from mcore_rl.rewards import check_on_example, reward_components, weighted_names
         from mcore_rl.rewards.pool import RewardScorer, default_num_workers
         from mcore_rl.workers.policy import PolicyWorker
 
@@ -138,25 +139,25 @@ class RLTrainer:
         self.train_data, self.test_data = load_task(cfg.data, self.tokenizer, cfg.run.seed)
         self.sampler = PromptSampler(len(self.train_data), self.section.num_prompts_per_step, cfg.run.seed)
         r = cfg.reward
-        # A learned reward (reward.name model or judge) reads and checks its inputs now; its
-        # worker groups start after the policy's. The reward pool then holds reward.verifier
-        # (tracked only), or is None; else it holds reward.name / reward.names, weighted.
-        learned = registry.LEARNED_REWARDS.get(r.name)
-        self.learned_reward = registry.load(learned)(cfg, self.tokenizer) if learned else None
-        if learned:
-            components = [] if r.verifier is None else reward_components(
-                dataclasses.replace(r, name=r.verifier, names=None, weights=None))
-        else:
-            components = reward_components(r)
-        if components:  # a reward that fails on the first example's reference solution
-            check_on_example(components, self.train_data.examples[0])
-        self.rewards = None if not components else RewardScorer(
-            components, default_num_workers(components) if r.num_workers is None else r.num_workers,
-            r.timeout_seconds)
+        # A learned reward (model or judge, in reward.name or reward.names) reads and checks its
+        # inputs now; its worker groups start after the policy's. The reward pool holds the
+        # other rewards of reward.name / reward.names, weighted (None when the learned reward is
+        # the only one); the tracked pool holds reward.verifier (beside a learned reward only).
+        learned = learned_reward_name(r)
+        self.learned_reward = (registry.load(registry.LEARNED_REWARDS[learned])(cfg, self.tokenizer)
+                               if learned else None)
+        components = reward_components(r, exclude=registry.LEARNED_REWARDS)
+        tracked = [] if r.verifier is None else reward_components(
+            dataclasses.replace(r, name=r.verifier, names=None, weights=None))
+        # a reward that fails on the first example's reference solution
+        check_on_example(components + tracked, self.train_data.examples[0])
+        self.rewards, self.tracked = (None if not c else RewardScorer(
+            c, default_num_workers(c) if r.num_workers is None else r.num_workers,
+            r.timeout_seconds) for c in (components, tracked))
         # Each reward's own scores since they were last logged: metric -> [sum, count].
         self._reward_sums: Dict[str, List[float]] = {}
-        if self.rewards is not None:
-            self.rewards.warm_up(background=True)  # spawning overlaps building the model
+        for scorer in self._scorers():
+            scorer.warm_up(background=True)  # spawning overlaps building the model
 
         if cfg.model.hf_path:
             from transformers import AutoConfig
@@ -196,8 +197,7 @@ class RLTrainer:
 
         self.use_reference = algorithm.needs_reference()
         # The hang watchdog (mcore_rl.controller.watchdog): watches the phases while fit runs.
-        self.watchdog = Watchdog(cfg.watchdog, self.run_dir,
-                                 cleanup=self.rewards.close if self.rewards else None)
+        self.watchdog = Watchdog(cfg.watchdog, self.run_dir, cleanup=self._close_scorers)
         backend = backend_class(cfg.generation.backend)
         training = {name: cfg.cluster.num_workers for name in algorithm.group_names}
         generation = backend.worker_groups(cfg)
@@ -247,7 +247,11 @@ class RLTrainer:
         try:
             self.groups.update(algorithm.build_groups(self))
             if self.learned_reward is not None:  # frozen: not in the checkpointed groups
-                self.learned = LearnedRewards(self.learned_reward, self.rewards)
+                weighted = weighted_names(r)
+                index = [n for n, _, _ in weighted].index(learned)
+                self.learned = LearnedRewards(self.learned_reward, self.tracked, self.rewards,
+                                              [w for _, w, _ in weighted], index,
+                                              weighted[index][2])
                 self.learned_reward.start(self)
         except BaseException:  # no worker outlives the error
             self.close()
@@ -256,6 +260,15 @@ class RLTrainer:
     def _groups(self) -> Dict[str, DataParallelGroup]:
         """:attr:`groups` (all are saved, resumed, shut down)."""
         return self.groups
+
+    def _scorers(self) -> List[Any]:
+        """The reward pools: the run's rewards' and the tracked ``reward.verifier``'s."""
+        return [s for s in (self.rewards, self.tracked) if s is not None]
+
+    def _close_scorers(self) -> None:
+        """Stop the reward pools' processes (the close, and the watchdog's cleanup)."""
+        for scorer in self._scorers():
+            scorer.close()
 
     # ------------------------------------------------------------------ helpers
     def megatron_group(self, name: str, worker_cls, megatron, optimizer, total_steps: int,
@@ -298,15 +311,15 @@ class RLTrainer:
 
     def _score(self, rollout: B.Batch, examples, prefix: str = "") -> tuple:
         """The one-turn rollout's responses scored by the rewards now (in this process's
-        reward pool call), or by the learned reward (its metrics then wait under ``prefix``,
-        ``train/`` by default): ``(rewards [B] float32, reward errors, texts)``; each reward's
-        own scores kept for :meth:`reward_timing` under ``prefix`` (validation: ``val/``)."""
+        reward pool call; a learned reward by :class:`LearnedRewards`, its metrics then waiting
+        under ``prefix``, ``train/`` by default): ``(rewards [B] float32, reward errors,
+        texts)``; each reward's own scores kept for :meth:`reward_timing` under ``prefix``
+        (validation: ``val/``)."""
         texts = self.producer.texts(rollout)
         if self.learned is not None:
-            rewards, errors, busy = self.learned.score(rollout, texts, examples, prefix or "train/")
-            self.reward_busy_seconds += busy
-            return rewards, errors, texts
-        pending = self.rewards.submit(texts, examples)
+            pending = self.learned.submit(rollout, texts, examples, prefix or "train/")
+        else:
+            pending = self.rewards.submit(texts, examples)
         rewards, errors, busy = pending.result()
         self.reward_busy_seconds += busy
         self._add_reward_components(pending, prefix)
@@ -346,8 +359,9 @@ class RLTrainer:
         examples = [self.train_data.examples[i] for i in prompt_idx]
         seed = step_seed(self.cfg.run.seed, self.step)
         with self.timer.phase("generation"):  # a multi-turn env's steps included
+            # a learned reward scores the whole rollout after it; the others while decoding
             if (self.cfg.reward.score_while_decoding and not self.producer.multi_turn
-                    and self.learned is None):  # a learned reward scores the whole rollout
+                    and self.rewards is not None):
                 rollout, pending = self.producer.generate_scored(self.train_data, prompt_idx,
                                                                  seed, examples)
             else:
@@ -355,7 +369,8 @@ class RLTrainer:
                 pending = None
         rollout["sample_mask"] = torch.ones(B.batch_size(rollout))
         if self.learned is not None:
-            return rollout, self.learned.submit(rollout, self.producer.texts(rollout), examples)
+            return rollout, self.learned.submit(rollout, self.producer.texts(rollout), examples,
+                                                others=pending)
         if pending is None:
             pending = self.producer.submit(rollout, examples)
         return rollout, pending
@@ -477,8 +492,9 @@ class RLTrainer:
     def validate(self) -> Dict[str, float]:
         """Greedy accuracy (mean reward; with several rewards their weighted sum, and each one's
         mean as ``val/reward/<name>``) on up to ``val_num_prompts`` held-out prompts. With a
-        learned reward: ``val/reward`` its mean, ``val/accuracy`` the mean of the tracked
-        ``reward.verifier`` (without one, the learned reward's), and its own figures."""
+        learned reward (alone or one of several): ``val/reward`` the run's reward's mean,
+        ``val/accuracy`` the mean of the tracked ``reward.verifier`` (without one, the run's
+        reward's), and the learned reward's own figures."""
         if self.test_data is None or len(self.test_data) == 0:
             return {}
         n = min(self.section.val_num_prompts, len(self.test_data))
@@ -610,8 +626,7 @@ class RLTrainer:
         if self.learned is not None:
             self.learned.close()
         self.placement.shutdown()
-        if self.rewards is not None:
-            self.rewards.close()
+        self._close_scorers()
         self.producer.close()
         self.watchdog.close()
 

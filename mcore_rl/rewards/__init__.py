@@ -11,7 +11,8 @@ Built in (chosen by name from the ``VERIFIERS`` table of :mod:`mcore_rl.config.r
 (:func:`~mcore_rl.rewards.math.math_reward`, GSM8K); a user's function by its import path
 (``reward.name=my_pkg.rewards:score``). Several are summed with weights (``reward.names``,
 ``reward.weights``: :func:`reward_components`), each one also logged as ``reward/<name>``
-(:attr:`RewardComponent.metric`). A sample whose reward raises scores 0 for that reward and is
+(:attr:`RewardComponent.metric`); one of them may be a learned reward (``model``, ``judge``),
+scored and weighted in by :mod:`mcore_rl.controller.learned_rewards`. A sample whose reward raises scores 0 for that reward and is
 counted (``train/reward_errors``); the run goes on.
 """
 
@@ -22,7 +23,7 @@ import concurrent.futures as cf
 import dataclasses
 import inspect
 import logging
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Collection, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -96,14 +97,15 @@ class RewardComponent:
         return reward_style(self.fn)
 
 
-def reward_components(reward: Any) -> List[RewardComponent]:
-    """The rewards of the ``reward`` config section
-    (:class:`~mcore_rl.config.schema.RewardConfig`): ``reward.names`` (else ``reward.name``)
-    with ``reward.weights`` (else 1 each), functions resolved by :func:`get_reward_fn`.
+def weighted_names(reward: Any) -> List[Tuple[str, float, str]]:
+    """``(name, weight, metric)`` of each reward of the ``reward`` config section
+    (:class:`~mcore_rl.config.schema.RewardConfig`), in order: ``reward.names`` (else
+    ``reward.name``) with ``reward.weights`` (else 1 each) and the logged key
+    ``reward/<short name>`` (:attr:`RewardComponent.metric`). Learned rewards (``model``,
+    ``judge``) included: nothing is resolved here.
 
     Raises:
-        ValueError: as :func:`get_reward_fn`; weights not one per reward (the config load
-            reports that first).
+        ValueError: weights not one per reward (the config load reports that first).
     """
     names = list(reward.names) if reward.names is not None else [reward.name]
     weights = list(reward.weights) if reward.weights is not None else [1.0] * len(names)
@@ -111,8 +113,19 @@ def reward_components(reward: Any) -> List[RewardComponent]:
         raise ValueError(f"reward.weights: {len(weights)} weights for {len(names)} rewards")
     short = [n.rpartition(":")[2].rpartition(".")[2] if is_import_path(n) else n for n in names]
     metrics = [s if short.count(s) == 1 else n.replace(":", ".") for s, n in zip(short, names)]
-    return [RewardComponent(n, get_reward_fn(n), float(w), f"reward/{m}")
-            for n, w, m in zip(names, weights, metrics)]
+    return [(n, float(w), f"reward/{m}") for n, w, m in zip(names, weights, metrics)]
+
+
+def reward_components(reward: Any, exclude: Collection[str] = ()) -> List[RewardComponent]:
+    """The rewards of the ``reward`` config section (:func:`weighted_names`), functions
+    resolved by :func:`get_reward_fn`, leaving out the names in ``exclude`` (a learned reward,
+    scored elsewhere: :mod:`mcore_rl.controller.learned_rewards`).
+
+    Raises:
+        ValueError: as :func:`get_reward_fn` and :func:`weighted_names`.
+    """
+    return [RewardComponent(n, get_reward_fn(n), w, m)
+            for n, w, m in weighted_names(reward) if n not in exclude]
 
 
 @dataclasses.dataclass

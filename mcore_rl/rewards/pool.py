@@ -91,11 +91,12 @@ class PendingRewards:
         self._done = threading.Event()
         self._value: Optional[Tuple[torch.Tensor, int, float]] = None
         self._components: Dict[str, torch.Tensor] = {}
+        self._values: List[List[float]] = []
         self._exception: Optional[BaseException] = None
 
-    def _set(self, value=None, exception=None, components=None) -> None:
+    def _set(self, value=None, exception=None, components=None, values=None) -> None:
         self._value, self._exception = value, exception
-        self._components = components or {}
+        self._components, self._values = components or {}, values or []
         self._done.set()
 
     def components(self) -> Dict[str, torch.Tensor]:
@@ -104,6 +105,13 @@ class PendingRewards:
         :meth:`result`."""
         self.result()
         return self._components
+
+    def values(self) -> List[List[float]]:
+        """``[B][K]`` each sample's score from each of the ``K`` rewards, unweighted, as the
+        rewards returned them (Python floats, 0 where one failed; what the weighted sum is
+        taken of: :func:`~mcore_rl.rewards.weighted_total`); waits like :meth:`result`."""
+        self.result()
+        return self._values
 
     def done(self) -> bool:
         """Whether :meth:`result` would return without waiting."""
@@ -226,9 +234,8 @@ class RewardScorer:
         threading.Thread(target=job, name="reward-scoring", daemon=True).start()
         return pending
 
-    def _score(self, responses: List[str], examples: List[Example], pool: bool
-               ) -> Tuple[Tuple[torch.Tensor, int, float], None, Dict[str, torch.Tensor]]:
-        """``((rewards, errors, busy seconds), no exception, components)`` for
+    def _score(self, responses: List[str], examples: List[Example], pool: bool) -> tuple:
+        """``((rewards, errors, busy seconds), no exception, components, values)`` for
         :meth:`PendingRewards._set`: the plain rewards in the pool with ``pool``, the others
         (all of them without) here."""
         start = time.perf_counter()
@@ -240,8 +247,7 @@ class RewardScorer:
             busy += self._run(responses, examples, scores)
         return self._finish(scores, busy)
 
-    def _finish(self, scores: Scores, busy: float
-                ) -> Tuple[Tuple[torch.Tensor, int, float], None, Dict[str, torch.Tensor]]:
+    def _finish(self, scores: Scores, busy: float) -> tuple:
         """What :meth:`PendingRewards._set` takes for the finished ``scores`` (a warning first
         when some failed)."""
         warn_errors(scores, len(scores.values))
@@ -249,7 +255,7 @@ class RewardScorer:
                                              dtype=torch.float32)
                       for k, c in enumerate(self.components)}
         return ((weighted_total(scores.values, self.weights), sum(scores.errors), busy), None,
-                components)
+                components, scores.values)
 
     def open(self, examples: Sequence[Example]) -> "StreamingRewards":
         """Start scoring a rollout whose ``B`` responses come in pieces (rows scored as the
