@@ -6,8 +6,8 @@ package of its own floor only where that makes no cycle). Every import counts: m
 function-level, ``TYPE_CHECKING`` and ``importlib.import_module`` ones alike. A plugin table
 may name a module of a higher floor as a ``"module:attribute"`` string (resolved with
 ``importlib`` where the plugin is used); only the modules in :data:`PLUGIN_TABLES` may. ``tests/test_imports.py`` checks all of
-this on every module with :mod:`ast`, and that ``docs/design.md`` and ``README.md`` draw the
-plan of :func:`floor_plan`; ``docs/design.md`` ("Floor plan") says why each floor is where it is.
+this on every module with :mod:`ast`, and that ``docs/design.md`` draws the plan of
+:func:`floor_plan` (the README links it); ``docs/design.md`` ("Floor plan") says why each floor is where it is.
 
 This module is data: nothing in the package imports it.
 """
@@ -61,8 +61,8 @@ def floor_of() -> Dict[str, int]:
 
 
 def floor_plan() -> str:
-    """The plan as the text block ``docs/design.md`` and ``README.md`` show: top floor first,
-    one line per floor."""
+    """The plan as the text block ``docs/design.md`` shows: top floor first, one line per
+    floor."""
     width = max(len(", ".join(f.packages)) for f in FLOORS)
     lines = [f"{i}  {', '.join(f.packages):<{width}}  {f.holds}"
              for i, f in reversed(list(enumerate(FLOORS)))]

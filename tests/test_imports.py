@@ -216,7 +216,7 @@ def test_mcore_rl_obeys_the_floor_plan():
 
 def test_docs_draw_the_floor_plan():
     plan = layers.floor_plan()
-    for doc in ("docs/design.md", "README.md"):
+    for doc in ("docs/design.md",):  # the README links it (issue 38: a short README)
         assert plan in (ROOT / doc).read_text(), (
             f"{doc} does not show the floor plan of mcore_rl/layers.py; paste "
             f"layers.floor_plan():\n{plan}")

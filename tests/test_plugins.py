@@ -433,15 +433,19 @@ def test_user_plugins_load_by_import_path_and_resolve(userpkg, data_files):
         load_config("grpo_synthetic", ["env.name=userpkg.envs:AnswerOnce", *streaming])
 
 
-def test_the_readme_examples_need_no_edit_to_the_package(userpkg, tmp_path):
-    """The README's own reward and environment, copied out of it into a user's directory."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for name in ("my_rewards.py", "my_envs.py"):
-        block = readme.split(f"```python\n# {name}\n", 1)[1].split("```", 1)[0]
+def test_the_guide_examples_need_no_edit_to_the_package(userpkg, tmp_path):
+    """The guides' own reward (docs/data-and-rewards.md) and environment
+    (docs/environments.md), copied out of them into a user's directory."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    guides = {"my_rewards.py": docs / "data-and-rewards.md", "my_envs.py": docs / "environments.md"}
+    commands = []
+    for name, guide in guides.items():
+        text = guide.read_text()
+        block = text.split(f"```python\n# {name}\n", 1)[1].split("```", 1)[0]
         (tmp_path / name).write_text(block)
-    commands = [line.split("mcore-rl train ", 1)[1].split() for line in readme.splitlines()
-                if line.startswith("mcore-rl train ")
-                and ("my_rewards:" in line or "my_envs:" in line)]
+        commands += [line.split("mcore-rl train ", 1)[1].split() for line in text.splitlines()
+                     if line.startswith("mcore-rl train ")
+                     and ("my_rewards:" in line or "my_envs:" in line)]
     assert len(commands) == 2
     sys.path.insert(0, str(tmp_path))
     try:
