@@ -210,13 +210,17 @@ def context_parallel_errors(cfg: TrainConfig, section: str) -> List[str]:
     values: :mod:`mcore_rl.megatron.context_parallel`, so ``cp_comm_type=all_gather``) or the
     ``transformer_engine`` one (TE's attention; refused at the run's start until verified:
     :func:`mcore_rl.megatron.te.runtime_errors`); not the ``local`` one. Not built yet: packed
-    sequences (each would need padding to 2 CP) and mixture-of-experts models (the router's
-    padding mask and losses are not split)."""
+    sequences (each would need padding to 2 CP), mixture-of-experts models (the router's
+    padding mask and losses are not split), and the sections other than ``policy`` and
+    ``value`` (a reward model's or a judge's CP is not tested)."""
     mg, key = getattr(cfg, section).megatron, f"{section}.megatron"
     cp = mg.context_parallel_size
     if cp <= 1:
         return []
     errors = []
+    if section not in ("policy", "value"):
+        errors.append(f"{key}.context_parallel_size > 1 (got {cp}) runs on the policy and the "
+                      f"critic only so far; use {key}.context_parallel_size=1")
     if mg.layer_spec == "local":
         errors.append(f"{key}.context_parallel_size={cp} needs {key}.layer_spec torch or "
                       f"transformer_engine (got local: Megatron's local attention does not split "
@@ -225,7 +229,7 @@ def context_parallel_errors(cfg: TrainConfig, section: str) -> List[str]:
         errors.append(f"{key}.context_parallel_size={cp} with {key}.layer_spec=torch needs "
                       f"{key}.cp_comm_type=all_gather (got {mg.cp_comm_type}): the torch spec's "
                       f"attention all-gathers keys and values")
-    if getattr(cfg, section).sequence_packing:
+    if getattr(getattr(cfg, section), "sequence_packing", False):
         errors.append(f"{section}.sequence_packing cannot run with {key}.context_parallel_size > 1 "
                       f"(got {cp}) yet: each packed sequence would need padding to a multiple of "
                       f"2 x CP")
