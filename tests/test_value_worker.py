@@ -31,7 +31,8 @@ ARCH = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=32, num_attenti
 LOSS = ClippedValueLoss(ValueLossConfig(cliprange=0.05, coef=1.0))
 # name: (TP, PP, other policy.megatron fields); cp2: context parallelism on the torch spec
 LAYOUTS = {"tp2": (2, 1, {}), "pp2": (1, 2, {}), "dp2": (1, 1, {}),
-           "cp2": (1, 1, dict(context_parallel_size=2, layer_spec="torch", cp_comm_type="all_gather"))}
+           "cp2": (1, 1, dict(context_parallel_size=2, layer_spec="torch",
+                              cp_comm_type="all_gather"))}
 
 
 def _worker_kwargs(tp=1, pp=1, **megatron):

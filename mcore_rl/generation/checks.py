@@ -29,9 +29,10 @@ def megatron_layout_errors(megatron: MegatronConfig) -> List[str]:
     :mod:`mcore_rl.generation.megatron`) cannot run on the policy layout ``megatron``
     (``policy.megatron``), one message per reason naming its keys; empty when it can. Refused:
     pipeline parallelism (virtual stages included), sequence parallelism (a one-token decode
-    step cannot be split over TP ranks), context parallelism and expert parallelism (each DP rank decodes its own
-    prompts for its own number of steps, while an MoE layer's token exchange over the EP group,
-    which spans DP ranks, needs every rank in each step)."""
+    step cannot be split over TP ranks), context parallelism (the decoder does not split
+    sequences) and expert parallelism (each DP rank decodes its own prompts for its own number
+    of steps, while an MoE layer's token exchange over the EP group, which spans DP ranks,
+    needs every rank in each step)."""
     errors = []
     if megatron.pipeline_model_parallel_size != 1 or megatron.virtual_pipeline_model_parallel_size:
         errors.append("generation.backend=megatron needs policy.megatron.pipeline_model_parallel_size"

@@ -26,8 +26,6 @@ must be counted once per CP group (the workers hand Megatron the count on CP ran
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -66,13 +64,6 @@ def split(tensor: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.T
     return tensor.index_select(dim, index)
 
 
-def _global_order(cp_size: int, device) -> torch.Tensor:
-    """Where each position of the rank-ordered concatenation (rank 0's two chunks, rank 1's, ...)
-    sits, in chunk units: the inverse is applied by :func:`_unshuffle`."""
-    order = [j for r in range(cp_size) for j in (r, 2 * cp_size - 1 - r)]
-    return torch.tensor(order, device=device)
-
-
 def _all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     """The ranks' tensors concatenated along ``dim`` in rank order."""
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
@@ -82,11 +73,9 @@ def _all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def _unshuffle(concat: torch.Tensor, dim: int, cp_size: int) -> torch.Tensor:
     """Rank-ordered concatenation of every rank's two chunks -> global order along ``dim``."""
-    chunks = concat.chunk(2 * cp_size, dim=dim)
-    order = _global_order(cp_size, "cpu").tolist()
-    by_global = [None] * (2 * cp_size)
-    for k, j in enumerate(order):
-        by_global[j] = chunks[k]
+    chunks = concat.chunk(2 * cp_size, dim=dim)  # rank r's: 2 r (chunk r), 2 r + 1 (2 CP - 1 - r)
+    by_global = [chunks[2 * j] if j < cp_size else chunks[2 * (2 * cp_size - 1 - j) + 1]
+                 for j in range(2 * cp_size)]
     return torch.cat(by_global, dim=dim)
 
 
@@ -162,7 +151,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     ``j`` (global chunk index; ``j = r`` and ``j = 2 CP - 1 - r`` on rank ``r``) attends to
     the keys of positions ``< (j + 1) c`` with the causal mask aligned at the bottom right
     (``causal_lower_right(c, (j + 1) c)``: query ``i`` of the chunk is position ``j c + i``),
-    one SDPA call per chunk; grouped-query attention through SDPA's ``enable_gqa``.
+    one SDPA call per chunk. Grouped-query attention: SDPA's ``enable_gqa`` for the first chunk
+    (plain ``is_causal``); the KV heads repeated for the others (torch's lower-right causal
+    path may take the memory-efficient kernel, which has no GQA).
 
     Args:
         query: ``[b, np, 2 c, hn]``; key, value: ``[b, ng, 2 c, hn]`` (this rank's two chunks,
@@ -179,13 +170,18 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     # [b, ng, 2c, hn] -> [2c, b, ng, hn] for the dim-0 gather, back after
     k_all, v_all = (_unshuffle(gather_keys_values(t.permute(2, 0, 1, 3), group), 0, cp_size)
                     .permute(1, 2, 0, 3) for t in (key, value))
-    gqa = query.shape[1] != key.shape[1]
+    groups = query.shape[1] // key.shape[1]
     outs = []
     for half, j in enumerate((rank, 2 * cp_size - 1 - rank)):
         q = query[:, :, half * c:(half + 1) * c]
         span = (j + 1) * c
-        mask: Optional[object] = causal_lower_right(c, span) if span != c else None
-        outs.append(F.scaled_dot_product_attention(
-            q, k_all[:, :, :span], v_all[:, :, :span], dropout_p=dropout_p, scale=scale,
-            is_causal=mask is None, attn_mask=mask, enable_gqa=gqa))
+        k, v = k_all[:, :, :span], v_all[:, :, :span]
+        if span == c:  # chunk 0: keys of its own positions only
+            outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale,
+                                                       is_causal=True, enable_gqa=groups > 1))
+            continue
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale,
+                                                   attn_mask=causal_lower_right(c, span)))
     return torch.cat(outs, dim=2)
