@@ -288,7 +288,10 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
 
     # ------------------------------------------------------------------ forward plumbing
     def _model_forward(self, model, mb: Batch) -> torch.Tensor:
-        """Run one model chunk on a micro-batch; returns its output tensor."""
+        """Run one model chunk on a micro-batch; returns its output tensor. With context
+        parallelism (CP > 1) the chunk sees this CP rank's two chunks of the ids and positions
+        (:func:`mcore_rl.megatron.context_parallel.split`) and the last chunk's output goes
+        through :meth:`_cp_output`."""
         from mcore_rl.megatron.model import attention_mask, position_ids
 
         if PACKED_IDS in mb:
