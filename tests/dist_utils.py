@@ -32,7 +32,8 @@ def free_port() -> int:
 
 def use_layout(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                virtual_pipeline_model_parallel_size=None, seed=1234,
-               expert_model_parallel_size=1, expert_tensor_parallel_size=None) -> None:
+               expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+               context_parallel_size=1) -> None:
     """In a process started by :func:`run_distributed`: rebuild Megatron's parallel groups
     with these sizes (the gloo process group stays) and reseed Megatron's RNG tracker."""
     from megatron.core import parallel_state
@@ -45,6 +46,7 @@ def use_layout(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
         tensor_model_parallel_size, pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size, seed,
         expert_model_parallel_size, expert_tensor_parallel_size,
+        context_parallel_size=context_parallel_size,
     )
 
 

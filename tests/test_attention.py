@@ -305,3 +305,22 @@ def test_shared_prompt_decode_attention_equals_rows_decoded_alone():
         diff = (got.float() - want.float()).abs()
         assert (diff <= 4 * torch.finfo(dtype).eps * magnitude).all(), dtype
         assert diff.max() > 0  # not the same order of operations: not bit for bit
+
+
+def test_context_parallel_chunks_are_megatrons_load_balanced_layout():
+    """CP rank r holds chunks r and 2 CP - 1 - r of 2 CP (Megatron-Core's RoPE slicing,
+    ``get_pos_emb_on_this_cp_rank``); the ranks' slices put back in global order give the
+    tensor again."""
+    from mcore_rl.megatron import context_parallel as cpar
+
+    assert cpar.local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cpar.local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert cpar.local_positions(12, 3, 1).tolist() == [2, 3, 8, 9]
+    x = torch.arange(2 * 12 * 3).view(2, 12, 3)
+    parts = [cpar.split(x, 1, 3, r) for r in range(3)]
+    assert torch.equal(cpar._unshuffle(torch.cat(parts, dim=1), 1, 3), x)
+    assert cpar.split(x, 1, 1, 0) is x
+    with pytest.raises(ValueError, match="not a multiple of 2 x context_parallel_size"):
+        cpar.local_positions(10, 3, 0)
+    with pytest.raises(ValueError, match="outside"):
+        cpar.local_positions(8, 2, 2)

@@ -53,6 +53,7 @@ ROWS, MBS, LP_MBS = 12, 4, 8  # 3 training micro-batches: VPP pads them to 4
 BUDGET = 24  # tokens per micro-batch: rows of 5..16 tokens give 1-4 rows of differing widths
 TIED_STEPS = 3  # extra optimizer steps before the tied-embedding and replicated-weight checks
 
+TORCH_CP = dict(layer_spec="torch", cp_comm_type="all_gather")
 # name: (world size, policy.megatron fields)
 LAYOUTS = {
     "tp2": (2, dict(tensor_model_parallel_size=2)),
@@ -72,8 +73,13 @@ LAYOUTS = {
     "pp2_recompute_block": (2, dict(pipeline_model_parallel_size=2, recompute_granularity="full",
                                     recompute_method="block", recompute_num_layers=1)),
     "dp2_recompute_selective": (2, dict(recompute_granularity="selective")),
+    # context parallelism with the torch spec (keys and values all-gathered); compared with one
+    # process of the torch spec too (test_context_parallel_matches_one_torch_spec_process)
+    "cp2": (2, dict(context_parallel_size=2, **TORCH_CP)),
+    "cp2_dp2": (4, dict(context_parallel_size=2, **TORCH_CP)),
 }
 PP_LAYOUTS = [n for n, (_, m) in LAYOUTS.items() if m.get("pipeline_model_parallel_size", 1) > 1]
+CP_LAYOUTS = [n for n, (_, m) in LAYOUTS.items() if m.get("context_parallel_size", 1) > 1]
 TP_LAYOUTS = [n for n, (_, m) in LAYOUTS.items() if m.get("tensor_model_parallel_size", 1) > 1]
 LOSS = ClippedPGLoss(LossConfig(kl_coef=0.05))
 
@@ -183,7 +189,9 @@ def results():
 
     def get(name):
         if name not in cache:
-            world, megatron = (1, {}) if name == "reference" else LAYOUTS[name]
+            world, megatron = ((1, {}) if name == "reference" else
+                               (1, {"layer_spec": "torch"}) if name == "reference_torch" else
+                               LAYOUTS[name])
             try:
                 cache[name] = _check_layout(world, megatron)
             except Exception as e:  # noqa: BLE001 -- re-raised by every test of this layout
@@ -220,6 +228,19 @@ def test_one_step_matches_one_process(results, name):
     start = initial_hf_state_dict(arch_to_hf_config(ARCH, VOCAB), SEED)
     moved = max((ref.weights[k] - start[k]).abs().max().item() for k in ref.weights)
     assert moved > 2.5e-4 and ref.metrics["grad_norm"] > 1e-3 and abs(ref.metrics["loss"]) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CP_LAYOUTS)
+def test_context_parallel_matches_one_torch_spec_process(results, name):
+    """CP = 2 (and CP = 2 x DP = 2) against CP = 1 of the same (torch) layer spec: the sequence
+    split, the all-gathered keys and values, the gathered logprobs and the count taken once
+    change no number beyond fp32 round-off (issue 34, item 4)."""
+    ref, got = results("reference_torch")["record"], results(name)["record"]
+    diffs = parity.compare(got, ref)
+    print(f"\n{parity.parity_table({name + ' vs torch CP=1': diffs})}")
+    assert diffs["logprobs_rel"] < 1e-5 and diffs["loss_rel"] < 1e-5
+    assert diffs["grad_norm_rel"] < 1e-5 and diffs["params_max_abs"] < 1e-6
 
 
 @pytest.mark.slow

@@ -281,3 +281,23 @@ def test_planned_micro_batch_tokens_are_the_workers(packing, budget):
         assert real <= planned < real + seq  # it to within one row
     else:
         assert planned == real
+
+
+
+def test_context_parallel_divides_a_ranks_activations_and_logits():
+    """CP = 2: a rank's activations are those of half the positions plus the other half's
+    all-gathered keys and values; its logits half; DP counts workers / (TP x CP x PP)."""
+    from mcore_rl.config.families import head_dim
+
+    cfg = load_config("grpo_synthetic", ["cluster.num_workers=4"])
+    arch, mg = cfg.model.arch, dataclasses.replace(cfg.policy.megatron, layer_spec="torch")
+    cp = dataclasses.replace(mg, context_parallel_size=2)
+    kv = 2 * arch.num_query_groups * head_dim(arch) * 4 * 2 * 32  # fp32, 2 rows x 32 tokens
+    assert memory.activation_bytes_per_layer(arch, cp, 2, 64) == \
+        memory.activation_bytes_per_layer(arch, mg, 2, 64) // 2 + kv
+    assert memory._dp(cfg, cp) == 2 and memory._dp(cfg, mg) == 4
+    one = memory.role_memory("policy", cfg, arch, 64, mg, "adam", 4, 8, False, False,
+                             train_rows=4)
+    two = memory.role_memory("policy", cfg, arch, 64, cp, "adam", 4, 8, False, False,
+                             train_rows=4)
+    assert two.logits * 2 == one.logits and two.tokens == one.tokens

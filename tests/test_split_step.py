@@ -138,10 +138,11 @@ class SplitProbe(PolicyWorker):
         return (name(c.grad_sync_func), name(c.no_sync_func), name(c.finalize_model_grads_func))
 
 
-def _megatron(tp=1, pp=1, vpp=None, overlap=False):
+def _megatron(tp=1, pp=1, vpp=None, overlap=False, cp=1):
+    torch_cp = dict(layer_spec="torch", cp_comm_type="all_gather") if cp > 1 else {}
     return MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                          virtual_pipeline_model_parallel_size=vpp,
-                          ddp=DDPConfig(overlap_grad_reduce=overlap))
+                          virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+                          ddp=DDPConfig(overlap_grad_reduce=overlap), **torch_cp)
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +241,8 @@ LAYOUTS = {
     "pp2-dp2-overlap": dict(pp=2, overlap=True),
     "tp2-pp2": dict(tp=2, pp=2),
     "tp2-pp2-overlap": dict(tp=2, pp=2, overlap=True),
+    # context parallelism (torch spec): the loss count reaches Megatron once per CP group
+    "cp2-dp2-overlap": dict(cp=2, overlap=True),
 }
 # Virtual pipeline stages (4 layers: 2 per chunk). Sync train() with VPP does not yet match
 # get_logprobs in this layout (issue 3), so its reference is sync train() at PP=2 alone: another

@@ -98,9 +98,12 @@ def test_te_features_that_pass_the_loader(te_installed):
 @pytest.mark.parametrize("megatron, expected", [
     (dict(fp8="e4m3", precision="bf16"),
      "policy.megatron.fp8=e4m3 needs policy.megatron.layer_spec=transformer_engine (got local)"),
+    (dict(context_parallel_size=2),
+     "policy.megatron.context_parallel_size=2 needs policy.megatron.layer_spec torch or "
+     "transformer_engine (got local"),
     (dict(layer_spec="torch", context_parallel_size=2),
-     "policy.megatron.context_parallel_size=2 needs policy.megatron.layer_spec=transformer_engine "
-     "(got torch)"),
+     "policy.megatron.context_parallel_size=2 with policy.megatron.layer_spec=torch needs "
+     "policy.megatron.cp_comm_type=all_gather (got p2p)"),
     (dict(layer_spec="transformer_engine", fp8="e4m3"),
      "policy.megatron.fp8=e4m3 needs policy.megatron.precision=bf16 (got fp32)"),
     (dict(layer_spec="transformer_engine", fp8="e4m3", precision="bf16", compile_layers=True),
@@ -131,6 +134,28 @@ def test_cp_refuses_packed_sequences(te_installed):
     cfg.policy.sequence_packing = True
     assert "policy.sequence_packing cannot run with policy.megatron.context_parallel_size > 1 " \
            "(got 2) yet" in _errors(cfg)
+    cfg = _cfg(device="cpu", workers=2, layer_spec="torch", context_parallel_size=2,
+               cp_comm_type="all_gather")
+    cfg.policy.sequence_packing = True
+    assert "policy.sequence_packing cannot run with policy.megatron.context_parallel_size > 1 " \
+           "(got 2) yet" in _errors(cfg)
+
+
+def test_cp_on_the_torch_spec_needs_no_transformer_engine(monkeypatch):
+    """The torch spec's CP (keys and values all-gathered) passes the loader and the run's
+    start on the CPU without TE; MoE models and the megatron rollout backend are refused."""
+    monkeypatch.setattr(rules, "transformer_engine_missing", lambda: "not installed")
+    torch_cp = dict(layer_spec="torch", context_parallel_size=2, cp_comm_type="all_gather")
+    validate(_cfg(device="cpu", workers=4, **torch_cp))
+    assert te.runtime_errors(MegatronConfig(**torch_cp), "policy.megatron", "cpu") == []
+    cfg = _cfg(device="cpu", workers=2, **torch_cp)
+    cfg.model.arch.num_experts = 4
+    assert "does not support mixture-of-experts models yet" in _errors(cfg)
+    from mcore_rl.generation.checks import megatron_layout_errors
+
+    assert megatron_layout_errors(MegatronConfig(**torch_cp)) == [
+        "generation.backend=megatron needs policy.megatron.context_parallel_size=1 (got 2: the "
+        "decoder does not split sequences); use generation.backend=hf"]
 
 
 @pytest.mark.parametrize("device", ["cpu", "auto"])
@@ -241,8 +266,9 @@ def test_runtime_errors_where_the_gpu_is(monkeypatch):
     assert te.runtime_errors(fp8, key, "cuda", capability=(10, 0)) == []
     cp = MegatronConfig(layer_spec="transformer_engine", context_parallel_size=2)
     assert te.runtime_errors(cp, key, "cuda") == [
-        "policy.megatron.context_parallel_size=2: the training and logprob passes do not split "
-        "sequences over context-parallel ranks yet (issue 34); use context_parallel_size=1"]
+        "policy.megatron.context_parallel_size=2 with layer_spec=transformer_engine: Transformer "
+        "Engine's context-parallel attention is not verified yet (issue 34); use layer_spec=torch "
+        "(its attention all-gathers keys and values) or context_parallel_size=1"]
 
 
 def test_te_import_error_is_one_line():
@@ -275,8 +301,13 @@ def test_transformer_config_takes_fp8_and_cp():
         "hybrid", "tensorwise", 2, "a2a")
     plain = transformer_config(arch, MegatronConfig(), 64, "cpu")
     assert (plain.fp8, plain.context_parallel_size, plain.cp_comm_type) == (None, 1, None)
-    with pytest.raises(ValueError, match="need megatron.layer_spec=transformer_engine"):
+    with pytest.raises(ValueError, match="needs megatron.layer_spec=transformer_engine"):
         transformer_config(arch, MegatronConfig(fp8="e4m3", precision="bf16"), 64, "cpu")
+    with pytest.raises(ValueError, match="needs megatron.layer_spec torch or transformer_engine"):
+        transformer_config(arch, MegatronConfig(context_parallel_size=2), 64, "cpu")
+    torch_cp = transformer_config(arch, MegatronConfig(layer_spec="torch", context_parallel_size=2,
+                                                       cp_comm_type="all_gather"), 64, "cpu")
+    assert (torch_cp.context_parallel_size, torch_cp.cp_comm_type) == (2, "all_gather")
     with pytest.raises(ValueError, match="multiple of 16"):
         transformer_config(ModelArchConfig(hidden_size=72, num_attention_heads=4,
                                            num_query_groups=2, ffn_hidden_size=64),

@@ -3,8 +3,9 @@
 - Right shift pinned: ``get_values`` equals Hugging Face's token-classification model (its own
   Qwen2 forward) on the exported weights, shifted right by one; changing token k leaves
   ``values[:, :k+1]`` alone and changes ``values[:, k+1]``.
-- Layout parity: values, metrics and weights after one clipped-value-loss step at TP=2, PP=2
-  and DP=2 equal one process (fp32); the replicated head stays identical over TP ranks.
+- Layout parity: values, metrics and weights after one clipped-value-loss step at TP=2, PP=2,
+  DP=2 and CP=2 (torch spec: the head's output gathered over CP ranks) equal one process
+  (fp32); the replicated head stays identical over TP ranks.
 - Split step (begin / train_microbatch / finish) equals sync ``train``.
 - A base LM checkpoint initialises the backbone and not the head; ``load_backbone``;
   checkpoints restore weights and Adam state.
@@ -28,13 +29,17 @@ ARCH = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=32, num_attenti
                        ffn_hidden_size=64, max_position_embeddings=64, qkv_bias=True, tie_word_embeddings=True,
                        vocab_size=VOCAB)
 LOSS = ClippedValueLoss(ValueLossConfig(cliprange=0.05, coef=1.0))
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
+# name: (TP, PP, other policy.megatron fields); cp2: context parallelism on the torch spec
+LAYOUTS = {"tp2": (2, 1, {}), "pp2": (1, 2, {}), "dp2": (1, 1, {}),
+           "cp2": (1, 1, dict(context_parallel_size=2, layer_spec="torch",
+                              cp_comm_type="all_gather"))}
 
 
-def _worker_kwargs(tp=1, pp=1):
+def _worker_kwargs(tp=1, pp=1, **megatron):
     return dict(
         hf_path=None, hf_config=arch_to_hf_config(ARCH, VOCAB).to_dict(), vocab_size=VOCAB, head_fp32=True,
-        arch=ARCH, megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        arch=ARCH, megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                           **megatron),
         # SGD: the step is linear in the gradient (Adam's first step is lr * sign(g), which
         # turns the rounding noise of a zero gradient, e.g. the k_proj bias's, into lr).
         optimizer=OptimizerConfig(name="sgd", lr=0.1, clip_grad=1.0), rank=_WORLD["rank"], world_size=_WORLD["world_size"],
@@ -42,10 +47,10 @@ def _worker_kwargs(tp=1, pp=1):
         global_batch_size=8)
 
 
-def _worker(tp=1, pp=1, **overrides):
+def _worker(tp=1, pp=1, megatron=None, **overrides):
     from mcore_rl.workers.value import ValueWorker
 
-    return ValueWorker(**{**_worker_kwargs(tp, pp), **overrides})
+    return ValueWorker(**{**_worker_kwargs(tp, pp, **(megatron or {})), **overrides})
 
 
 def _batch(n=8, seed=0):
@@ -138,9 +143,9 @@ def _layouts():
     """One step in each layout of 2 processes; per layout: values, metrics, weights, head."""
     out = {}
     batch = _batch()
-    for name, (tp, pp) in LAYOUTS.items():
-        use_layout(tp, pp)
-        w = _worker(tp, pp)
+    for name, (tp, pp, megatron) in LAYOUTS.items():
+        use_layout(tp, pp, context_parallel_size=megatron.get("context_parallel_size", 1))
+        w = _worker(tp, pp, megatron)
         layout = w.layout()
         dp, dp_rank = layout["dp_size"], layout["dp_rank"]
         values = w.get_values(B.shard(batch, dp)[dp_rank], 4)

@@ -174,17 +174,16 @@ def transformer_engine_errors(cfg: TrainConfig, section: str) -> List[str]:
     run's start (:func:`mcore_rl.megatron.te.runtime_errors`)."""
     mg, key, device = getattr(cfg, section).megatron, f"{section}.megatron", cfg.cluster.device
     cp = mg.context_parallel_size
+    errors = context_parallel_errors(cfg, section)
     asked = [f"{key}.{name}={value}" for name, value, on in (
         ("layer_spec", mg.layer_spec, mg.layer_spec == "transformer_engine"),
-        ("fp8", mg.fp8, mg.fp8 is not None),
-        ("context_parallel_size", cp, cp > 1)) if on]
+        ("fp8", mg.fp8, mg.fp8 is not None)) if on]
     if not asked:
-        return []
-    errors, what = [], f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''}"
-    if mg.layer_spec != "transformer_engine":  # fp8 or CP
+        return errors
+    what = f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''}"
+    if mg.layer_spec != "transformer_engine":  # fp8
         errors.append(f"{what} {key}.layer_spec=transformer_engine (got "
-                      f"{mg.layer_spec}): FP8 matrix multiplies and context-parallel attention "
-                      f"are Transformer Engine's")
+                      f"{mg.layer_spec}): FP8 matrix multiplies are Transformer Engine's")
     missing = transformer_engine_missing()
     if missing:
         only_spec = asked == [f"{key}.layer_spec=transformer_engine"]
@@ -202,10 +201,42 @@ def transformer_engine_errors(cfg: TrainConfig, section: str) -> List[str]:
             errors.append(f"{key}.fp8_recipe=delayed cannot run with {key}.compile_layers=true "
                           f"(Transformer Engine refuses delayed scaling under torch.compile): use "
                           f"fp8_recipe=tensorwise or compile_layers=false")
-    if cp > 1 and getattr(cfg, section).sequence_packing:
+    return errors
+
+
+def context_parallel_errors(cfg: TrainConfig, section: str) -> List[str]:
+    """Why ``<section>.megatron.context_parallel_size`` CP > 1 cannot run, one message each;
+    empty for CP = 1. CP needs the ``torch`` layer spec (its attention all-gathers keys and
+    values: :mod:`mcore_rl.megatron.context_parallel`, so ``cp_comm_type=all_gather``) or the
+    ``transformer_engine`` one (TE's attention; refused at the run's start until verified:
+    :func:`mcore_rl.megatron.te.runtime_errors`); not the ``local`` one. Not built yet: packed
+    sequences (each would need padding to 2 CP), mixture-of-experts models (the router's
+    padding mask and losses are not split), and the sections other than ``policy`` and
+    ``value`` (a reward model's or a judge's CP is not tested)."""
+    mg, key = getattr(cfg, section).megatron, f"{section}.megatron"
+    cp = mg.context_parallel_size
+    if cp <= 1:
+        return []
+    errors = []
+    if section not in ("policy", "value"):
+        errors.append(f"{key}.context_parallel_size > 1 (got {cp}) runs on the policy and the "
+                      f"critic only so far; use {key}.context_parallel_size=1")
+    if mg.layer_spec == "local":
+        errors.append(f"{key}.context_parallel_size={cp} needs {key}.layer_spec torch or "
+                      f"transformer_engine (got local: Megatron's local attention does not split "
+                      f"sequences)")
+    if mg.layer_spec == "torch" and mg.cp_comm_type != "all_gather":
+        errors.append(f"{key}.context_parallel_size={cp} with {key}.layer_spec=torch needs "
+                      f"{key}.cp_comm_type=all_gather (got {mg.cp_comm_type}): the torch spec's "
+                      f"attention all-gathers keys and values")
+    if getattr(getattr(cfg, section), "sequence_packing", False):
         errors.append(f"{section}.sequence_packing cannot run with {key}.context_parallel_size > 1 "
                       f"(got {cp}) yet: each packed sequence would need padding to a multiple of "
                       f"2 x CP")
+    if getattr(cfg.model.arch, "num_experts", None) is not None and mg.layer_spec == "torch":
+        errors.append(f"{key}.context_parallel_size > 1 (got {cp}) does not support "
+                      f"mixture-of-experts models yet (model.arch.num_experts is "
+                      f"{cfg.model.arch.num_experts})")
     return errors
 
 

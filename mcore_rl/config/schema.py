@@ -198,12 +198,13 @@ class MegatronConfig:
     sequence_parallel: bool = False
     # CP size: ranks each sequence is split over (context parallelism: two chunks of 1/(2 CP) of
     # the micro-batch width per rank, attention passing keys and values between them); needs
-    # layer_spec=transformer_engine; TP x CP x PP divides cluster.num_workers. CP > 1 is refused
-    # at a run's start until the training and logprob passes split sequences over CP (issue 34).
+    # layer_spec=torch with cp_comm_type=all_gather, or layer_spec=transformer_engine (refused at
+    # a run's start until TE's CP attention is verified, issue 34); TP x CP x PP divides
+    # cluster.num_workers; policy and value only, no sequence packing, no MoE.
     context_parallel_size: int = bounded(1, ge=1)
     # With CP > 1, how attention exchanges keys and values (Megatron's cp_comm_type): "p2p" (a ring
     # of sends overlapped with compute), "all_gather", "a2a" (all-to-all over heads: attention
-    # heads and query groups per TP rank divisible by CP).
+    # heads and query groups per TP rank divisible by CP); layer_spec=torch: all_gather only.
     cp_comm_type: str = one_of("p2p", CP_COMM_TYPES)
     # bf16: bf16 params with fp32 main params and grads in the optimizer.
     precision: str = one_of("fp32", ("fp32", "bf16"))

@@ -29,9 +29,10 @@ def megatron_layout_errors(megatron: MegatronConfig) -> List[str]:
     :mod:`mcore_rl.generation.megatron`) cannot run on the policy layout ``megatron``
     (``policy.megatron``), one message per reason naming its keys; empty when it can. Refused:
     pipeline parallelism (virtual stages included), sequence parallelism (a one-token decode
-    step cannot be split over TP ranks) and expert parallelism (each DP rank decodes its own
-    prompts for its own number of steps, while an MoE layer's token exchange over the EP group,
-    which spans DP ranks, needs every rank in each step)."""
+    step cannot be split over TP ranks), context parallelism (the decoder does not split
+    sequences) and expert parallelism (each DP rank decodes its own prompts for its own number
+    of steps, while an MoE layer's token exchange over the EP group, which spans DP ranks,
+    needs every rank in each step)."""
     errors = []
     if megatron.pipeline_model_parallel_size != 1 or megatron.virtual_pipeline_model_parallel_size:
         errors.append("generation.backend=megatron needs policy.megatron.pipeline_model_parallel_size"
@@ -40,6 +41,10 @@ def megatron_layout_errors(megatron: MegatronConfig) -> List[str]:
                       f"{megatron.virtual_pipeline_model_parallel_size}); use generation.backend=hf")
     if megatron.sequence_parallel:
         errors.append("generation.backend=megatron needs policy.megatron.sequence_parallel=false")
+    if megatron.context_parallel_size != 1:
+        errors.append("generation.backend=megatron needs policy.megatron.context_parallel_size=1 "
+                      f"(got {megatron.context_parallel_size}: the decoder does not split "
+                      f"sequences); use generation.backend=hf")
     if megatron.expert_model_parallel_size != 1:
         errors.append("generation.backend=megatron needs policy.megatron.expert_model_parallel_size"
                       f"=1 (got {megatron.expert_model_parallel_size}); use generation.backend=hf")

@@ -80,6 +80,11 @@ class TorchSDPAttention(DotProductAttention):
     moves a factor between the score and the fp32 softmax in Megatron, so it does not change
     the scale here.
 
+    Context parallelism (``config.context_parallel_size`` CP > 1): each rank holds two chunks of
+    the sequence (Megatron's load-balanced layout) and attends them to the keys and values of
+    every CP rank, all-gathered (Transformer Engine's ``cp_comm_type=all_gather`` method;
+    :func:`mcore_rl.megatron.context_parallel.attention`); causal and unpacked only.
+
     Raises:
         ValueError: (at construction) a configuration SDPA does not reproduce here: sliding
             window attention (``config.window_size``) or a softmax type other than
@@ -87,7 +92,20 @@ class TorchSDPAttention(DotProductAttention):
     """
 
     def __init__(self, *args, **kwargs):
+        config = kwargs["config"] if "config" in kwargs else args[0]
+        if config.context_parallel_size > 1:
+            # DotProductAttention asserts CP = 1 (its attention does not split); this one does
+            # (:func:`~mcore_rl.megatron.context_parallel.attention`): build with a CP-1 copy.
+            import copy
+
+            single = copy.copy(config)
+            single.context_parallel_size = 1
+            if "config" in kwargs:
+                kwargs["config"] = single
+            else:
+                args = (single, *args[1:])
         super().__init__(*args, **kwargs)
+        self.config = config
         if self.config.window_size is not None:
             raise ValueError("TorchSDPAttention (megatron.layer_spec=torch) does not support "
                              f"sliding-window attention (window_size={self.config.window_size})")
@@ -133,6 +151,9 @@ class TorchSDPAttention(DotProductAttention):
             raise ValueError("TorchSDPAttention does not support attention_bias; use "
                              "megatron.layer_spec=transformer_engine")
         if packed_seq_params is not None:
+            if self.config.context_parallel_size > 1:
+                raise ValueError("TorchSDPAttention: packed sequences with context_parallel_size "
+                                 "> 1 are not supported")
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError("TorchSDPAttention: packed_seq_params needs qkv_format='thd', "
                                  f"got {packed_seq_params.qkv_format!r}")
@@ -143,6 +164,8 @@ class TorchSDPAttention(DotProductAttention):
                                            self.softmax_scale)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         sq, b, np_, hn = query.shape
+        if self.config.context_parallel_size > 1:
+            return self._context_parallel(query, key, value, attention_mask, mask_type)
         sk = key.shape[0]
         # [s, b, h, d] -> [b, h, s, d] views (SDPA needs only the last dim contiguous).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -181,6 +204,36 @@ class TorchSDPAttention(DotProductAttention):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout,
                                                  scale=self.softmax_scale, **extra)
         # [b, np, sq, hn] -> [sq, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+    def _cp_group(self):
+        """The CP group: the attention's ``pg_collection.cp`` (Megatron's ``Attention`` passes
+        one with ``tp`` and ``cp``), else Megatron's parallel state's."""
+        group = getattr(self.pg_collection, "cp", None)
+        if group is None:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_context_parallel_group()
+        return group
+
+    def _context_parallel(self, query, key, value, attention_mask, mask_type) -> torch.Tensor:
+        """Causal attention of this CP rank's two sequence chunks (``query`` ``[2 c, b, np,
+        hn]``) over the keys of every CP rank (:func:`mcore_rl.megatron.context_parallel.
+        attention`). Raises ``ValueError`` for an explicit mask or a non-causal mask type."""
+        from mcore_rl.megatron import context_parallel
+
+        if attention_mask is not None or mask_type not in (AttnMaskType.causal,
+                                                           AttnMaskType.causal_bottom_right):
+            raise ValueError("TorchSDPAttention with context_parallel_size > 1 computes causal "
+                             "attention without an explicit mask only")
+        sq, b, np_, hn = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout = self.attention_dropout.p if self.training else 0.0
+        rng = (tensor_parallel.get_cuda_rng_tracker().fork()
+               if dropout > 0.0 and not self.config.sequence_parallel else contextlib.nullcontext())
+        with rng:
+            out = context_parallel.attention(q, k, v, self.softmax_scale, self._cp_group(),
+                                             dropout_p=dropout)
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
 

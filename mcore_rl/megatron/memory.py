@@ -29,6 +29,9 @@ The model of one GPU of the policy's workers (and the critic's, colocated) in by
   Activation recomputation (``policy.megatron.recompute_granularity``) keeps less:
   :func:`stage_activation_bytes`; at 8B (Llama-3.1 shape, TP=2, 8192-token packed micro-batches,
   4 H200s) the train phase allocated 69.6 GiB, 68.8 predicted;
+- context parallelism (CP): a rank's activations, logits and forward intermediates are those
+  of its ``s / CP`` positions, plus the keys and values its attention all-gathers (DP counts
+  ``workers / (TP x CP x PP)``);
 - **logits** ``[b, s, V/t]`` in the activation dtype and their gradient (the fused logprob
   kernels of :mod:`mcore_rl.megatron.logprobs` keep no fp32 copy);
 - a micro-batch's tokens (:func:`micro_batch_tokens`, as the workers cut them): ``b x s`` with
@@ -142,8 +145,11 @@ def activation_bytes_per_layer(arch: ModelArchConfig, megatron: MegatronConfig, 
     """Saved activations of one decoder layer for a micro-batch of ``rows x seq`` tokens on
     one rank (module docstring: ``(4 h [/t with SP] + (3 a d + 2 g d) / t + 3 f / t)`` elements
     a token; the ``local`` spec adds its repeated KV heads, ``2 (a - g) d / t`` elements a
-    token, and ``5 a s^2 b / t`` bytes)."""
-    tp = megatron.tensor_model_parallel_size
+    token, and ``5 a s^2 b / t`` bytes). With context parallelism (CP > 1) a rank holds ``seq /
+    CP`` of each row's tokens, and its attention keeps the keys and values all-gathered from
+    the other CP ranks (``2 g d / t`` elements for each of their ``seq (CP - 1) / CP`` tokens:
+    :mod:`mcore_rl.megatron.context_parallel`)."""
+    tp, cp = megatron.tensor_model_parallel_size, max(1, megatron.context_parallel_size)
     h, a, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, head_dim(arch)
     f = arch.ffn_hidden_size if arch.num_experts is None else (
         (arch.moe_ffn_hidden_size or arch.ffn_hidden_size) * arch.moe_router_topk
@@ -156,7 +162,9 @@ def activation_bytes_per_layer(arch: ModelArchConfig, megatron: MegatronConfig, 
     per_token = replicated + ((2 if selective else 3) * a * d + 2 * g * d) / tp + 3 * f / tp
     if megatron.layer_spec == "local" and not selective:  # DotProductAttention repeats KV heads
         per_token += 2 * (a - g) * d / tp
-    out = per_token * e * rows * seq
+    out = per_token * e * rows * seq / cp
+    if cp > 1:
+        out += 2 * g * d / tp * e * rows * seq * (cp - 1) / cp
     if megatron.layer_spec == "local" and not selective:
         out += 5 * a * seq * seq * rows / tp
     return int(out)
@@ -182,7 +190,7 @@ def stage_activation_bytes(arch: ModelArchConfig, megatron: MegatronConfig, rows
         return int(layers * in_flight * per_layer)
     e = 2 if megatron.precision == "bf16" else 4
     sp = megatron.tensor_model_parallel_size if megatron.sequence_parallel else 1
-    layer_input = arch.hidden_size / sp * e * rows * seq
+    layer_input = arch.hidden_size / sp * e * rows * seq / max(1, megatron.context_parallel_size)
     k = min(megatron.recompute_num_layers, layers)
     if megatron.recompute_method == "uniform":
         return int(in_flight * _ceil_div(layers, k) * layer_input + k * per_layer)
@@ -261,6 +269,7 @@ def rollout_rows(cfg: TrainConfig) -> int:
 
 def _dp(cfg: TrainConfig, megatron: MegatronConfig) -> int:
     return max(1, cfg.cluster.num_workers // (megatron.tensor_model_parallel_size
+                                             * max(1, megatron.context_parallel_size)
                                              * megatron.pipeline_model_parallel_size))
 
 
@@ -295,6 +304,7 @@ def role_memory(name: str, cfg: TrainConfig, arch: ModelArchConfig, vocab_size: 
     in_flight = min(pp, micro_batches)
     acts = stage_activation_bytes(arch, megatron, t_rows, seq, in_flight)
     vocab_cols = 1 if value_head else padded_vocab(vocab_size, tp) // tp
+    cp = max(1, megatron.context_parallel_size)  # a rank's logits: its 1/CP of the positions
     return RoleMemory(
         name=name, parameters=p, weights=p * e, grads=p * grad_bytes,
         optimizer=p * opt_per_param,
@@ -302,9 +312,9 @@ def role_memory(name: str, cfg: TrainConfig, arch: ModelArchConfig, vocab_size: 
         optimizer_step_transient=p * 4 if grad_bytes == 2 else 0,
         reference=p * e if reference else 0,
         activations=acts,
-        logits=int(2 * t_rows * seq * vocab_cols * e),
-        logprob_logits=int(t_lp * seq * vocab_cols * e),
-        logprob_forward=int(lp_tokens * forward_elements_per_token(arch, megatron) * e),
+        logits=int(2 * t_rows * seq * vocab_cols * e / cp),
+        logprob_logits=int(t_lp * seq * vocab_cols * e / cp),
+        logprob_forward=int(lp_tokens * forward_elements_per_token(arch, megatron) * e / cp),
         micro_batch_size=b, seq=seq, tokens=tokens, logprob_tokens=lp_tokens)
 
 

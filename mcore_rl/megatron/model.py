@@ -73,7 +73,9 @@ def transformer_config(
     Transformer Engine features (``megatron.layer_spec=transformer_engine``): ``fp8`` and
     ``fp8_recipe`` are Megatron's fields of the same names (its ``TransformerBlock`` runs each
     layer in TE's FP8 autocast; the output layer and the embedding stay bf16);
-    ``context_parallel_size`` and ``cp_comm_type`` (set only with CP > 1) go to TE's attention.
+    ``context_parallel_size`` and ``cp_comm_type`` (set only with CP > 1) go to TE's attention
+    (the ``torch`` spec's attention all-gathers keys and values whatever ``cp_comm_type`` says;
+    the config loader asks for ``all_gather`` with it).
     Precision ``fp32`` keeps fp32 params; ``bf16`` builds bf16 params with ``bf16=True`` (the
     optimizer then keeps fp32 main params). ``calculate_per_token_loss=True``: Megatron sums
     the loss over microbatches and DP and ``finalize_model_grads`` divides the grads by the
@@ -89,17 +91,21 @@ def transformer_config(
     Raises ``ValueError`` naming the config key for a non-positive vocabulary or what
     :func:`arch_errors`, :func:`layout_errors` and :func:`transformer_engine_shape_errors`
     report (each key's declared choices and bounds included: an unknown precision or layer
-    spec, ...), and for FP8 or CP without the ``transformer_engine`` layer spec.
+    spec, ...), for FP8 without the ``transformer_engine`` layer spec and for CP with the
+    ``local`` one (the ``torch`` spec's attention does CP by all-gathering keys and values:
+    :mod:`mcore_rl.megatron.context_parallel`).
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     errors = (arch_errors(arch) or layout_errors(arch, megatron, "megatron")
               or transformer_engine_shape_errors(arch, megatron, "megatron"))
-    if not errors and megatron.layer_spec != "transformer_engine" and (
-            megatron.fp8 is not None or megatron.context_parallel_size > 1):
-        errors = [f"megatron.fp8={megatron.fp8} and megatron.context_parallel_size="
-                  f"{megatron.context_parallel_size} need megatron.layer_spec=transformer_engine "
+    if not errors and megatron.layer_spec != "transformer_engine" and megatron.fp8 is not None:
+        errors = [f"megatron.fp8={megatron.fp8} needs megatron.layer_spec=transformer_engine "
                   f"(got {megatron.layer_spec})"]
+    if not errors and megatron.layer_spec == "local" and megatron.context_parallel_size > 1:
+        errors = [f"megatron.context_parallel_size={megatron.context_parallel_size} needs "
+                  f"megatron.layer_spec torch or transformer_engine (got local: Megatron's "
+                  f"DotProductAttention does not split sequences)"]
     if errors:
         raise ValueError("; ".join(errors))
     on_cpu = torch.device(device).type == "cpu"

@@ -1,7 +1,7 @@
 """Transformer Engine at run time: what the config loader cannot know (it imports neither torch
 nor TE, :func:`mcore_rl.config.rules.transformer_engine_errors`) checked where the GPU is: does
-TE's PyTorch side import, does this GPU run the FP8 recipe, and is the run asking for a part of
-context parallelism that is not built yet. The trainer calls :func:`runtime_errors` before any
+TE's PyTorch side import, does this GPU run the FP8 recipe, and is the run asking for TE's
+context-parallel attention, not verified yet. The trainer calls :func:`runtime_errors` before any
 worker starts and turns each message into a one-line ``ConfigError``; the model builder raises
 the same messages as ``ValueError`` for callers that build a model themselves.
 
@@ -16,10 +16,10 @@ from mcore_rl.config.schema import FP8_RECIPE_CAPABILITY, MegatronConfig
 
 
 def uses_transformer_engine(megatron: MegatronConfig) -> bool:
-    """Whether ``megatron`` asks for a Transformer Engine feature: the TE layer spec, FP8 or
-    context parallelism (CP > 1)."""
-    return (megatron.layer_spec == "transformer_engine" or megatron.fp8 is not None
-            or megatron.context_parallel_size > 1)
+    """Whether ``megatron`` asks for a Transformer Engine feature: the TE layer spec or FP8.
+    Context parallelism (CP > 1) is TE's only with the TE spec: the ``torch`` spec does it
+    itself (:mod:`mcore_rl.megatron.context_parallel`)."""
+    return megatron.layer_spec == "transformer_engine" or megatron.fp8 is not None
 
 
 def te_import_error() -> Optional[str]:
@@ -61,10 +61,10 @@ def runtime_errors(megatron: MegatronConfig, key: str, device: str,
 
     Checked: TE's PyTorch side imports (:func:`te_import_error`; TE runs on GPUs only, so on
     ``"cpu"`` that is the message); the GPU runs the FP8 recipe (``capability``, default the
-    current CUDA device's: :func:`fp8_capability_error`); ``context_parallel_size`` is 1, since
-    the training and logprob passes do not yet split sequences over CP ranks (Megatron's
-    parallel state and ``TransformerConfig`` take it; the split of each micro-batch into the two
-    chunks per rank, the all-gather of per-token results and the loss count are not done).
+    current CUDA device's: :func:`fp8_capability_error`); ``context_parallel_size`` is 1 with
+    the TE spec: the passes split sequences over CP ranks (:mod:`mcore_rl.megatron.
+    context_parallel`) and the ``torch`` spec's attention is tested against CP = 1 on CPU, but
+    TE's CP attention on those chunks has not been run on a GPU yet.
     """
     if not uses_transformer_engine(megatron):
         return []
@@ -87,7 +87,8 @@ def runtime_errors(megatron: MegatronConfig, key: str, device: str,
             if problem:
                 errors.append(problem)
     if megatron.context_parallel_size > 1:
-        errors.append(f"{key}.context_parallel_size={megatron.context_parallel_size}: the "
-                      f"training and logprob passes do not split sequences over context-parallel "
-                      f"ranks yet (issue 34); use context_parallel_size=1")
+        errors.append(f"{key}.context_parallel_size={megatron.context_parallel_size} with "
+                      f"layer_spec=transformer_engine: Transformer Engine's context-parallel "
+                      f"attention is not verified yet (issue 34); use layer_spec=torch (its "
+                      f"attention all-gathers keys and values) or context_parallel_size=1")
     return errors

@@ -288,7 +288,10 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
 
     # ------------------------------------------------------------------ forward plumbing
     def _model_forward(self, model, mb: Batch) -> torch.Tensor:
-        """Run one model chunk on a micro-batch; returns its output tensor."""
+        """Run one model chunk on a micro-batch; returns its output tensor. With context
+        parallelism (CP > 1) the chunk sees this CP rank's two chunks of the ids and positions
+        (:func:`mcore_rl.megatron.context_parallel.split`) and the last chunk's output goes
+        through :meth:`_cp_output`."""
         from mcore_rl.megatron.model import attention_mask, position_ids
 
         if PACKED_IDS in mb:
@@ -301,13 +304,40 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
         router_losses = contextlib.nullcontext()
         if self.arch.num_experts is not None:
             kwargs["padding_mask"], router_losses = self._router_losses(model, mb)
+        positions = position_ids(b, s, ids.device)
+        cp = self.ps.get_context_parallel_world_size()
+        if cp > 1:  # this rank's two chunks; Megatron's RoPE slices its frequencies alike
+            from mcore_rl.megatron import context_parallel
+
+            rank = self.ps.get_context_parallel_rank()
+            ids, positions = (context_parallel.split(t, 1, cp, rank) for t in (ids, positions))
+            s = ids.shape[1]
         with router_losses:
-            return model(
+            out = model(
                 ids,
-                position_ids(b, s, ids.device),
+                positions,
                 attention_mask(self.megatron_cfg.layer_spec, b, s, ids.device),
                 **kwargs,
             )
+        if cp > 1 and self._is_output_chunk(model):
+            out = self._cp_output(out)
+        return out
+
+    def _is_output_chunk(self, model) -> bool:
+        """Whether the chunk ``model`` ends the network (its output is the head's)."""
+        from megatron.core.utils import unwrap_model
+
+        return bool(unwrap_model(model).post_process)
+
+    def _cp_output(self, output: torch.Tensor) -> torch.Tensor:
+        """Context parallelism: the head output of this CP rank's two sequence chunks ``[b, 2 c,
+        ...]`` -> the full width ``[b, S, ...]`` on every CP rank (:func:`~mcore_rl.megatron.
+        context_parallel.gather`, whose backward keeps this rank's slice), so the per-token
+        outputs and the loss are computed whole, as at CP = 1. Subclasses whose output is wide
+        (the policy's logits) gather something smaller instead."""
+        from mcore_rl.megatron import context_parallel
+
+        return context_parallel.gather(output, dim=1, group=self.ps.get_context_parallel_group())
 
     def _packed_forward(self, model, mb: Batch) -> torch.Tensor:
         """One model chunk on a packed micro-batch (``packed_input_ids [1, T]``): Megatron's

@@ -94,7 +94,10 @@ class PolicyWorker(MegatronTrainWorker):
 
         Args:
             output: logits ``[b, s, V_pad / TP]`` of this TP rank's vocabulary shard (bf16
-                with precision bf16: the model keeps them in bf16, ``fp32_output=False``).
+                with precision bf16: the model keeps them in bf16, ``fp32_output=False``);
+                with context parallelism ``[b, s / CP, V_pad / TP]``, the positions of this CP
+                rank's two chunks: their logprobs are all-gathered to ``[b, s]``
+                (:func:`~mcore_rl.megatron.context_parallel.gather`, backward: the local slice).
             mb: micro-batch with ``input_ids`` ``[b, s]``; a packed one
                 (:mod:`mcore_rl.data.packing`) has logits ``[1, T, V_pad / TP]`` of its packed
                 row: targets are the next tokens within each sequence, and the result is put
@@ -115,8 +118,22 @@ class PolicyWorker(MegatronTrainWorker):
             return unpack(next_lp, cu, mb["input_ids"].shape[1], shift=1,
                           num_rows=mb["input_ids"].shape[0])
         target = torch.roll(mb["input_ids"], shifts=-1, dims=1)
-        next_lp = vocab_parallel_logprobs(output, target, self.vocab_size, self.temperature)
+        cp = self.ps.get_context_parallel_world_size()
+        if cp > 1:  # logits of this rank's two chunks: its targets, then the full width
+            from mcore_rl.megatron import context_parallel
+
+            group = self.ps.get_context_parallel_group()
+            target = context_parallel.split(target, 1, cp, self.ps.get_context_parallel_rank())
+            next_lp = vocab_parallel_logprobs(output, target, self.vocab_size, self.temperature)
+            next_lp = context_parallel.gather(next_lp, dim=1, group=group)
+        else:
+            next_lp = vocab_parallel_logprobs(output, target, self.vocab_size, self.temperature)
         return torch.cat([torch.zeros_like(next_lp[:, :1]), next_lp[:, :-1]], dim=1)
+
+    def _cp_output(self, output: torch.Tensor) -> torch.Tensor:
+        """The local logits as they are: :meth:`_token_logprobs` gathers the logprobs instead
+        (``[b, s]``, not ``[b, s, V / TP]``)."""
+        return output
 
     def _loss_output(self, output: torch.Tensor, mb: Batch, loss_fn) -> LossOutput:
         logprobs = self._token_logprobs(output, mb)

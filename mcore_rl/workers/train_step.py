@@ -86,9 +86,22 @@ class TrainStepMixin:
         self._zero_grads()
         outputs = self._run_schedule(
             batch, micro_batch_size, forward_only=False,
-            output_fn=lambda out, mb: self._loss_output(out, mb, loss_fn),
+            output_fn=lambda out, mb: self._counted_once(*self._loss_output(out, mb, loss_fn)),
         )
         return self._optimizer_step(outputs, loss_fn, global_batch_size)
+
+    def _counted_once(self, loss_sum: torch.Tensor, count: torch.Tensor,
+                      metrics: Dict[str, torch.Tensor]) -> LossOutput:
+        """The loss output with its count kept on context-parallel rank 0 only (0 on the other
+        CP ranks). With CP every CP rank computes the whole micro-batch's loss (the per-token
+        outputs are gathered to the full width: :mod:`mcore_rl.megatron.context_parallel`) and
+        back-propagates it through its own tokens, so the gradients summed over DP x CP are
+        the full ones; Megatron's ``finalize_model_grads`` all-reduces the count over the same
+        DP x CP group, where each micro-batch's count must appear once. The metrics are reduced
+        over DP only (:meth:`_reduce_metrics`) and stay as they are. Without CP: unchanged."""
+        if self.ps.get_context_parallel_world_size() > 1 and self.ps.get_context_parallel_rank():
+            count = torch.zeros_like(count)
+        return loss_sum, count, metrics
 
     # Rows x padded width of the largest training micro-batch since the last _zero_grads (the
     # start of a step): the step's ``microbatch_tokens_max`` metric.
@@ -284,7 +297,7 @@ class TrainStepMixin:
         step = self._open_split_step("train_microbatch")
 
         def output_fn(out: torch.Tensor, mb: Batch) -> LossOutput:
-            loss_sum, count, metrics = self._loss_output(out, mb, step.loss_fn)
+            loss_sum, count, metrics = self._counted_once(*self._loss_output(out, mb, step.loss_fn))
             step.num_tokens += count
             return loss_sum, torch.ones_like(count), metrics
 
