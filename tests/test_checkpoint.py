@@ -373,6 +373,29 @@ def test_truncated_shard_latest_falls_back_and_explicit_path_is_a_one_line_error
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"mcore-rl eval: error: checkpoint.resume={step_3}: {shard} has ")
 
+# `python FILE train ARGS...`: `mcore-rl` whose run, once RL step 1 is logged, waits up to 30 s
+# for the preemption signal (its handler only records it), so the test's SIGTERM lands before
+# the run's last step however fast the steps are.
+HELD_AFTER_STEP_1 = """
+import signal, sys, time
+from mcore_rl.cli import main
+from mcore_rl.utils.logging import RunLogger
+
+log = RunLogger.log
+
+def log_then_hold(self, step, metrics, advance=True):
+    log(self, step, metrics, advance)
+    guard = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)  # the run's handler
+    deadline = time.monotonic() + 30
+    while step == 1 and advance and guard is not None and guard.received is None \\
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+RunLogger.log = log_then_hold
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+"""
+
 
 @pytest.mark.slow
 def test_sigterm_under_slurm_saves_requeues_and_the_requeued_job_ends_as_a_straight_run(
@@ -381,7 +404,9 @@ def test_sigterm_under_slurm_saves_requeues_and_the_requeued_job_ends_as_a_strai
 
     out = tmp_path / "run"
     args = RUN + [f"run.output_dir={out}", "checkpoint.every=0"]  # only the preemption saves
-    driver = f"{sys.executable} -m mcore_rl train"
+    held = tmp_path / "held_after_step_1.py"
+    held.write_text(HELD_AFTER_STEP_1)
+    driver = f"{sys.executable} {held} train"
     (tmp_path / "job").mkdir()
     job = Job(tmp_path / "job", ["n1"], DRIVER_COMMAND=driver)
     proc = job.start(*args)
