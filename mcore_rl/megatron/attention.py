@@ -66,6 +66,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from mcore_rl.megatron import context_parallel
+
 # Eval-mode (decoding) kernels: see the module docstring.
 _INFERENCE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -220,8 +222,6 @@ class TorchSDPAttention(DotProductAttention):
         """Causal attention of this CP rank's two sequence chunks (``query`` ``[2 c, b, np,
         hn]``) over the keys of every CP rank (:func:`mcore_rl.megatron.context_parallel.
         attention`). Raises ``ValueError`` for an explicit mask or a non-causal mask type."""
-        from mcore_rl.megatron import context_parallel
-
         if attention_mask is not None or mask_type not in (AttnMaskType.causal,
                                                            AttnMaskType.causal_bottom_right):
             raise ValueError("TorchSDPAttention with context_parallel_size > 1 computes causal "

@@ -30,7 +30,7 @@ from mcore_rl.data.batch import Batch
 from mcore_rl.data.microbatching import ROW_INDEX, gather_rows, make_microbatches, shapes_vary
 from mcore_rl.data.packing import (CU_SEQLENS, MAX_SEQLEN, PACKED_IDS, PACKED_POSITIONS,
                                    computed_tokens, make_packed_microbatches)
-from mcore_rl.megatron import parallel, rope
+from mcore_rl.megatron import context_parallel, parallel, rope
 from mcore_rl.workers.checkpointing import CheckpointMixin
 from mcore_rl.workers.offload import OffloadLifecycleMixin, requires_device_state
 from mcore_rl.workers.train_step import LossOutput, TrainStepMixin
@@ -307,8 +307,6 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
         positions = position_ids(b, s, ids.device)
         cp = self.ps.get_context_parallel_world_size()
         if cp > 1:  # this rank's two chunks; Megatron's RoPE slices its frequencies alike
-            from mcore_rl.megatron import context_parallel
-
             rank = self.ps.get_context_parallel_rank()
             ids, positions = (context_parallel.split(t, 1, cp, rank) for t in (ids, positions))
             s = ids.shape[1]
@@ -335,8 +333,6 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
         context_parallel.gather`, whose backward keeps this rank's slice), so the per-token
         outputs and the loss are computed whole, as at CP = 1. Subclasses whose output is wide
         (the policy's logits) gather something smaller instead."""
-        from mcore_rl.megatron import context_parallel
-
         return context_parallel.gather(output, dim=1, group=self.ps.get_context_parallel_group())
 
     def _packed_forward(self, model, mb: Batch) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from mcore_rl.data.batch import Batch
 from mcore_rl.data.packing import CU_SEQLENS, PACKED_IDS, packed_targets, unpack
+from mcore_rl.megatron import context_parallel
 from mcore_rl.workers.megatron_worker import LossOutput, MegatronTrainWorker, requires_device_state
 
 
@@ -119,15 +120,12 @@ class PolicyWorker(MegatronTrainWorker):
                           num_rows=mb["input_ids"].shape[0])
         target = torch.roll(mb["input_ids"], shifts=-1, dims=1)
         cp = self.ps.get_context_parallel_world_size()
-        if cp > 1:  # logits of this rank's two chunks: its targets, then the full width
-            from mcore_rl.megatron import context_parallel
-
-            group = self.ps.get_context_parallel_group()
+        if cp > 1:  # logits of this rank's two chunks: their targets, then the full width
             target = context_parallel.split(target, 1, cp, self.ps.get_context_parallel_rank())
-            next_lp = vocab_parallel_logprobs(output, target, self.vocab_size, self.temperature)
-            next_lp = context_parallel.gather(next_lp, dim=1, group=group)
-        else:
-            next_lp = vocab_parallel_logprobs(output, target, self.vocab_size, self.temperature)
+        next_lp = vocab_parallel_logprobs(output, target, self.vocab_size, self.temperature)
+        if cp > 1:
+            next_lp = context_parallel.gather(next_lp, dim=1,
+                                              group=self.ps.get_context_parallel_group())
         return torch.cat([torch.zeros_like(next_lp[:, :1]), next_lp[:, :-1]], dim=1)
 
     def _cp_output(self, output: torch.Tensor) -> torch.Tensor:
