@@ -539,7 +539,8 @@ for stage in "$@"; do
         wait) wait; echo "== background stages done: $((SECONDS - t0)) s"; continue ;;
         bg:*)  # its own process session: it outlives this call (module comment)
             one=${stage#bg:}
-            OUT=/tmp/bgout/$one setsid nohup bash "$0" "bgrun:$one" > "$RES/bg_$one.log" 2>&1 &
+            # in a subshell that exits at once: the final `wait` does not wait for it
+            ( OUT=/tmp/bgout/$one setsid nohup bash "$0" "bgrun:$one" > "$RES/bg_$one.log" 2>&1 & )
             echo "== $one started in the background (log $RES/bg_$one.log)"
             continue ;;
         bgrun:*) "stage_${stage#bgrun:}"; exit $status ;;
