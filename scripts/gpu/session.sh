@@ -89,6 +89,9 @@
 #               two vLLM engines (TP=1) on GPUs 2-3, NCCL refit; L8OFF_RECOMPUTE (full) sets
 #               policy.megatron.recompute_granularity (null: none), L8OFF_SET more overrides
 #   l8meg       the megatron in-place backend at TP=2 x DP=2 (L8MEG_STEPS steps)
+#   l8prof      l8meg's run for 2 steps under the torch profiler (MCORE_RL_PROFILE_DIR): the
+#               second generate and train call of rank 0, their top kernels (L8PROF_SET: more
+#               overrides, e.g. policy.max_tokens_per_microbatch=8192 to compare)
 # A stage written bg:STAGE starts in a process session of its own (setsid) and outlives the call
 # while the machine stays warm; `watch` prints the background logs every 30 s until they end or
 # WATCH_SECONDS (540) pass. Their results land in /tmp/results like any stage's.
@@ -447,6 +450,19 @@ stage_l8off() {  # L8OFF_RECOMPUTE (full, selective or null); L8OFF_SET: more ov
 stage_l8meg() {
     L8_STEPS=${L8MEG_STEPS:-3} l8run l8_megatron "${L8_TIMEOUT:-900}" generation.backend=megatron \
         generation.batch_size="${L8MEG_BATCH:-256}"
+}
+
+stage_l8prof() {  # where the 8B step's time goes: the megatron backend (decode and train) profiled
+    # at the config's 4096-token micro-batches; L8PROF_SET: more overrides (e.g. 8192 to compare)
+    rm -rf "$RES/l8prof"
+    # shellcheck disable=SC2086
+    MCORE_RL_PROFILE_DIR=$RES/l8prof MCORE_RL_PROFILE_CALLS=2 L8_STEPS=2 \
+        l8run l8_profiled "${L8_TIMEOUT:-900}" generation.backend=megatron \
+        generation.batch_size=256 ${L8PROF_SET:-} > /dev/null
+    for f in "$RES"/l8prof/rank0_*.txt; do
+        [ -f "$f" ] || continue
+        echo "== $(basename "$f")"; head -n 1 "$f"; sed -n '3,22p' "$f" | cut -c1-160
+    done
 }
 
 stage_watch() {
