@@ -52,9 +52,13 @@ def pyproject_requirements(text: str | None = None) -> dict[str, Requirement]:
 
 # What ran on the GPU machines: the device sessions' scripts pin it (`NAME==VERSION` in pip
 # commands and requirement files). The image pins the same versions.
-GPU_PIN_FILES = ("scripts/gpu/carry.sh", "scripts/gpu/te_build.sh", "scripts/gpu/vllm-requirements.txt")
-# Image pins that must be those of a GPU script (ray and transformers do not travel: the GPU
-# machines run the image's transformers and no Ray).
+GPU_PIN_FILES = ("scripts/gpu/carry.sh", "scripts/gpu/te_build.sh", "scripts/gpu/vllm-requirements.txt",
+                 "scripts/gpu/ray-requirements.txt")
+# Image pins that must be those of a GPU script (transformers does not travel: the GPU machines
+# run the image's transformers). Ray travels too (scripts/gpu/ray_carry.sh: 2.60.0, the CPU tests'
+# version) but is not checked here: the image pins 2.54.0, and at 2.60.0 the pins would fail
+# test_dockerfile_pins_satisfy_each_others_requirements (ray 2.60's `llm` extra, which the image
+# does not install, pins vllm 0.29.0).
 RAN_ON_GPU = {"torch", "megatron-core", "vllm", "transformer-engine"}
 # Distributions released together at one version: a pin of one is a pin of the family.
 FAMILIES = {"transformer-engine-cu12": "transformer-engine", "transformer-engine-cu13":

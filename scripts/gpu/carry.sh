@@ -12,6 +12,8 @@
 #                server binary; DeepGEMM and the sm100 FMHA sources), as .tar.xz in two parts,
 #                and the Python packages `vllm.LLM` imports that the image lacks
 #                (scripts/gpu/vllm-requirements.txt), spread over the folders by size
+#   .carry8/ .carry9/   Ray 2.60.0's cp312 wheel in two parts and the wheels of its core
+#                requirements, with their sha256 (scripts/gpu/ray_carry.sh, run last)
 # One folder per device call, each < 60 MB with the tree (a call carries at most 64 MiB).
 set -euo pipefail
 GSM8K=${GSM8K:-../shared/data/gsm8k}
@@ -54,4 +56,5 @@ for f in sorted(os.listdir(src), key=lambda f: -os.path.getsize(os.path.join(src
     room[d] -= os.path.getsize(os.path.join(src, f))
     shutil.move(os.path.join(src, f), d)
 PY
+bash scripts/gpu/ray_carry.sh
 du -sh .whl gsm8k_data .carry-trl .carry[0-9]*

@@ -35,6 +35,11 @@
 #               with the trl stage runs TRL's vLLM-colocate mode
 #   tools       grpo_smollm2_arith_tools (calculator, multi-turn) and grpo_smollm2_arith side by
 #               side (TOOLS_STEPS, default 100): held-out accuracy and tool use (issue 24)
+#   ray         Ray from /tmp/parts (scripts/gpu/ray_carry.sh's .carry8/ and .carry9/, one call each,
+#               either order): the wheel put together and checked against ray.sha256, Ray and those
+#               of its requirements the device lacks (or has at a version Ray's wheels refuse:
+#               scripts/gpu/ray_wheels.py) into /tmp/site, then `ray.init(num_cpus=2)`, one task,
+#               `ray.shutdown()` ($RES/ray_smoke.log)
 #   te          Transformer Engine 2.20.2 from /tmp/parts (scripts/gpu/te_build.sh's .carry-te<k>/,
 #               one call each) into $TE_SITE and megatron-bridge 0.6.2 into $BRIDGE_SITE, then
 #               scripts/gpu/te_smoke.py (issue 34). Later stages see TE only through te_env.
@@ -61,6 +66,10 @@
 #               critic on one GPU) and separate (a GPU each): seconds per step, held-out curve
 #   refit2      the NCCL refit to a vLLM engine on a GPU of its own: speed, parity, a killed
 #               engine (scripts/gpu/vllm_refit.py)
+#   raytp2      grpo_synthetic_gpu on Ray actors (cluster.use_ray=true, num_workers=2) with a
+#               colocated vLLM engine at TP=2, RAYTP2_STEPS (3) steps, RAYTP2_TIMEOUT (360) s, after
+#               vllm and ray; RAYTP2_SET: more overrides. Each step's timing/* and refit/* from its
+#               metrics.jsonl, then `== raytp2 PASS` or FAIL ($RES/raytp2.log)
 #   decode3     rollout tokens/s of megatron, hf and vLLM on one GPU at 256 x 512 (the 0.5B
 #               Qwen2 shape of scripts/gpu/megatron_generation.py; issue 23)
 #
@@ -355,6 +364,35 @@ stage_vllm() {
     quiet < "$RES/vllm_smoke.log" | tail -n 15
 }
 
+stage_ray() {  # Ray from the parts of .carry8/ and .carry9/ (scripts/gpu/ray_carry.sh)
+    local dir=/tmp/ray_wheels whl need
+    if ! python3 scripts/gpu/ray_wheels.py met "$dir" 2>/dev/null; then
+        whl=$(awk '$2 ~ /^ray-.*\.whl$/ {print $2}' /tmp/parts/ray.sha256 2>/dev/null)
+        if [ -z "$whl" ] || [ ! -f /tmp/parts/ray_part_aa ] || [ ! -f /tmp/parts/ray_part_ab ]; then
+            echo "== ray: carry .carry8 and .carry9 first (/tmp/parts lacks a part)"; status=1; return
+        fi
+        rm -rf "$dir" && mkdir -p "$dir"
+        if ! { cat /tmp/parts/ray_part_* > "$dir/$whl" && tar -xf /tmp/parts/ray_deps.tar -C "$dir" \
+               && (cd "$dir" && sha256sum -c --quiet /tmp/parts/ray.sha256); }; then
+            echo "== ray: the parts do not make the wheels of ray.sha256"; status=1; return
+        fi
+        mapfile -t need < <(python3 scripts/gpu/ray_wheels.py needed "$dir")
+        echo "== ray: installing ${need[*]##*/}"
+        [ "${#need[@]}" = 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+            --no-cache-dir --upgrade --target /tmp/site "${need[@]}" || { status=1; return; }
+        python3 scripts/gpu/ray_wheels.py met "$dir" || { status=1; return; }
+    fi
+    timeout 180 python3 -c "
+import ray
+print('ray', ray.__version__, ray.__file__)
+ray.init(num_cpus=2)
+print('resources', ray.cluster_resources())
+print('task', ray.get(ray.remote(lambda: 40 + 2).remote()))
+ray.shutdown()
+print('ray.init(num_cpus=2) and shutdown: ok')" > "$RES/ray_smoke.log" 2>&1 || status=1
+    echo "== ray"; quiet < "$RES/ray_smoke.log" | tail -n 8
+}
+
 stage_vllm_runs() {  # learning with vLLM rollouts on the real model, and the default GPU job
     local v=(generation.backend=vllm cluster.colocate_generation=true)
     timeout 330 python3 -m mcore_rl train --config-name grpo_smollm2_arith "${common[@]}" \
@@ -408,6 +446,35 @@ stage_refit2() {  # issue 27: NCCL refit to a vLLM engine on GPU 1
     timeout 420 python3 scripts/gpu/vllm_refit.py --config grpo_smollm2_arith \
         --set model.hf_path="$MODEL" cluster.device=cuda > "$RES/refit2.log" 2>&1 || status=1
     echo "== refit2"; quiet < "$RES/refit2.log" | tail -n 14
+}
+
+stage_raytp2() {  # Ray actors and a colocated vLLM engine at TP=2 on two GPUs (after vllm, ray)
+    local dir=/tmp/runs/raytp2 rc=0
+    rm -rf "$dir"
+    echo "== raytp2: mcore-rl train grpo_synthetic_gpu, Ray, vLLM TP=2 (log $RES/raytp2.log)"
+    # shellcheck disable=SC2086
+    timeout -k 15 "${RAYTP2_TIMEOUT:-360}" python3 -m mcore_rl train --config-name grpo_synthetic_gpu \
+        cluster.use_ray=true cluster.num_workers=2 cluster.colocate_generation=true \
+        generation.backend=vllm generation.vllm.tensor_parallel_size=2 \
+        grpo.max_steps="${RAYTP2_STEPS:-3}" run.output_dir="$dir" ${RAYTP2_SET:-} \
+        > "$RES/raytp2.log" 2>&1 || rc=$?
+    # a driver killed by the timeout leaves Ray's processes (and the GPUs they hold) behind
+    [ "$rc" = 0 ] || python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+    cp "$dir/metrics.jsonl" "$RES/raytp2.metrics.jsonl" 2>/dev/null
+    for f in "$dir"/vllm_engine_*.log; do [ -f "$f" ] && cp "$f" "$RES/raytp2_$(basename "$f")"; done
+    quiet < "$RES/raytp2.log" | grep -a -E "step [0-9]+/|refit|Error|error|Traceback" | tail -n 12
+    python3 - "$dir/metrics.jsonl" "${RAYTP2_STEPS:-3}" <<'PY' || rc=1
+import json, sys
+try:
+    rows = [r for r in map(json.loads, open(sys.argv[1])) if "timing/step_s" in r]
+except OSError:
+    rows = []
+for r in rows:
+    print(f"  step {r['step']}: " + ", ".join(f"{k.removeprefix('timing/')} {v:.3g}" for k, v in r.items()
+                                             if k.startswith(("timing/", "refit/"))))
+sys.exit(0 if len(rows) >= int(sys.argv[2]) else 1)
+PY
+    if [ "$rc" = 0 ]; then echo "== raytp2 PASS"; else echo "== raytp2 FAIL (exit $rc)"; status=1; fi
 }
 
 stage_decode3() {  # issue 23: megatron vs hf vs vLLM rollouts at 256 x 512 on one GPU
