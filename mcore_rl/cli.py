@@ -22,6 +22,7 @@ import functools
 import importlib
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 
 from omegaconf import OmegaConf
@@ -234,3 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         COMMANDS[args.command][2](cfg)
     return 0
+
+
+if __name__ == "__main__":  # `python -m mcore_rl.cli ...` runs the command too (not only an import)
+    sys.exit(main())
