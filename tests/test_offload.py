@@ -298,7 +298,15 @@ class _RecordingEngine:
         self.calls.append("engine.offload")
 
 
-def test_controller_calls_the_lifecycle_in_order():
+POLICY_MOVES = {"offload_before_refit", "offload_after_refit", "prepare_for_lp_inference",
+                "prepare_for_training"}
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "keep"])
+def test_controller_calls_the_lifecycle_in_order(offload):
+    """Colocated, the policy's offload lifecycle around the engine's hooks; with
+    ``cluster.offload_train_state`` false (``offload=False``) only the engine's hooks: no policy
+    call moves anything and the refit has no ``offload_*`` hand-over."""
     from mcore_rl.controller.colocation import Colocation
     from mcore_rl.controller.trainer import RLTrainer
     from mcore_rl.distributed.worker_group import typed
@@ -312,15 +320,17 @@ def test_controller_calls_the_lifecycle_in_order():
     for colocate in (True, False):
         calls.clear()
         cfg = SimpleNamespace(policy=SimpleNamespace(logprob_micro_batch_size=4, micro_batch_size=2))
-        trainer = SimpleNamespace(cfg=cfg, policy=policy,
-                                  colocation=Colocation(policy, _RecordingEngine(calls), colocate))
+        trainer = SimpleNamespace(cfg=cfg, policy=policy, colocation=Colocation(
+            policy, _RecordingEngine(calls), colocate, offload_train_state=offload))
         RLTrainer.policy_logprobs(trainer, {})
         RLTrainer.train_policy(trainer, {}, LOSS)
         refit = RLTrainer.refit(trainer)
         RLTrainer.policy_logprobs(trainer, {})
-        parts = {f"refit/{p}_s" for p in ("offload_train", "wake_weights", "transfer",
-                                           "offload_weights", "wake_kv")}
+        moves = {f"refit/{p}_s" for p in ("offload_train", "offload_weights")}
+        parts = {f"refit/{p}_s" for p in ("wake_weights", "transfer", "wake_kv")}
+        parts |= moves if offload else set()
         assert parts <= set(refit) if colocate else not parts & set(refit)
+        assert not (moves - parts) & set(refit)
         if colocate:  # the hand-overs add up to the refit's seconds
             assert sum(refit[k] for k in parts) <= refit["refit/seconds"]
         expected = ["engine.offload", "prepare_for_lp_inference", "get_logprobs",
@@ -328,6 +338,8 @@ def test_controller_calls_the_lifecycle_in_order():
                     "offload_before_refit", "engine.prepare_for_refit", "get_hf_weights",
                     "offload_after_refit", "engine.prepare_for_generation",
                     "engine.offload", "prepare_for_lp_inference", "get_logprobs"]
+        if not offload:
+            expected = [c for c in expected if c not in POLICY_MOVES]
         if not colocate:
             expected = ["get_logprobs", "train", "get_hf_weights", "get_logprobs"]
         assert calls == expected
