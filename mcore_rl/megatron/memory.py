@@ -530,73 +530,6 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
                       train_state_offloaded=policy_offloaded, offload_decision=decision)
 
 
-def offload_train_state_decision(cfg: TrainConfig, arch: ModelArchConfig,
-                                 vocab_size: Optional[int] = None,
-                                 **plan_args) -> Tuple[bool, str]:
-    """``cluster.offload_train_state`` resolved for the plan of ``cfg`` (``plan_args``: those of
-    :func:`plan_memory`): whether the colocated policy's training state leaves the GPU while
-    the rollout engine decodes, and one line saying which and why (empty without colocation or
-    with streaming, where it has no effect).
-
-    ``true`` and ``false`` are taken as set. ``auto`` is false when the plan with the policy's
-    training state resident (``plan_memory(..., offload_train_state=False)``) fits
-    ``cluster.gpu_memory_gb`` in every phase, with ``S`` the resident training state (every
-    role's weights, grads, optimizer state and reference weights: :attr:`RoleMemory.static`):
-
-    - generation: ``S`` + the engine's awake share (``MemoryPlan.engine``: vLLM's
-      ``gpu_memory_utilization x cluster.gpu_memory_gb``, the megatron decoder's KV cache and
-      row states) + what a generate call adds (``MemoryPlan.engine_transient``);
-    - logprobs: ``S`` + a logprob micro-batch's logits and forward intermediates;
-    - train (the same either way): ``S`` + the train transients (activations, logits and
-      their gradient, the optimizer step's fp32 grads) + the sleeping engine's residue, which
-      the plan counts as 0 (the engine's memory leaves the GPU for training);
-
-    true otherwise (where the train phase alone does not fit, the layout's own refusal,
-    :func:`memory_error`, stands either way).
-    """
-    setting, gpu = cfg.cluster.offload_train_state, cfg.cluster.gpu_memory_gb
-    key = f"cluster.offload_train_state={setting}"
-    if not cfg.cluster.colocate_generation or getattr(getattr(cfg, cfg.algorithm), "streaming",
-                                                      False):
-        return setting != "false", ""
-    keep = plan_memory(cfg, arch, vocab_size, offload_train_state=False, **plan_args)
-    resident = sum(r.static for r in keep.roles)
-    if setting == "true":
-        return True, (f"{key}: the policy's training state ({_gib(resident)} GiB) goes to host "
-                      f"memory while the engine decodes")
-    awake = sum(keep.engine.values()) + sum(keep.engine_transient.values())
-    phase = max(keep.phases, key=keep.phases.get)
-    figures = (f"generation {_gib(keep.phases['generation'])} GiB = training state "
-               f"{_gib(resident)} + engine awake {_gib(awake)}")
-    peak = f"peak {_gib(keep.peak)} GiB in {phase} of cluster.gpu_memory_gb={gpu:g}"
-    if setting == "false":
-        return False, f"{key}: the policy's training state stays on the GPU ({peak}; {figures})"
-    if keep.fits:
-        return False, (f"{key} -> false: with the policy's training state resident every phase "
-                       f"fits ({peak}; {figures})")
-    return True, (f"{key} -> true: with the policy's training state resident {phase} would need "
-                  f"{_gib(keep.peak)} GiB > cluster.gpu_memory_gb={gpu:g} ({figures}); it goes "
-                  f"to host memory while the engine decodes")
-
-
-def offload_train_state_error(cfg: TrainConfig, arch: ModelArchConfig,
-                              vocab_size: Optional[int], plan: MemoryPlan) -> Optional[str]:
-    """One line refusing ``cluster.offload_train_state=false`` when ``plan`` (the config's)
-    does not fit ``cluster.gpu_memory_gb`` but would with the training state offloaded (the
-    phase, the predicted GiB, the keys to change); else None."""
-    if cfg.cluster.offload_train_state != "false" or not plan.engine_offloaded or plan.fits:
-        return None
-    offloading = plan_memory(cfg, arch, vocab_size, offload_train_state=True)
-    if not offloading.fits:
-        return None
-    phase = max(plan.phases, key=plan.phases.get)
-    return (f"cluster.offload_train_state=false: with the policy's training state on the GPU "
-            f"while the engine decodes, {phase} is predicted to need {_gib(plan.peak)} GiB per "
-            f"GPU (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}; offloaded: peak "
-            f"{_gib(offloading.peak)}); set cluster.offload_train_state=auto (or true), or "
-            f"cluster.skip_memory_check=true to train anyway")
-
-
 def candidate_layouts(cfg: TrainConfig, arch: ModelArchConfig) -> List[Tuple[int, int, int]]:
     """``(TP, PP, DP)`` with ``TP x PP x DP = cluster.num_workers`` that can build ``arch``:
     TP divides the attention heads and the query groups, PP the layers (even split); the
@@ -697,6 +630,73 @@ def format_layouts(rows: List[Tuple[Tuple[int, int, int], int, MemoryPlan]]) -> 
         lines.append(f"{tp:3d} {pp:3d} {dp:3d} {mbs:12d} {_gib(plan.peak):>9s}  "
                      f"{'yes' if mbs else 'no'}")
     return "\n".join(lines)
+
+
+def offload_train_state_decision(cfg: TrainConfig, arch: ModelArchConfig,
+                                 vocab_size: Optional[int] = None,
+                                 **plan_args) -> Tuple[bool, str]:
+    """``cluster.offload_train_state`` resolved for the plan of ``cfg`` (``plan_args``: those of
+    :func:`plan_memory`): whether the colocated policy's training state leaves the GPU while
+    the rollout engine decodes, and one line saying which and why (empty without colocation or
+    with streaming, where it has no effect).
+
+    ``true`` and ``false`` are taken as set. ``auto`` is false when the plan with the policy's
+    training state resident (``plan_memory(..., offload_train_state=False)``) fits
+    ``cluster.gpu_memory_gb`` in every phase, with ``S`` the resident training state (every
+    role's weights, grads, optimizer state and reference weights: :attr:`RoleMemory.static`):
+
+    - generation: ``S`` + the engine's awake share (``MemoryPlan.engine``: vLLM's
+      ``gpu_memory_utilization x cluster.gpu_memory_gb``, the megatron decoder's KV cache and
+      row states) + what a generate call adds (``MemoryPlan.engine_transient``);
+    - logprobs: ``S`` + a logprob micro-batch's logits and forward intermediates;
+    - train (the same either way): ``S`` + the train transients (activations, logits and
+      their gradient, the optimizer step's fp32 grads) + the sleeping engine's residue, which
+      the plan counts as 0 (the engine's memory leaves the GPU for training);
+
+    true otherwise (where the train phase alone does not fit, the layout's own refusal,
+    :func:`memory_error`, stands either way).
+    """
+    setting, gpu = cfg.cluster.offload_train_state, cfg.cluster.gpu_memory_gb
+    key = f"cluster.offload_train_state={setting}"
+    if not cfg.cluster.colocate_generation or getattr(getattr(cfg, cfg.algorithm), "streaming",
+                                                      False):
+        return setting != "false", ""
+    keep = plan_memory(cfg, arch, vocab_size, offload_train_state=False, **plan_args)
+    resident = sum(r.static for r in keep.roles)
+    if setting == "true":
+        return True, (f"{key}: the policy's training state ({_gib(resident)} GiB) goes to host "
+                      f"memory while the engine decodes")
+    awake = sum(keep.engine.values()) + sum(keep.engine_transient.values())
+    phase = max(keep.phases, key=keep.phases.get)
+    figures = (f"generation {_gib(keep.phases['generation'])} GiB = training state "
+               f"{_gib(resident)} + engine awake {_gib(awake)}")
+    peak = f"peak {_gib(keep.peak)} GiB in {phase} of cluster.gpu_memory_gb={gpu:g}"
+    if setting == "false":
+        return False, f"{key}: the policy's training state stays on the GPU ({peak}; {figures})"
+    if keep.fits:
+        return False, (f"{key} -> false: with the policy's training state resident every phase "
+                       f"fits ({peak}; {figures})")
+    return True, (f"{key} -> true: with the policy's training state resident {phase} would need "
+                  f"{_gib(keep.peak)} GiB > cluster.gpu_memory_gb={gpu:g} ({figures}); it goes "
+                  f"to host memory while the engine decodes")
+
+
+def offload_train_state_error(cfg: TrainConfig, arch: ModelArchConfig,
+                              vocab_size: Optional[int], plan: MemoryPlan) -> Optional[str]:
+    """One line refusing ``cluster.offload_train_state=false`` when ``plan`` (the config's)
+    does not fit ``cluster.gpu_memory_gb`` but would with the training state offloaded (the
+    phase, the predicted GiB, the keys to change); else None."""
+    if cfg.cluster.offload_train_state != "false" or not plan.engine_offloaded or plan.fits:
+        return None
+    offloading = plan_memory(cfg, arch, vocab_size, offload_train_state=True)
+    if not offloading.fits:
+        return None
+    phase = max(plan.phases, key=plan.phases.get)
+    return (f"cluster.offload_train_state=false: with the policy's training state on the GPU "
+            f"while the engine decodes, {phase} is predicted to need {_gib(plan.peak)} GiB per "
+            f"GPU (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}; offloaded: peak "
+            f"{_gib(offloading.peak)}); set cluster.offload_train_state=auto (or true), or "
+            f"cluster.skip_memory_check=true to train anyway")
 
 
 def memory_error(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[int] = None
