@@ -177,6 +177,83 @@ def test_train_refuses_a_layout_that_does_not_fit_before_any_worker(tmp_path, mo
     assert not out.exists()
 
 
+
+def test_auto_keeps_the_train_state_where_the_plan_fits_with_it():
+    """cluster.offload_train_state=auto at the 8B config (TP=2 x DP=2, two colocated vLLM
+    engines at 0.45 of the GPU): the training state (44.9 GiB) and the engines' awake share fit
+    a 141 GiB GPU together (false), not an 80 GiB one (true); the generation phase holds the
+    training state only when it stays, and the plan says which and why in one line."""
+    plans = {}
+    for gpu in (80, 141):
+        for setting in ("auto", "true", "false"):
+            cfg = load_config("grpo_llama8b", [f"cluster.gpu_memory_gb={gpu}",
+                                               f"cluster.offload_train_state={setting}"])
+            plans[gpu, setting] = memory.plan_memory(cfg, cfg.model.arch)
+    for gpu, keep in ((80, False), (141, True)):
+        auto, off, stays = plans[gpu, "auto"], plans[gpu, "true"], plans[gpu, "false"]
+        resident = sum(r.static for r in stays.roles)
+        engine = sum(stays.engine.values())
+        assert off.phases["generation"] == engine  # vLLM: the policy holds nothing
+        assert stays.phases["generation"] == resident + engine
+        assert stays.phases["train"] == off.phases["train"]
+        assert auto.train_state_offloaded is not keep
+        assert auto.phases == (stays if keep else off).phases
+        assert (stays.train_state_offloaded, off.train_state_offloaded) == (False, True)
+        line = memory.format_plan(auto).splitlines()[-1]
+        assert line == auto.offload_decision
+        assert line.startswith(f"cluster.offload_train_state=auto -> {str(not keep).lower()}: ")
+    assert plans[80, "auto"].offload_decision.startswith(
+        "cluster.offload_train_state=auto -> true: with the policy's training state resident "
+        "generation would need 80.87 GiB > cluster.gpu_memory_gb=80 (generation 80.87 GiB = "
+        "training state 44.87 + engine awake 36.00)")
+    assert not plans[80, "false"].fits and plans[141, "false"].fits
+    # the rule, on the plan's own terms: every phase with the policy resident fits
+    for gpu in (80, 141):
+        fits = max(plans[gpu, "false"].phases.values()) <= gpu * 2**30
+        assert fits is not plans[gpu, "auto"].train_state_offloaded
+    # without colocation, or streaming, nothing moves and nothing is said
+    for extra in (["cluster.colocate_generation=false"], [
+            "grpo.streaming=true", "generation.backend=hf", "generation.num_workers=1",
+            "loss.prev_logprobs=recompute"]):
+        cfg = load_config("grpo_llama8b", extra)
+        plan = memory.plan_memory(cfg, cfg.model.arch)
+        assert not plan.train_state_offloaded and plan.offload_decision == ""
+
+
+def test_a_false_that_does_not_fit_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """cluster.offload_train_state=false where only offloading fits: refused at load (one line:
+    the phase, the predicted GiB, the keys to change) unless cluster.skip_memory_check."""
+    cfg = load_config("grpo_llama8b", ["cluster.offload_train_state=false"])
+    assert memory.memory_error(cfg, cfg.model.arch) == (
+        "cluster.offload_train_state=false: with the policy's training state on the GPU while "
+        "the engine decodes, generation is predicted to need 80.87 GiB per GPU "
+        "(cluster.gpu_memory_gb=80; offloaded: peak 56.85); set "
+        "cluster.offload_train_state=auto (or true), or cluster.skip_memory_check=true to "
+        "train anyway")
+    for fits in (["cluster.gpu_memory_gb=141"], ["cluster.offload_train_state=auto"]):
+        cfg = load_config("grpo_llama8b", ["cluster.offload_train_state=false", *fits])
+        assert memory.memory_error(cfg, cfg.model.arch) is None
+    # a layout that does not fit either way: the layout's own refusal
+    cfg = load_config("grpo_llama8b", ["cluster.offload_train_state=false",
+                                       "cluster.gpu_memory_gb=50"])
+    assert memory.memory_error(cfg, cfg.model.arch).startswith("cluster.gpu_memory_gb=50: layout")
+    from mcore_rl.megatron import parallel
+
+    monkeypatch.setattr(parallel, "resolve_device", lambda device: "cuda")  # a CPU-only host
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:  # 6 GiB resident + vLLM's 5 of a 10 GiB GPU
+        main(["train", "--config-name", "grpo_synthetic_gpu", "cluster.use_ray=false",
+              "cluster.num_workers=4", "generation.backend=vllm",
+              "cluster.colocate_generation=true", "cluster.offload_train_state=false",
+              "cluster.gpu_memory_gb=10", f"run.output_dir={out}"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mcore-rl train: error: cluster.offload_train_state=false: with the "
+                          "policy's training state on the GPU while the engine decodes, "
+                          "generation is predicted to need 11.00 GiB per GPU "
+                          "(cluster.gpu_memory_gb=10; offloaded: peak 6.79); ")
+    assert len(err.splitlines()) == 1 and not out.exists()
+
 # ---------------------------------------------------------------- terms against the real code
 def test_decoder_constants_are_the_megatron_decoders():
     from mcore_rl.generation import megatron as decoder

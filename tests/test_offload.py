@@ -1,5 +1,6 @@
 """Offload lifecycle and its guard (CPU, one gloo process spawned once for the module), bf16
-wrapping, and the controller's call order.
+wrapping, the controller's call order, and ``cluster.offload_train_state=false`` against true
+in two colocated RL steps (the same rewards, losses and weights; no policy state moved).
 
 Two policy workers with the same start take the same two train steps; one of them goes
 through ``offload_before_refit`` -> refit export -> ``offload_after_refit`` -> guarded calls
@@ -12,6 +13,7 @@ the caller skipped, without reaching the model (its forward is patched to raise)
 
 from __future__ import annotations
 
+import functools
 import re
 from types import SimpleNamespace
 
@@ -298,7 +300,15 @@ class _RecordingEngine:
         self.calls.append("engine.offload")
 
 
-def test_controller_calls_the_lifecycle_in_order():
+POLICY_MOVES = {"offload_before_refit", "offload_after_refit", "prepare_for_lp_inference",
+                "prepare_for_training"}
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "keep"])
+def test_controller_calls_the_lifecycle_in_order(offload):
+    """Colocated, the policy's offload lifecycle around the engine's hooks; with
+    ``cluster.offload_train_state`` false (``offload=False``) only the engine's hooks: no policy
+    call moves anything and the refit has no ``offload_*`` hand-over."""
     from mcore_rl.controller.colocation import Colocation
     from mcore_rl.controller.trainer import RLTrainer
     from mcore_rl.distributed.worker_group import typed
@@ -312,15 +322,17 @@ def test_controller_calls_the_lifecycle_in_order():
     for colocate in (True, False):
         calls.clear()
         cfg = SimpleNamespace(policy=SimpleNamespace(logprob_micro_batch_size=4, micro_batch_size=2))
-        trainer = SimpleNamespace(cfg=cfg, policy=policy,
-                                  colocation=Colocation(policy, _RecordingEngine(calls), colocate))
+        trainer = SimpleNamespace(cfg=cfg, policy=policy, colocation=Colocation(
+            policy, _RecordingEngine(calls), colocate, offload_train_state=offload))
         RLTrainer.policy_logprobs(trainer, {})
         RLTrainer.train_policy(trainer, {}, LOSS)
         refit = RLTrainer.refit(trainer)
         RLTrainer.policy_logprobs(trainer, {})
-        parts = {f"refit/{p}_s" for p in ("offload_train", "wake_weights", "transfer",
-                                           "offload_weights", "wake_kv")}
+        moves = {f"refit/{p}_s" for p in ("offload_train", "offload_weights")}
+        parts = {f"refit/{p}_s" for p in ("wake_weights", "transfer", "wake_kv")}
+        parts |= moves if offload else set()
         assert parts <= set(refit) if colocate else not parts & set(refit)
+        assert not (moves - parts) & set(refit)
         if colocate:  # the hand-overs add up to the refit's seconds
             assert sum(refit[k] for k in parts) <= refit["refit/seconds"]
         expected = ["engine.offload", "prepare_for_lp_inference", "get_logprobs",
@@ -328,6 +340,8 @@ def test_controller_calls_the_lifecycle_in_order():
                     "offload_before_refit", "engine.prepare_for_refit", "get_hf_weights",
                     "offload_after_refit", "engine.prepare_for_generation",
                     "engine.offload", "prepare_for_lp_inference", "get_logprobs"]
+        if not offload:
+            expected = [c for c in expected if c not in POLICY_MOVES]
         if not colocate:
             expected = ["get_logprobs", "train", "get_hf_weights", "get_logprobs"]
         assert calls == expected
@@ -345,3 +359,80 @@ def test_offloader_round_trips_an_empty_set():
     assert off.restore() == 0 and not off.offloaded
     with pytest.raises(RuntimeError, match="nothing is offloaded"):
         off.restore()
+
+
+# ------------------------------------------------ cluster.offload_train_state, two RL steps
+COLOCATED = [
+    "cluster.use_ray=false", "cluster.colocate_generation=true", "grpo.max_steps=2",
+    "grpo.num_prompts_per_step=2", "grpo.num_generations=4", "grpo.val_every=0",
+    "grpo.val_at_start=false", "sft.steps=0", "checkpoint.every=0", "checkpoint.save_final=false",
+    "logging.progress=false", "logging.tensorboard=false", "data.synthetic.num_train=12",
+    "data.synthetic.num_test=2", "model.arch.num_layers=2", "model.arch.hidden_size=32",
+    "model.arch.ffn_hidden_size=64", "policy.micro_batch_size=4",
+    "policy.logprob_micro_batch_size=8", "policy.optimizer.weight_decay=0.1",
+]
+
+
+@pytest.fixture
+def chars_reward(tmp_path, monkeypatch):
+    """A reward of the response's characters (``sum of ord % 5``): random weights get mixed
+    rewards, so the steps' gradients and Adam state are not zero."""
+    (tmp_path / "offload_rewards.py").write_text(
+        "def chars(response, example):\n    return float(sum(map(ord, response)) % 5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the reward processes inherit sys.path
+    return "offload_rewards:chars"
+
+
+def _colocated_run(tmp_path, reward: str, backend: str, setting: str, workers: int):
+    """Two colocated GRPO steps with ``cluster.offload_train_state=setting``: the metrics
+    rows, the policy's weights after them, and every method the controller called on the
+    policy's workers (the group's one way out, spied)."""
+    from mcore_rl.config.loader import load_config
+    from mcore_rl.controller.loops import build
+    from mcore_rl.utils.logging import read_metrics
+
+    out = tmp_path / f"{backend}_{setting}"
+    cfg = load_config("grpo_synthetic", COLOCATED + [
+        f"reward.name={reward}", f"generation.backend={backend}",
+        f"cluster.num_workers={workers}",
+        f"cluster.offload_train_state={setting}", f"run.output_dir={out}"])
+    loop = build(cfg)
+    calls, group = [], loop.trainer.policy.group
+    send = group.call_each_async
+    group.call_each_async = lambda method, *a, **k: calls.append(method) or send(method, *a, **k)
+    try:
+        loop.fit()
+        loop.trainer.colocation.prepare_for_lp_inference()  # offloaded: the weights come back
+        weights = loop.trainer.policy.call("get_hf_weights")[0]
+    finally:
+        loop.close()
+    return read_metrics(out), weights, calls
+
+
+@pytest.mark.parametrize("backend,workers", [
+    ("hf", 1), pytest.param("megatron", 2, marks=pytest.mark.slow)])
+def test_keeping_the_train_state_trains_as_offloading_it(tmp_path, capsys, chars_reward,
+                                                        backend, workers):
+    """cluster.offload_train_state=false against true, colocated: the same rewards, losses and
+    weights after two RL steps; false calls no policy method that moves state, and its refits
+    have no ``offload_*`` hand-over. The log says which, first."""
+    run = functools.partial(_colocated_run, tmp_path, chars_reward, backend, workers=workers)
+    rows_off, weights_off, calls_off = run("true")
+    assert "cluster.offload_train_state=true: the policy's training state (" in (
+        capsys.readouterr().out)
+    rows_keep, weights_keep, calls_keep = run("false")
+    assert "cluster.offload_train_state=false: the policy's training state stays on the GPU (" in (
+        capsys.readouterr().out)
+    steps = [r for r in rows_off if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["train/grad_norm"] > 0 for r in steps)
+    for key in ("train/reward_mean", "train/loss", "train/grad_norm"):
+        assert [r[key] for r in steps] == [r[key] for r in rows_keep if "train/loss" in r], key
+    assert weights_off.keys() == weights_keep.keys()
+    for k in weights_off:
+        assert torch.equal(weights_off[k], weights_keep[k]), k
+    assert "offload_before_refit" in calls_off and "prepare_for_training" in calls_off
+    assert not POLICY_MOVES & set(calls_keep)
+    for row in rows_keep:
+        assert "refit/transfer_s" in row and not {"refit/offload_train_s",
+                                                  "refit/offload_weights_s"} & set(row)
+    assert all("refit/offload_train_s" in r for r in steps)

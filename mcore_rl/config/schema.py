@@ -83,10 +83,22 @@ class ClusterConfig:
     # each GPU per rank); "separate": each group on GPUs of its own (PPO: 2 x num_workers).
     placement: str = one_of("colocated", PLACEMENTS)
     # Rollout engine on the policy's GPUs: the policy's weights, grads and optimizer state leave
-    # the GPU after each refit and come back for logprobs and training (offload lifecycle). The
-    # streaming loop (grpo/ppo.streaming) generates while it trains, so there both stay
-    # resident and share each GPU (one GPU runs it; memory must hold both).
+    # the GPU after each refit and come back for logprobs and training (offload lifecycle;
+    # cluster.offload_train_state keeps them where memory allows); the engine sleeps while the
+    # policy trains. The streaming loop (grpo/ppo.streaming) generates while it trains, so
+    # there both stay resident and share each GPU (one GPU runs it; memory must hold both).
     colocate_generation: bool = False
+    # With cluster.colocate_generation: whether the policy hands its gradient buffers, optimizer
+    # state and weights to host memory while the engine decodes (verl's param_offload /
+    # optimizer_offload). "true": every RL step (the offload lifecycle); "false": they stay on
+    # the GPU and the refit only wakes the engine and transfers the weights (the engine still
+    # sleeps while the policy trains); "auto": false where the planner predicts that every phase
+    # fits cluster.gpu_memory_gb with the policy's training state resident (the rule:
+    # mcore_rl.megatron.memory.offload_train_state_decision), else true; `mcore-rl plan` and
+    # the train log say which and why. `train` on cuda refuses a false predicted not to fit
+    # (cluster.skip_memory_check=true trains anyway). On the cpu device auto is true. No effect
+    # without colocation or with streaming.
+    offload_train_state: str = one_of("auto", ("auto", "true", "false"))
     # Garbage collection in the Megatron workers. 0: Python's automatic collection. N > 0: off,
     # with a full collection after every N-th optimizer step on all ranks at once (Megatron-LM's
     # --manual-gc): automatic collections (~0.2 s each, measured on an H200 host) land on each
@@ -97,6 +109,10 @@ class ClusterConfig:
     gpu_memory_gb: float = bounded(80.0, gt=0)
     # Train even when the planner predicts that the layout does not fit cluster.gpu_memory_gb.
     skip_memory_check: bool = False
+
+    def __post_init__(self) -> None:
+        # YAML and override values true/false of offload_train_state arrive as "True"/"False".
+        self.offload_train_state = str(self.offload_train_state).lower()
 
 
 @dataclass

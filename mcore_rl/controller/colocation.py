@@ -16,6 +16,11 @@ lifecycle (``MegatronTrainWorker.offload_before_refit``, ``offload_after_refit``
 3. :meth:`Colocation.prepare_for_lp_inference` / :meth:`Colocation.prepare_for_training`:
    the backend frees its memory (once), the policy comes back as far as the next call needs.
 
+With ``offload_train_state`` False (``cluster.offload_train_state`` resolved to false: the
+policy's training state and the engine's awake memory fit the GPU together) the policy never
+moves: no policy call in step 1 or 3, the refit is the backend's wake-up, refit channel and
+decoding memory; the backend still frees its memory before logprobs and training.
+
 :meth:`Colocation.prepare_for_generation` hands the device back to the backend after training
 without a refit (a checkpoint save). Without colocation nothing moves and :meth:`refit` is the
 backend's refit alone. The controller calls only these; which side moves is decided here.
@@ -39,16 +44,25 @@ class Colocation:
         backend: the rollout backend.
         enabled: ``cluster.colocate_generation``; False makes every method but :meth:`refit` a
             no-op.
+        offload_train_state: ``cluster.offload_train_state`` resolved
+            (:func:`mcore_rl.megatron.memory.offload_train_state_decision`): whether the policy
+            leaves the device while the backend holds it; False keeps it there (module
+            docstring).
     """
 
-    def __init__(self, policy, backend: GenerationBackend, enabled: bool):
+    def __init__(self, policy, backend: GenerationBackend, enabled: bool,
+                 offload_train_state: bool = True):
         self.policy = policy
         self.backend = backend
         self.enabled = enabled
+        self.offload_train_state = offload_train_state
         self._backend_on_device = True  # a fresh engine holds its memory
 
     def _policy_yields(self) -> None:
-        """The policy off the device, except the weights the backend decodes with."""
+        """The policy off the device, except the weights the backend decodes with (nothing
+        without ``offload_train_state``)."""
+        if not self.offload_train_state:
+            return
         policy = self.policy.call(PolicyAPI)
         if self.backend.shares_policy_weights:
             policy.offload_before_refit()
@@ -66,7 +80,8 @@ class Colocation:
         backend's stats and, colocated, the seconds of each hand-over: ``refit/offload_train_s``
         (the policy's gradients and optimizer state leave), ``refit/wake_weights_s``,
         ``refit/transfer_s`` (the backend's refit itself), ``refit/offload_weights_s``,
-        ``refit/wake_kv_s`` (the backend takes back its decoding memory)."""
+        ``refit/wake_kv_s`` (the backend takes back its decoding memory); without
+        ``offload_train_state`` the policy stays and the two ``offload_*`` are not there."""
         if not self.enabled:
             return self.backend.refit(self.policy)
         times, start = {}, time.perf_counter()
@@ -77,16 +92,18 @@ class Colocation:
             times[f"refit/{name}_s"] = now - start
             start = now
 
-        self.policy.call(PolicyAPI).offload_before_refit()
-        lap("offload_train")
+        if self.offload_train_state:
+            self.policy.call(PolicyAPI).offload_before_refit()
+            lap("offload_train")
         self.backend.prepare_for_refit()
         self._backend_on_device = True
         lap("wake_weights")
         stats = self.backend.refit(self.policy)
         lap("transfer")
-        if not self.backend.shares_policy_weights:
-            self.policy.call(PolicyAPI).offload_after_refit()
-        lap("offload_weights")
+        if self.offload_train_state:
+            if not self.backend.shares_policy_weights:
+                self.policy.call(PolicyAPI).offload_after_refit()
+            lap("offload_weights")
         self.backend.prepare_for_generation()
         lap("wake_kv")
         return {**stats, **times}
@@ -102,14 +119,16 @@ class Colocation:
 
     def prepare_for_lp_inference(self) -> None:
         """Colocated: the backend frees the device; the policy's weights come back (its
-        training state stays off)."""
+        training state stays off; without ``offload_train_state`` nothing was off)."""
         if self.enabled:
             self._backend_yields()
-            self.policy.call(PolicyAPI).prepare_for_lp_inference()
+            if self.offload_train_state:
+                self.policy.call(PolicyAPI).prepare_for_lp_inference()
 
     def prepare_for_training(self) -> None:
         """Colocated: the backend frees the device; the policy's weights, gradient buffers and
-        optimizer state come back."""
+        optimizer state come back (without ``offload_train_state`` nothing was off)."""
         if self.enabled:
             self._backend_yields()
-            self.policy.call(PolicyAPI).prepare_for_training()
+            if self.offload_train_state:
+                self.policy.call(PolicyAPI).prepare_for_training()

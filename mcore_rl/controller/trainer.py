@@ -97,6 +97,8 @@ class RLTrainer:
         generation: the rollout backend (:class:`~mcore_rl.generation.base.GenerationBackend`).
         colocation: the device hand-over between them
             (:class:`~mcore_rl.controller.colocation.Colocation`).
+        offload_note: how ``cluster.offload_train_state`` resolved and why, one line (empty
+            without colocation); :meth:`Loop.fit` writes it to the log first.
         step: the RL steps done.
     """
 
@@ -231,8 +233,17 @@ class RLTrainer:
         self.producer = RolloutProducer(cfg, self.generation, self.tokenizer, self.rewards)
         # Streaming generates while it trains: colocated engines then share the policy's GPUs
         # with everything resident, so the offload lifecycle is off.
-        self.colocation = Colocation(self.policy, self.generation,
-                                     cfg.cluster.colocate_generation and not cfg.streaming)
+        colocated = cfg.cluster.colocate_generation and not cfg.streaming
+        offload, self.offload_note = True, ""  # the policy's training state; the log's line
+        if colocated and self.device != "cuda" and cfg.cluster.offload_train_state == "auto":
+            self.offload_note = ("cluster.offload_train_state=auto -> true: the cpu device (the "
+                                 "planner plans GPU memory)")
+        elif colocated:
+            from mcore_rl.megatron.memory import offload_train_state_decision
+
+            offload, self.offload_note = offload_train_state_decision(cfg, self.arch,
+                                                                      self.vocab_size)
+        self.colocation = Colocation(self.policy, self.generation, colocated, offload)
         self.timer = PhaseTimer(self.watchdog)
         self.step = 0
         self.sft_done = cfg.sft.steps == 0
@@ -720,6 +731,8 @@ class Loop:
         if cfg.checkpoint.resume:
             self.resume(cfg.checkpoint.resume)
         logger = run_logger(cfg, tr.run_dir, loop.max_steps, tr.step)
+        if tr.offload_note:
+            logger.write(tr.offload_note)
         preemption = PreemptionSignals()
         try:
             preemption.install()

@@ -58,8 +58,9 @@ optimizer step's transient). Checked against the measured peaks of bench/RESULTS
 (SmolLM2-135M on GSM8K: -4 to -8%; the 0.85B benchmark: -2%) and, term by term, against the
 buffers the decoder and the micro-batching really allocate (tests/test_memory_plan.py).
 "Resident" is what stays on the GPU in that phase:
-with ``cluster.colocate_generation`` the policy's gradients and optimizer state leave the GPU
-for generation and the rollout engine's memory leaves it for training.
+with ``cluster.colocate_generation`` the rollout engine's memory leaves the GPU for training and,
+unless ``cluster.offload_train_state`` keeps them (:func:`offload_train_state_decision`), the
+policy's gradients and optimizer state leave it for generation.
 """
 
 from __future__ import annotations
@@ -238,7 +239,11 @@ class MemoryPlan:
         engine: the rollout engine's bytes on a policy GPU (KV cache, engine weights).
         engine_transient: what a generate call adds while it runs (prefill, decode logits).
         engine_offloaded: ``cluster.colocate_generation``: the engine leaves the GPU for
-            training and the policy's training state leaves it for generation.
+            training (and logprobs).
+        train_state_offloaded: the policy's training state leaves the GPU for generation
+            (colocated, ``cluster.offload_train_state`` resolved).
+        offload_decision: one line: ``cluster.offload_train_state``, what it resolved to and
+            why (empty without colocation); :func:`offload_train_state_decision`.
         phases: peak bytes by phase (``generation``, ``logprobs``, ``train``).
         gpu_bytes: ``cluster.gpu_memory_gb`` in bytes.
         layout: ``(TP, PP, DP)``.
@@ -251,6 +256,8 @@ class MemoryPlan:
     phases: Dict[str, int]
     gpu_bytes: int
     layout: Tuple[int, int, int]
+    train_state_offloaded: bool = False
+    offload_decision: str = ""
 
     @property
     def peak(self) -> int:
@@ -466,12 +473,15 @@ def engine_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: int,
 def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[int] = None,
                 megatron: Optional[MegatronConfig] = None, micro_batch_size: Optional[int] = None,
                 seq: Optional[int] = None, train_rows: Optional[int] = None,
-                prompt: Optional[int] = None) -> MemoryPlan:
+                prompt: Optional[int] = None,
+                offload_train_state: Optional[bool] = None) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``cfg`` (or of its policy layout replaced by ``megatron``
     and micro-batch ``micro_batch_size``; the critic keeps its own layout). ``seq`` (tokens a
     row) defaults to ``data.max_total_length``, ``prompt`` (the longest prompt, which sizes
     the rollout engine's buffers with ``generation.max_new_tokens``) to
-    ``data.max_prompt_length``."""
+    ``data.max_prompt_length``; ``offload_train_state`` (colocated: the policy's training
+    state leaves the GPU for generation) to ``cluster.offload_train_state`` as
+    :func:`offload_train_state_decision` resolves it."""
     vocab_size = vocab_size or arch.vocab_size
     pm = megatron or cfg.policy.megatron
     kl = cfg.loss.kl_coef > 0 or getattr(getattr(cfg, cfg.algorithm), "reward_kl_coef", 0) > 0
@@ -495,14 +505,20 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
         getattr(cfg, cfg.algorithm), "streaming", False)
     weights = sum(r.weights + r.reference for r in roles)
     static = sum(r.static for r in roles)
+    decision = ""
+    if offload_train_state is None:
+        offload_train_state, decision = offload_train_state_decision(
+            cfg, arch, vocab_size, megatron=megatron, micro_batch_size=micro_batch_size,
+            seq=seq, train_rows=train_rows, prompt=prompt)
+    policy_offloaded = offloaded and offload_train_state
     # Offloaded for generation: all of the policy leaves the GPU, except the weights the
     # megatron backend decodes with.
     kept = weights if cfg.generation.backend == "megatron" else 0
-    generation = (kept if offloaded else static) + engine + sum(eng_transient.values())
+    generation = (kept if policy_offloaded else static) + engine + sum(eng_transient.values())
     resident_train = static + (0 if offloaded else engine)
     policy = roles[0]
     # Colocated, the training state stays off the GPU for logprobs (only the weights return).
-    logprobs = ((weights if offloaded else resident_train) + policy.logprob_logits
+    logprobs = ((weights if policy_offloaded else resident_train) + policy.logprob_logits
                 + policy.logprob_forward)
     train = resident_train + max(r.train_transient for r in roles)
     tp, pp = pm.tensor_model_parallel_size, pm.pipeline_model_parallel_size
@@ -510,7 +526,8 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
                       engine_offloaded=offloaded,
                       phases={"generation": generation, "logprobs": logprobs, "train": train},
                       gpu_bytes=int(cfg.cluster.gpu_memory_gb * GIB),
-                      layout=(tp, pp, _dp(cfg, pm)))
+                      layout=(tp, pp, _dp(cfg, pm)),
+                      train_state_offloaded=policy_offloaded, offload_decision=decision)
 
 
 def candidate_layouts(cfg: TrainConfig, arch: ModelArchConfig) -> List[Tuple[int, int, int]]:
@@ -601,6 +618,8 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"{'peak':10s} {phase:50s} {_gib(value):>8s}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines.append(f"{'peak':10s} {'max':50s} {_gib(plan.peak):>8s}  {verdict}")
+    if plan.offload_decision:
+        lines.append(plan.offload_decision)
     return "\n".join(lines)
 
 
@@ -613,13 +632,85 @@ def format_layouts(rows: List[Tuple[Tuple[int, int, int], int, MemoryPlan]]) -> 
     return "\n".join(lines)
 
 
+def offload_train_state_decision(cfg: TrainConfig, arch: ModelArchConfig,
+                                 vocab_size: Optional[int] = None,
+                                 **plan_args) -> Tuple[bool, str]:
+    """``cluster.offload_train_state`` resolved for the plan of ``cfg`` (``plan_args``: those of
+    :func:`plan_memory`): whether the colocated policy's training state leaves the GPU while
+    the rollout engine decodes, and one line saying which and why (empty without colocation or
+    with streaming, where it has no effect).
+
+    ``true`` and ``false`` are taken as set. ``auto`` is false when the plan with the policy's
+    training state resident (``plan_memory(..., offload_train_state=False)``) fits
+    ``cluster.gpu_memory_gb`` in every phase, with ``S`` the resident training state (every
+    role's weights, grads, optimizer state and reference weights: :attr:`RoleMemory.static`):
+
+    - generation: ``S`` + the engine's awake share (``MemoryPlan.engine``: vLLM's
+      ``gpu_memory_utilization x cluster.gpu_memory_gb``, the megatron decoder's KV cache and
+      row states) + what a generate call adds (``MemoryPlan.engine_transient``);
+    - logprobs: ``S`` + a logprob micro-batch's logits and forward intermediates;
+    - train (the same either way): ``S`` + the train transients (activations, logits and
+      their gradient, the optimizer step's fp32 grads) + the sleeping engine's residue, which
+      the plan counts as 0 (the engine's memory leaves the GPU for training);
+
+    true otherwise (where the train phase alone does not fit, the layout's own refusal,
+    :func:`memory_error`, stands either way).
+    """
+    setting, gpu = cfg.cluster.offload_train_state, cfg.cluster.gpu_memory_gb
+    key = f"cluster.offload_train_state={setting}"
+    if not cfg.cluster.colocate_generation or getattr(getattr(cfg, cfg.algorithm), "streaming",
+                                                      False):
+        return setting != "false", ""
+    keep = plan_memory(cfg, arch, vocab_size, offload_train_state=False, **plan_args)
+    resident = sum(r.static for r in keep.roles)
+    if setting == "true":
+        return True, (f"{key}: the policy's training state ({_gib(resident)} GiB) goes to host "
+                      f"memory while the engine decodes")
+    awake = sum(keep.engine.values()) + sum(keep.engine_transient.values())
+    phase = max(keep.phases, key=keep.phases.get)
+    figures = (f"generation {_gib(keep.phases['generation'])} GiB = training state "
+               f"{_gib(resident)} + engine awake {_gib(awake)}")
+    peak = f"peak {_gib(keep.peak)} GiB in {phase} of cluster.gpu_memory_gb={gpu:g}"
+    if setting == "false":
+        return False, f"{key}: the policy's training state stays on the GPU ({peak}; {figures})"
+    if keep.fits:
+        return False, (f"{key} -> false: with the policy's training state resident every phase "
+                       f"fits ({peak}; {figures})")
+    return True, (f"{key} -> true: with the policy's training state resident {phase} would need "
+                  f"{_gib(keep.peak)} GiB > cluster.gpu_memory_gb={gpu:g} ({figures}); it goes "
+                  f"to host memory while the engine decodes")
+
+
+def offload_train_state_error(cfg: TrainConfig, arch: ModelArchConfig,
+                              vocab_size: Optional[int], plan: MemoryPlan) -> Optional[str]:
+    """One line refusing ``cluster.offload_train_state=false`` when ``plan`` (the config's)
+    does not fit ``cluster.gpu_memory_gb`` but would with the training state offloaded (the
+    phase, the predicted GiB, the keys to change); else None."""
+    if cfg.cluster.offload_train_state != "false" or not plan.engine_offloaded or plan.fits:
+        return None
+    offloading = plan_memory(cfg, arch, vocab_size, offload_train_state=True)
+    if not offloading.fits:
+        return None
+    phase = max(plan.phases, key=plan.phases.get)
+    return (f"cluster.offload_train_state=false: with the policy's training state on the GPU "
+            f"while the engine decodes, {phase} is predicted to need {_gib(plan.peak)} GiB per "
+            f"GPU (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}; offloaded: peak "
+            f"{_gib(offloading.peak)}); set cluster.offload_train_state=auto (or true), or "
+            f"cluster.skip_memory_check=true to train anyway")
+
+
 def memory_error(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[int] = None
                  ) -> Optional[str]:
     """One line when the configured layout is predicted not to fit ``cluster.gpu_memory_gb``
-    (naming the phase, the figures and the layouts that fit), else None."""
+    (naming the phase, the figures and the layouts that fit; for a
+    ``cluster.offload_train_state=false`` that would fit offloaded,
+    :func:`offload_train_state_error`), else None."""
     plan = plan_memory(cfg, arch, vocab_size)
     if plan.fits:
         return None
+    refusal = offload_train_state_error(cfg, arch, vocab_size, plan)
+    if refusal:
+        return refusal
     phase = max(plan.phases, key=plan.phases.get)
     r = plan.roles[0]
     fit = [f"TP={tp} PP={pp} DP={dp} mbs<={mbs}" for (tp, pp, dp), mbs, _ in

@@ -93,7 +93,10 @@
 #   parity8     logprobs, loss, grad norm and weights after a step at TP=4 against TP=2 x DP=2
 #               (scripts/gpu/layout_parity.py --preset llama8b)
 #   l8sync      GRPO, 10 steps (L8_STEPS), policy TP=2 x DP=2, two colocated vLLM engines at TP=2
-#               (scripts/gpu/llama8b.py: tokens/s/GPU, phases, refit, memory against the plan)
+#               (scripts/gpu/llama8b.py: tokens/s/GPU, phases, refit, memory against the plan);
+#               with L8SYNC_SET (overrides) a second run with them after the default one
+#               (l8_colocated_set), e.g. L8SYNC_SET="cluster.offload_train_state=false
+#               cluster.gpu_memory_gb=141" (the config plans 80 GiB, where false is refused)
 #   l8off       one-step off-policy: the streaming loop (staleness 1), policy TP=2 on GPUs 0-1,
 #               two vLLM engines (TP=1) on GPUs 2-3, NCCL refit; L8OFF_RECOMPUTE (full) sets
 #               policy.megatron.recompute_granularity (null: none), L8OFF_SET more overrides
@@ -502,7 +505,11 @@ stage_parity8() {
     echo "== parity8"; quiet < "$RES/parity8.log" | tail -n 12
 }
 
-stage_l8sync() { l8run l8_colocated "${L8_TIMEOUT:-1500}"; }
+stage_l8sync() {  # L8SYNC_SET: overrides of a second run beside the default one
+    l8run l8_colocated "${L8_TIMEOUT:-1500}"
+    # shellcheck disable=SC2086
+    [ -z "${L8SYNC_SET:-}" ] || l8run l8_colocated_set "${L8_TIMEOUT:-1500}" ${L8SYNC_SET}
+}
 
 stage_l8off() {  # L8OFF_RECOMPUTE (full, selective or null); L8OFF_SET: more overrides
     # shellcheck disable=SC2086
