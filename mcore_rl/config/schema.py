@@ -97,8 +97,10 @@ class ClusterConfig:
     # mcore_rl.megatron.memory.offload_train_state_decision), else true; `mcore-rl plan` and
     # the train log say which and why. `train` on cuda refuses a false predicted not to fit
     # (cluster.skip_memory_check=true trains anyway). On the cpu device auto is true. No effect
-    # without colocation or with streaming.
-    offload_train_state: str = one_of("auto", ("auto", "true", "false"))
+    # without colocation or with streaming. The default stays "true" until "false" has run on a
+    # GPU (its parity is tested on CPU; the engine's wake beside the policy's cached blocks is
+    # not measured yet).
+    offload_train_state: str = one_of("true", ("auto", "true", "false"))
     # Garbage collection in the Megatron workers. 0: Python's automatic collection. N > 0: off,
     # with a full collection after every N-th optimizer step on all ranks at once (Megatron-LM's
     # --manual-gc): automatic collections (~0.2 s each, measured on an H200 host) land on each
