@@ -178,10 +178,11 @@ def test_train_forward_loss_equals_recompute_with_detached_logprobs():
     """loss.prev_logprobs=train_forward: the loss and its gradient are those of the recompute
     path given prev_logprobs = the logprobs detached (ratio 1), and the loss's mismatch
     metrics are mismatch_figures' numbers on the same batch (with a padded row and a masked
-    token)."""
+    token); with the streaming loop's on_policy rows, those of its on_policy rows alone (the
+    loss unchanged), divided by their own token count."""
     from mcore_rl.algorithms.losses import ClippedPGLoss
     from mcore_rl.config.schema import LossConfig
-    from mcore_rl.controller.logprob_budget import MISMATCH_KEYS, mismatch_figures
+    from mcore_rl.controller.logprob_budget import MISMATCH_KEYS, MISMATCH_TOKENS, mismatch_figures
 
     g = torch.Generator().manual_seed(0)
     b, s = 3, 7
@@ -212,8 +213,22 @@ def test_train_forward_loss_equals_recompute_with_detached_logprobs():
         figures["train/logprob_mismatch_mean"], rel=1e-6)
     assert float(metrics["logprob_mismatch_max"]) == pytest.approx(
         figures["train/logprob_mismatch_max"], rel=1e-6)
-    assert set(MISMATCH_KEYS) <= set(ClippedPGLoss(LossConfig(prev_logprobs="train_forward")).metric_kinds)
+    assert float(metrics[MISMATCH_TOKENS]) == tokens
+    kinds = ClippedPGLoss(LossConfig(prev_logprobs="train_forward")).metric_kinds
+    assert set(MISMATCH_KEYS) | {MISMATCH_TOKENS} <= set(kinds)
     assert not set(MISMATCH_KEYS) & set(ClippedPGLoss(LossConfig()).metric_kinds)
+
+    rows = [0, 2]  # rows 0 and 2 decoded by the weights being trained, row 1 one version back
+    on_policy = torch.tensor([1.0, 0.0, 1.0])
+    part_total, part_grad, part = run(ClippedPGLoss(LossConfig(prev_logprobs="train_forward")),
+                                      lambda lp: {"on_policy": on_policy})
+    assert torch.equal(part_total, ref_total) and torch.equal(part_grad, ref_grad)
+    figures = mismatch_figures({k: v[rows] for k, v in {**batch, "prev_logprobs": base}.items()})
+    measured = float(part[MISMATCH_TOKENS])
+    assert measured == float(mask[rows, 1:].sum()) < tokens
+    for key in MISMATCH_KEYS:
+        divide = measured if kinds[key] == MISMATCH_TOKENS else 1.0
+        assert float(part[key]) / divide == pytest.approx(figures[f"train/{key}"], rel=1e-6), key
 
 
 def test_train_forward_same_update_as_recompute_and_budget_stops_after_the_step(tmp_path):

@@ -51,8 +51,9 @@ class LogprobBudgetExceeded(SystemExit):
 
 
 # The figures' names without their "train/" prefix (the loss's metrics with
-# loss.prev_logprobs=train_forward).
+# loss.prev_logprobs=train_forward), and the loss's count of the tokens they measured.
 MISMATCH_KEYS = ("token_mult_prob_error", "logprob_mismatch_mean", "logprob_mismatch_max")
+MISMATCH_TOKENS = "logprob_mismatch_tokens"
 
 
 def mismatch_figures(rollout: Dict[str, torch.Tensor]) -> Dict[str, float]:
