@@ -143,6 +143,23 @@ def test_budget_counts_consecutive_steps_and_null_disables():
     unchecked.check_canary(over, 8)
 
 
+def test_trained_figures_of_no_token_are_not_counted():
+    """observe_trained (loss.prev_logprobs=train_forward): the update's figures count as
+    observe's after the step; a step that measured no token (every streamed row decoded one
+    version back) neither counts nor resets, and its 0-over-0 figures leave the metrics."""
+    from mcore_rl.controller.logprob_budget import MISMATCH_TOKENS
+
+    budget = LogprobBudget(load_config("grpo_synthetic", ["generation.logprob_budget_steps=2"]))
+    over = {"train/token_mult_prob_error": 1.2, "train/logprob_mismatch_mean": 0.2,
+            "train/logprob_mismatch_max": 0.2, f"train/{MISMATCH_TOKENS}": 30.0, "train/loss": 0.1}
+    budget.observe_trained(1, dict(over))
+    none = {k: 0.0 for k in over}
+    budget.observe_trained(2, none)
+    assert budget.over == 1 and none == {f"train/{MISMATCH_TOKENS}": 0.0, "train/loss": 0.0}
+    with pytest.raises(LogprobBudgetExceeded, match="RL step 3 has.*in memory only"):
+        budget.observe_trained(3, dict(over))
+
+
 def test_ppo_step_over_budget_trains_neither_policy_nor_critic(tmp_path):
     """PPO, k = 1, drift from RL step 1 (the canary, the first generate call, is clean): step
     1 stops right after the policy's logprobs, before the critic's values and any update."""
