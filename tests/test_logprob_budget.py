@@ -304,12 +304,23 @@ def test_train_forward_same_update_as_recompute_and_budget_stops_after_the_step(
 
 
 def test_train_forward_refused_where_the_old_policy_is_not_the_trained_one():
+    """Refused, in one line naming the keys, where the weights change between the logprob
+    forward and the training forward or the old logprobs are read before training, streamed
+    or not (streaming refuses these keys on its own line as well); allowed with
+    grpo.streaming=true otherwise."""
     from mcore_rl.config.checks import ConfigError
 
+    streamed = ["grpo.streaming=true", "generation.num_workers=1"]
     for bad, key in (("grpo.optimizer_steps_per_rollout=2", "grpo.optimizer_steps_per_rollout=2"),
                      ("grpo.reward_kl_coef=0.1", "grpo.reward_kl_coef=0.1")):
-        with pytest.raises(ConfigError, match="loss.prev_logprobs=train_forward") as err:
-            load_config("grpo_synthetic", ["loss.prev_logprobs=train_forward", bad])
-        assert key in str(err.value)
+        for extra in ([], streamed):
+            with pytest.raises(ConfigError, match="loss.prev_logprobs=train_forward") as err:
+                load_config("grpo_synthetic", ["loss.prev_logprobs=train_forward", bad, *extra])
+            ours = [line for line in str(err.value).splitlines()
+                    if "loss.prev_logprobs=train_forward needs" in line]
+            assert len(ours) == 1 and key in ours[0] and "grpo.streaming" not in ours[0]
     with pytest.raises(ConfigError, match="algorithm=ppo"):
         load_config("ppo_synthetic", ["loss.prev_logprobs=train_forward"])
+    cfg = load_config("grpo_synthetic", ["loss.prev_logprobs=train_forward", "loss.kl_coef=0.1",
+                                         "grpo.max_staleness=1", *streamed])
+    assert cfg.grpo.streaming and cfg.loss.prev_logprobs == "train_forward"
