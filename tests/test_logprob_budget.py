@@ -143,6 +143,23 @@ def test_budget_counts_consecutive_steps_and_null_disables():
     unchecked.check_canary(over, 8)
 
 
+def test_trained_figures_of_no_token_are_not_counted():
+    """observe_trained (loss.prev_logprobs=train_forward): the update's figures count as
+    observe's after the step; a step that measured no token (every streamed row decoded one
+    version back) neither counts nor resets, and its 0-over-0 figures leave the metrics."""
+    from mcore_rl.controller.logprob_budget import MISMATCH_TOKENS
+
+    budget = LogprobBudget(load_config("grpo_synthetic", ["generation.logprob_budget_steps=2"]))
+    over = {"train/token_mult_prob_error": 1.2, "train/logprob_mismatch_mean": 0.2,
+            "train/logprob_mismatch_max": 0.2, f"train/{MISMATCH_TOKENS}": 30.0, "train/loss": 0.1}
+    budget.observe_trained(1, dict(over))
+    none = {k: 0.0 for k in over}
+    budget.observe_trained(2, none)
+    assert budget.over == 1 and none == {f"train/{MISMATCH_TOKENS}": 0.0, "train/loss": 0.0}
+    with pytest.raises(LogprobBudgetExceeded, match="RL step 3 has.*in memory only"):
+        budget.observe_trained(3, dict(over))
+
+
 def test_ppo_step_over_budget_trains_neither_policy_nor_critic(tmp_path):
     """PPO, k = 1, drift from RL step 1 (the canary, the first generate call, is clean): step
     1 stops right after the policy's logprobs, before the critic's values and any update."""
@@ -178,10 +195,11 @@ def test_train_forward_loss_equals_recompute_with_detached_logprobs():
     """loss.prev_logprobs=train_forward: the loss and its gradient are those of the recompute
     path given prev_logprobs = the logprobs detached (ratio 1), and the loss's mismatch
     metrics are mismatch_figures' numbers on the same batch (with a padded row and a masked
-    token)."""
+    token); with the streaming loop's on_policy rows, those of its on_policy rows alone (the
+    loss unchanged), divided by their own token count."""
     from mcore_rl.algorithms.losses import ClippedPGLoss
     from mcore_rl.config.schema import LossConfig
-    from mcore_rl.controller.logprob_budget import MISMATCH_KEYS, mismatch_figures
+    from mcore_rl.controller.logprob_budget import MISMATCH_KEYS, MISMATCH_TOKENS, mismatch_figures
 
     g = torch.Generator().manual_seed(0)
     b, s = 3, 7
@@ -212,8 +230,22 @@ def test_train_forward_loss_equals_recompute_with_detached_logprobs():
         figures["train/logprob_mismatch_mean"], rel=1e-6)
     assert float(metrics["logprob_mismatch_max"]) == pytest.approx(
         figures["train/logprob_mismatch_max"], rel=1e-6)
-    assert set(MISMATCH_KEYS) <= set(ClippedPGLoss(LossConfig(prev_logprobs="train_forward")).metric_kinds)
+    assert float(metrics[MISMATCH_TOKENS]) == tokens
+    kinds = ClippedPGLoss(LossConfig(prev_logprobs="train_forward")).metric_kinds
+    assert set(MISMATCH_KEYS) | {MISMATCH_TOKENS} <= set(kinds)
     assert not set(MISMATCH_KEYS) & set(ClippedPGLoss(LossConfig()).metric_kinds)
+
+    rows = [0, 2]  # rows 0 and 2 decoded by the weights being trained, row 1 one version back
+    on_policy = torch.tensor([1.0, 0.0, 1.0])
+    part_total, part_grad, part = run(ClippedPGLoss(LossConfig(prev_logprobs="train_forward")),
+                                      lambda lp: {"on_policy": on_policy})
+    assert torch.equal(part_total, ref_total) and torch.equal(part_grad, ref_grad)
+    figures = mismatch_figures({k: v[rows] for k, v in {**batch, "prev_logprobs": base}.items()})
+    measured = float(part[MISMATCH_TOKENS])
+    assert measured == float(mask[rows, 1:].sum()) < tokens
+    for key in MISMATCH_KEYS:
+        divide = measured if kinds[key] == MISMATCH_TOKENS else 1.0
+        assert float(part[key]) / divide == pytest.approx(figures[f"train/{key}"], rel=1e-6), key
 
 
 def test_train_forward_same_update_as_recompute_and_budget_stops_after_the_step(tmp_path):
@@ -272,12 +304,23 @@ def test_train_forward_same_update_as_recompute_and_budget_stops_after_the_step(
 
 
 def test_train_forward_refused_where_the_old_policy_is_not_the_trained_one():
+    """Refused, in one line naming the keys, where the weights change between the logprob
+    forward and the training forward or the old logprobs are read before training, streamed
+    or not (streaming refuses these keys on its own line as well); allowed with
+    grpo.streaming=true otherwise."""
     from mcore_rl.config.checks import ConfigError
 
+    streamed = ["grpo.streaming=true", "generation.num_workers=1"]
     for bad, key in (("grpo.optimizer_steps_per_rollout=2", "grpo.optimizer_steps_per_rollout=2"),
                      ("grpo.reward_kl_coef=0.1", "grpo.reward_kl_coef=0.1")):
-        with pytest.raises(ConfigError, match="loss.prev_logprobs=train_forward") as err:
-            load_config("grpo_synthetic", ["loss.prev_logprobs=train_forward", bad])
-        assert key in str(err.value)
+        for extra in ([], streamed):
+            with pytest.raises(ConfigError, match="loss.prev_logprobs=train_forward") as err:
+                load_config("grpo_synthetic", ["loss.prev_logprobs=train_forward", bad, *extra])
+            ours = [line for line in str(err.value).splitlines()
+                    if "loss.prev_logprobs=train_forward needs" in line]
+            assert len(ours) == 1 and key in ours[0] and "grpo.streaming" not in ours[0]
     with pytest.raises(ConfigError, match="algorithm=ppo"):
         load_config("ppo_synthetic", ["loss.prev_logprobs=train_forward"])
+    cfg = load_config("grpo_synthetic", ["loss.prev_logprobs=train_forward", "loss.kl_coef=0.1",
+                                         "grpo.max_staleness=1", *streamed])
+    assert cfg.grpo.streaming and cfg.loss.prev_logprobs == "train_forward"

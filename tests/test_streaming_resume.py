@@ -2,7 +2,9 @@
 mid-stream at step J, thrown away and resumed from that checkpoint ends with the parameters of
 a straight run; restored groups train at the staleness they had in the straight run, a restored
 group too old for ``max_staleness`` is dropped and generated again, and a checkpoint without the
-finished groups (saved before they were kept) still loads (they are generated again).
+finished groups (saved before they were kept) still loads (they are generated again). On the
+same deterministic GRPO run: ``loss.prev_logprobs=train_forward`` against ``recompute``, and
+its logprob budget.
 
 Determinism. Which groups a streamed step trains with ``max_staleness >= 1`` depends on when
 generation calls finish wherever a process may hold fewer calls than the loop wants in flight
@@ -28,13 +30,18 @@ staleness are equal.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from concurrent.futures import wait
 
 import pytest
 import test_streaming_ppo
+import torch
 from test_streaming import BASE, Run, _assert_same_updates
+
+from mcore_rl.algorithms.registry import build_policy_loss
+from mcore_rl.controller.logprob_budget import MISMATCH_KEYS, MISMATCH_TOKENS, LogprobBudgetExceeded
 
 STEPS = 4
 SAVE_AT = 2
@@ -130,6 +137,89 @@ def test_checkpoint_without_ready_groups_loads(grpo):
     assert not loop.ready and len(loop.todo) == 4
     m = grpo.run.steps(1)[0]
     assert m["stream/staleness_0"] == 4  # generated again with the resumed weights
+
+
+@contextlib.contextmanager
+def prev_logprobs(run, mode):
+    """``run`` with ``loss.prev_logprobs=mode`` (the config the loops read and the policy loss
+    built from it), put back on leaving."""
+    t = run.trainer
+    was = t.cfg.loss.prev_logprobs
+    t.cfg.loss.prev_logprobs = mode
+    t.algorithm.loss_fn = build_policy_loss(t.cfg)
+    try:
+        yield
+    finally:
+        t.cfg.loss.prev_logprobs = was
+        t.algorithm.loss_fn = build_policy_loss(t.cfg)
+
+
+def test_train_forward_equals_recompute_at_staleness_1(grpo):
+    """loss.prev_logprobs=train_forward against recompute on the same streamed run: step 1
+    trains rows decoded by its own weights, steps 2..4 rows decoded one version back (staleness
+    1). The weights are those of the step's start until its one optimizer step, after every
+    chunk's logprob forward and training forward, so the old logprobs are the same numbers
+    either way (each chunk is one micro-batch of 4 rows in both forwards, the same fp32
+    kernels on CPU): the losses, grad norms and parameters after every step agree to float
+    rounding (measured: bitwise). The budget's figures come from the training forward over the
+    rows the trained weights decoded: step 1's are recompute's (all its rows count); steps
+    2..4 measure no token and log no figures, as recompute's check skips them."""
+    run, out = grpo.run, {}
+    for mode in ("recompute", "train_forward"):
+        with prev_logprobs(run, mode):
+            run.reset()
+            weights = []
+            metrics = run.steps(STEPS, between=lambda i: weights.append(run.weights()) if i else None)
+            out[mode] = metrics, weights + [run.weights()]
+    (expected, expected_weights), (actual, actual_weights) = out["recompute"], out["train_forward"]
+    assert [m["stream/staleness_1"] for m in actual] == [0, 4, 4, 4]
+    for step, (m, e) in enumerate(zip(actual, expected), 1):
+        assert {k: m[k] for k in EXACT} == {k: e[k] for k in EXACT}, step
+        for k in ("train/loss", "train/pg_loss", "train/grad_norm", "train/ratio_mean"):
+            assert m[k] == pytest.approx(e[k], rel=1e-6, abs=1e-9), (step, k)
+    for step, (a, e) in enumerate(zip(actual_weights, expected_weights), 1):
+        print(f"\nstep {step}: train_forward vs recompute, worst |diff| / update = "
+              f"{worst_ratio(run, a, e):.3g}")
+        _assert_same_updates(run, a, e)
+    first, later = actual[0], actual[1:]
+    assert first[f"train/{MISMATCH_TOKENS}"] > 0
+    for k in MISMATCH_KEYS:  # the trainer against the hf engine: both ~1 (fp32)
+        assert first[f"train/{k}"] == pytest.approx(expected[0][f"train/{k}"], rel=1e-5, abs=1e-6), k
+    assert first["train/token_mult_prob_error"] < 1.0001
+    for m in later:
+        assert m[f"train/{MISMATCH_TOKENS}"] == 0 and not set(MISMATCH_KEYS) & {
+            k[len("train/"):] for k in m}
+
+
+def test_train_forward_budget_counts_rows_the_trained_weights_decoded(grpo):
+    """train_forward, generation.logprob_budget_steps=1, every chunk's rollout logprobs shifted
+    by 0.2 nats before it trains (the loss reads them for its figures only): steps 2..4, whose
+    rows were all decoded one version back, are not counted and go on; step 1, decoded by the
+    weights it trains, stops the run after its update (the error says it is in memory only)."""
+    run, t = grpo.run, grpo.run.trainer
+    prepare = t.algorithm.prepare_chunk
+    drifting = [False]
+
+    def drift(chunk):
+        prepare(chunk)
+        if drifting[0]:
+            chunk["generation_logprobs"] = chunk["generation_logprobs"] + 0.2 * chunk["token_mask"]
+
+    t.algorithm.prepare_chunk = drift
+    t.logprob_budget.steps = 1
+    try:
+        with prev_logprobs(run, "train_forward"):
+            run.reset()
+            run.steps(STEPS, between=lambda i: drifting.__setitem__(0, i >= 1))
+            assert t.logprob_budget.over == 0
+            run.reset()
+            with pytest.raises(LogprobBudgetExceeded, match="RL step 1 has.*in memory only") as stop:
+                run.steps(1)
+        assert stop.value.figures["train/token_mult_prob_error"] == pytest.approx(
+            float(torch.tensor(0.2).exp()), rel=1e-4)
+    finally:
+        del t.algorithm.prepare_chunk
+        t.logprob_budget.steps, t.logprob_budget.over = t.cfg.generation.logprob_budget_steps, 0
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,12 @@ CASES = [
      "unknown config key 'grpo.num_generation' (from override 'grpo.num_generation=4'); did you "
      "mean 'grpo.num_generations'?"),
     ("bad_override_value", ["loss.kl_coef=-1"], "loss.kl_coef must be >= 0 (got -1.0)"),
+    ("train_forward_with_several_optimizer_steps",
+     ["loss.prev_logprobs=train_forward", "grpo.optimizer_steps_per_rollout=2"],
+     "loss.prev_logprobs=train_forward needs algorithm=grpo, grpo.optimizer_steps_per_rollout=1 "
+     "and grpo.reward_kl_coef=0 (the old policy must be the weights being trained, and no "
+     "estimator may read its logprobs before the training forward); got "
+     "grpo.optimizer_steps_per_rollout=2: set loss.prev_logprobs=recompute"),
     ("bad_override_type", ["grpo.max_steps=many"],
      "wrong type for config key 'grpo.max_steps' (from override 'grpo.max_steps=many'): "
      "expected int, got 'many'"),

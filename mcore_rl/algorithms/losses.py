@@ -85,8 +85,10 @@ class ClippedPGLoss:
         loss_type: ``"token"`` (``token-mean``: the worker divides by ``N``) or ``"sequence"``
             (the others: by ``M``).
         metric_kinds: metric name -> ``"tokens"``, ``"sequences"``, ``"none"`` (which global
-            count the worker divides the metric's raw sum by; ``"none"``: keep the sum) or
-            ``"max"`` (the maximum over micro-batches and DP ranks).
+            count the worker divides the metric's raw sum by; ``"none"``: keep the sum),
+            ``"max"`` (the maximum over micro-batches and DP ranks), or the name of a metric of
+            kind ``"none"`` (its global sum divides: the mismatch figures of
+            ``loss.prev_logprobs=train_forward`` over ``logprob_mismatch_tokens``).
 
     Raises:
         ConfigError (a ``ValueError``) at construction for a ``LossConfig`` value outside what
@@ -123,12 +125,14 @@ class ClippedPGLoss:
         }
         # loss.prev_logprobs=train_forward: no logprob forward before training measured the
         # trainer/rollout mismatch; this forward does (mcore_rl.controller.logprob_budget's
-        # figures, under the same names).
+        # figures, under the same names), over the valid tokens of the rows the batch's
+        # on_policy marks (all without it), logprob_mismatch_tokens of them.
         self.train_forward = config.prev_logprobs == "train_forward"
         if self.train_forward:
-            self.metric_kinds.update({"token_mult_prob_error": "tokens",
-                                      "logprob_mismatch_mean": "tokens",
-                                      "logprob_mismatch_max": "max"})
+            self.metric_kinds.update({"token_mult_prob_error": "logprob_mismatch_tokens",
+                                      "logprob_mismatch_mean": "logprob_mismatch_tokens",
+                                      "logprob_mismatch_max": "max",
+                                      "logprob_mismatch_tokens": "none"})
 
     def log_ratio(self, logp: torch.Tensor, old: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """``log(pi / pi_old)`` per token: ``logp - old`` (``[B, S-1]`` float32, 0 off the valid
@@ -146,7 +150,10 @@ class ClippedPGLoss:
                 ``prev_logprobs [B, S]`` (old policy; with ``loss.prev_logprobs=train_forward``
                 ``logprobs`` detached instead, and the mismatch metrics
                 ``token_mult_prob_error``, ``logprob_mismatch_mean`` / ``_max`` of
-                ``generation_logprobs``); ``reference_logprobs [B, S]`` when
+                ``generation_logprobs``, over the valid tokens of the rows with ``on_policy
+                [B]`` float32 1 when the batch has it: the streaming loop's rows decoded by the
+                weights being trained; ``logprob_mismatch_tokens`` counts those tokens);
+                ``reference_logprobs [B, S]`` when
                 ``kl_coef > 0`` (also used for the ``kl`` metric when present);
                 ``generation_logprobs [B, S]`` when ``importance_ratio_cap`` or
                 ``importance_mask`` is set (also used for the ``is_*`` metrics when present).
@@ -252,10 +259,12 @@ class ClippedPGLoss:
         if kl is not None:
             metrics["kl"] = _token_sum(kl, m)
         if self.train_forward and "generation_logprobs" in tensors:
-            gap = (old - masked(tensors["generation_logprobs"])).abs()  # 0 off the valid tokens
-            metrics.update(token_mult_prob_error=_token_sum(torch.exp(gap), m),
-                           logprob_mismatch_mean=_token_sum(gap, m),
-                           logprob_mismatch_max=gap.max().detach() if gap.numel() else gap.sum())
+            measured = m * batch["on_policy"][:, None] if "on_policy" in batch else m
+            gap = (old - masked(tensors["generation_logprobs"])).abs() * measured  # 0 elsewhere
+            metrics.update(token_mult_prob_error=_token_sum(torch.exp(gap), measured),
+                           logprob_mismatch_mean=_token_sum(gap, measured),
+                           logprob_mismatch_max=gap.max().detach() if gap.numel() else gap.sum(),
+                           logprob_mismatch_tokens=measured.sum().detach())
         return loss_sum, count.detach(), metrics
 
     def _importance_weighting(self, pg: torch.Tensor, log_weight: torch.Tensor, m: torch.Tensor

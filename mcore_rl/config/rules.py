@@ -475,8 +475,12 @@ def grpo_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
 
 
 def loss_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
-    """``loss.prev_logprobs=train_forward`` only where the training forward's weights are the
-    ones that decoded the rollout (the schema's comment says why)."""
+    """``loss.prev_logprobs=train_forward`` only where the policy's weights do not change
+    between the logprob forward it saves and the training forward (the schema's comment says
+    why), and nothing reads the old logprobs before training: GRPO with one optimizer step per
+    rollout and no reward KL (whose estimator reads them in the advantages). The streaming loop
+    (``grpo.streaming``, which needs one optimizer step a rollout itself) qualifies: its one
+    optimizer step ends the RL step, after every chunk's forwards."""
     if cfg.loss.prev_logprobs != "train_forward":
         return []
     grpo = cfg.grpo
@@ -484,15 +488,15 @@ def loss_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
         ("algorithm", cfg.algorithm, cfg.algorithm == "grpo"),
         ("grpo.optimizer_steps_per_rollout", grpo.optimizer_steps_per_rollout,
          grpo.optimizer_steps_per_rollout == 1),
-        ("grpo.streaming", grpo.streaming, not grpo.streaming),
         ("grpo.reward_kl_coef", grpo.reward_kl_coef, grpo.reward_kl_coef == 0))
         if not ok]
     if not wrong:
         return []
     return [f"loss.prev_logprobs=train_forward needs algorithm=grpo, "
-            f"grpo.optimizer_steps_per_rollout=1, grpo.streaming=false and grpo.reward_kl_coef=0 "
-            f"(the old policy must be the one being trained); got {', '.join(wrong)}: set "
-            f"loss.prev_logprobs=recompute"]
+            f"grpo.optimizer_steps_per_rollout=1 and grpo.reward_kl_coef=0 (the old policy must "
+            f"be the weights being trained, and no estimator may read its logprobs before the "
+            f"training forward); got "
+            f"{', '.join(wrong)}: set loss.prev_logprobs=recompute"]
 
 
 def ppo_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:

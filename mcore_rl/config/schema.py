@@ -607,11 +607,14 @@ class LossConfig:
     # rollout before training; NeMo RL's and verl's way), or "train_forward": the training
     # forward's own logprobs, detached (TRL's way with one iteration per generation): the ratio
     # is exactly 1 and the gradient the same, one forward of the policy less per RL step. Only
-    # where the weights that train are the ones that decoded: algorithm grpo with
-    # grpo.optimizer_steps_per_rollout=1, no streaming, grpo.reward_kl_coef=0. The
-    # trainer/rollout mismatch (train/token_mult_prob_error, generation.logprob_budget) is then
-    # measured in the training forward, after that step's optimizer step; a run the budget
-    # stops saves nothing of that step.
+    # where the weights do not change between the recompute forward and the training forward,
+    # and nothing reads the old logprobs before training: algorithm grpo with
+    # grpo.optimizer_steps_per_rollout=1 and grpo.reward_kl_coef=0; streaming too (its one
+    # optimizer step ends the RL step; stale rows keep their generation_logprobs, so the
+    # importance weights are those of recompute). The trainer/rollout mismatch
+    # (train/token_mult_prob_error, generation.logprob_budget; streaming: over the rows the
+    # trained weights decoded) is then measured in the training forward, after that step's
+    # optimizer step; a run the budget stops saves nothing of that step.
     prev_logprobs: str = one_of("recompute", ("recompute", "train_forward"))
 
 

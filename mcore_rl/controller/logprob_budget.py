@@ -51,8 +51,9 @@ class LogprobBudgetExceeded(SystemExit):
 
 
 # The figures' names without their "train/" prefix (the loss's metrics with
-# loss.prev_logprobs=train_forward).
+# loss.prev_logprobs=train_forward), and the loss's count of the tokens they measured.
 MISMATCH_KEYS = ("token_mult_prob_error", "logprob_mismatch_mean", "logprob_mismatch_max")
+MISMATCH_TOKENS = "logprob_mismatch_tokens"
 
 
 def mismatch_figures(rollout: Dict[str, torch.Tensor]) -> Dict[str, float]:
@@ -154,3 +155,24 @@ class LogprobBudget:
                     f"step {step} was aborted before its optimizer step (the parameters are "
                     f"those after RL step {step - 1}; nothing of step {step} was saved)"),
                 figures, step)
+
+    def observe_trained(self, step: int, metrics: Dict[str, float]) -> None:
+        """``loss.prev_logprobs=train_forward``: :meth:`observe` (``trained``) of RL step
+        ``step`` (1-based) with the figures its training forward measured, after its optimizer
+        step: the policy update's metrics ``metrics`` (``train/<name>`` of
+        :data:`MISMATCH_KEYS`, over ``train/`` :data:`MISMATCH_TOKENS` tokens). A step that
+        measured no token (a streamed step whose rows were all decoded by older weights) is not
+        counted, as the streaming loop's check before the update skips it, and its figures (0
+        over 0 tokens) are removed from ``metrics``.
+
+        Raises:
+            KeyError: ``metrics`` lacks a figure (the loss was not built with
+                ``loss.prev_logprobs=train_forward``).
+            LogprobBudgetExceeded: as :meth:`observe`; the step has trained, in memory.
+        """
+        figures = {f"train/{k}": metrics[f"train/{k}"] for k in MISMATCH_KEYS}
+        if not metrics[f"train/{MISMATCH_TOKENS}"]:
+            for k in figures:
+                del metrics[k]
+            return
+        self.observe(step, figures, trained=True)

@@ -24,7 +24,6 @@ from typing import Any, Dict, Iterator
 from mcore_rl.config import registry
 from mcore_rl.config.schema import TrainConfig
 from mcore_rl.controller.algorithm import Algorithm
-from mcore_rl.controller.logprob_budget import MISMATCH_KEYS
 from mcore_rl.controller.streaming import StreamingLoop
 from mcore_rl.controller.trainer import Loop, RLTrainer
 from mcore_rl.utils.logging import Progress
@@ -61,8 +60,7 @@ class SyncLoop(Loop):
             alg.set_advantages(rollout)
             train_metrics = alg.train_step(tr, rollout)
             if not recompute:  # after the update, before its refit: may stop the run
-                tr.logprob_budget.observe(tr.step + 1, {f"train/{k}": train_metrics[f"train/{k}"]
-                                                        for k in MISMATCH_KEYS}, trained=True)
+                tr.logprob_budget.observe_trained(tr.step + 1, train_metrics)
             if train_policy:
                 with t.phase("refit"):
                     refit = self.refit()

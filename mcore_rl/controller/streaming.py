@@ -18,6 +18,19 @@ are in, ``finish_train_step`` takes the optimizer steps (PPO: the critic's first
 synchronous loop), and the new policy weights are pushed to the generation processes, queued
 behind the calls they already hold.
 
+Old logprobs and the logprob budget. With ``loss.prev_logprobs=recompute`` a chunk's
+``prev_logprobs`` are the policy's forward of it, and the budget's figures, over the step's
+rows decoded by the weights being trained, are checked before ``finish_train_step`` (an
+aborted step trains nothing). With ``train_forward`` (GRPO) a chunk takes no logprob forward:
+the weights stay those of the step's start until its one optimizer step in
+``finish_train_step``, after every chunk has trained, so the training forward's own logprobs,
+detached, are the recomputed ones; a stale row's importance weights ``exp(old - generation)``
+are unchanged, since the weights that decoded it enter only through ``generation_logprobs``.
+Each chunk carries ``on_policy`` [rows] (1 where ``trainer_version`` is the step's version),
+the loss measures the figures over those rows, and the budget counts them after
+``finish_train_step``, before the refit (:meth:`LogprobBudget.observe_trained
+<mcore_rl.controller.logprob_budget.LogprobBudget.observe_trained>`).
+
 What needs the whole batch before its first rows train cannot stream, and is refused at load
 time (:func:`mcore_rl.config.loader.streaming_errors`): GRPO's batch-wide estimator
 (REINFORCE++), dynamic sampling and ``grpo.optimizer_steps_per_rollout > 1``; PPO's advantage
@@ -193,16 +206,27 @@ class StreamingLoop(Loop):
         self.batches_drawn = 0  # sampler batches drawn (the synchronous loop draws one per step)
         self.dropped_stale = 0  # prompt groups dropped as stale in this RL step
 
+    @property
+    def train_forward(self) -> bool:
+        """``loss.prev_logprobs=train_forward``: no logprob forward per chunk; the training
+        forward takes its own logprobs as the old policy's and measures the logprob budget's
+        figures (module docstring)."""
+        return self.trainer.cfg.loss.prev_logprobs == "train_forward"
+
     def _chunk_calls(self, chunk: B.Batch, dp_ranks: Dict[str, int]) -> Dict[str, Future]:
         """Start the forward passes ``chunk`` needs before it trains, on the DP ranks
         ``dp_ranks`` (by worker group name); returns each call by the batch key its result
-        ``[rows, S]`` goes under: the policy's ``prev_logprobs`` (and
-        ``reference_logprobs``), then the algorithm's (:meth:`Algorithm.chunk_calls`). A DP
-        rank answers its calls in order."""
+        ``[rows, S]`` goes under: the policy's ``prev_logprobs`` (none with
+        ``loss.prev_logprobs=train_forward``: the weights are those the chunk trains with, the
+        step's one optimizer step comes after every chunk's calls) and ``reference_logprobs``,
+        then the algorithm's (:meth:`Algorithm.chunk_calls`); possibly none. A DP rank answers
+        its calls in order."""
         tr = self.trainer
         policy = tr.policy.call_per_dp_async(PolicyAPI, dp_ranks=[dp_ranks["policy"]])
         args = [[chunk, tr.cfg.policy.logprob_micro_batch_size]]
-        calls = {"prev_logprobs": policy.get_logprobs(args)}
+        calls = {}
+        if not self.train_forward:
+            calls["prev_logprobs"] = policy.get_logprobs(args)
         if tr.use_reference:
             calls["reference_logprobs"] = policy.get_reference_logprobs(args)
         calls.update(self.algorithm.chunk_calls(tr, chunk, dp_ranks))
@@ -382,7 +406,7 @@ class StreamingLoop(Loop):
             # PPO: the critic warm-up trains no policy
             version = self.algorithm.policy_version(self.trainer.step)
             on_policy = torch.nonzero(batch["trainer_version"] == version).flatten()
-            if len(on_policy):
+            if len(on_policy) and not self.train_forward:  # else after the update, below
                 self.trainer.check_logprob_budget(B.select(batch, on_policy))
         except LogprobBudgetExceeded:
             for step in steps.values():
@@ -391,6 +415,12 @@ class StreamingLoop(Loop):
         with self.trainer.timer.phase("finish"):
             clock.mark(bool(self.generating), True)
             step_metrics = self._finish(steps)
+        trained = {f"{step.prefix}{k}": v for name, step in steps.items()
+                   for k, v in step_metrics[name].items()}
+        if self.train_forward and "policy" in steps:
+            # the training forward's figures over the chunks' on_policy rows; after the
+            # update, before its refit: may stop the run (nothing of the step saved)
+            self.trainer.logprob_budget.observe_trained(self.trainer.step + 1, trained)
         metrics: Dict[str, float] = {}
         if "policy" in steps:
             with self.trainer.timer.phase("refit"):
@@ -406,8 +436,7 @@ class StreamingLoop(Loop):
         metrics.update(self.trainer.rollout_metrics(rollout, sum(sg.reward_errors for sg in fed),
                                             clock.seconds["generation_busy"]))
         metrics.update(self.algorithm.batch_metrics(rollout))
-        for name, step in steps.items():
-            metrics.update({f"{step.prefix}{k}": v for k, v in step_metrics[name].items()})
+        metrics.update(trained)
         version = self.algorithm.policy_version(self.trainer.step)
         staleness = [version - sg.version for sg in fed]
         for j in range(loop.max_staleness + 1):
@@ -461,6 +490,8 @@ class StreamingLoop(Loop):
         def flush(d: int) -> None:
             chunk = B.concat([sg.rows for sg in buffers[d]])
             buffers[d].clear()
+            if self.train_forward:  # the rows whose mismatch the loss measures for the budget
+                chunk["on_policy"] = (chunk["trainer_version"] == version).float()
             ranks = {"policy": d}
             for name, rows in dp_rows.items():
                 if name != "policy":
@@ -471,12 +502,16 @@ class StreamingLoop(Loop):
                 self.trainer.watchdog.track("values" if key.endswith("values") else "logprobs", call)
             waiting.update((f, c) for f in c.calls.values())
             calls.extend(c.calls.values())
+            if not c.calls:
+                train(c)
 
         def forwarded(f: Future) -> None:
             c = waiting.pop(f)
             f.result()  # a failed call raises here
-            if any(x in waiting for x in c.calls.values()):
-                return
+            if not any(x in waiting for x in c.calls.values()):
+                train(c)
+
+        def train(c: _Chunk) -> None:  # its forward passes are in
             for key, call in c.calls.items():
                 c.rows[key] = call.result()[0]
             self.algorithm.prepare_chunk(c.rows)

@@ -18,6 +18,10 @@ key                      shape      dtype    meaning
 ``reference_logprobs``   [B, S]     float32  the reference policy's logprobs
 ``rewards``              [B]        float32  scalar reward per sample
 ``advantages``           [B, S]     float32  per-token advantages
+``on_policy``            [B]        float32  1 on rows decoded by the weights being trained
+                                             (streaming, ``loss.prev_logprobs=
+                                             train_forward``: the rows the loss's logprob
+                                             budget figures measure; absent: all)
 =======================  =========  =======  ============================================
 
 Logprob convention: ``logprobs[b, t] = log pi(x_t | x_<t)`` and ``logprobs[:, 0] = 0``.

@@ -173,9 +173,13 @@ class TrainStepMixin:
 
     def _reduce_metrics(self, outputs: List[Dict[str, torch.Tensor]], loss_fn) -> Dict[str, float]:
         """Sum raw metrics over micro-batches (last stage), all-reduce over DP, broadcast to
-        every pipeline stage, then divide each by the global count of its kind; a metric of
-        kind ``"max"`` is the maximum over micro-batches and DP ranks instead (0 when none
-        reports it)."""
+        every pipeline stage, then divide each by the global count of its kind (0 over a count
+        of 0); a metric of kind ``"max"`` is the maximum over micro-batches and DP ranks
+        instead (0 when none reports it); a kind that names a metric of kind ``"none"``
+        divides by that metric's global sum.
+
+        Raises:
+            ValueError: a kind that is none of these."""
         kinds = loss_fn.metric_kinds
         needed = ["num_valid_tokens", "num_valid_sequences"]
         names = sorted(set(kinds) | set(needed))
@@ -208,7 +212,14 @@ class TrainStepMixin:
         out = {}
         for n in names:
             kind = kinds.get(n, default)
-            d = denominators[kind]
+            if kind in denominators:
+                d = denominators[kind]
+            elif kinds.get(kind) == "none":
+                d = raw[kind]
+            else:
+                raise ValueError(f"{type(loss_fn).__name__}.metric_kinds[{n!r}] is {kind!r}: "
+                                 f"one of tokens, sequences, none, max, or the name of a metric "
+                                 f"of kind none")
             out[n] = raw[n] / d if d else 0.0
         return out
 
@@ -339,8 +350,9 @@ class TrainStepMixin:
         Returns:
             the metrics of :meth:`train` (same names and meanings, the same on every rank),
             each raw metric summed over all micro-batches and DP ranks and divided by the
-            global count of its kind from ``loss_fn.metric_kinds`` (tokens, sequences, none;
-            the loss type for names it does not list): :meth:`_reduce_metrics`.
+            global count of its kind from ``loss_fn.metric_kinds`` (tokens, sequences, none,
+            or a count metric's name; the loss type for names it does not list):
+            :meth:`_reduce_metrics`.
 
         Raises:
             RuntimeError: no step is open (never begun, already finished, or aborted by an

@@ -98,8 +98,10 @@
 #               (l8_colocated_set), e.g. L8SYNC_SET="cluster.offload_train_state=false
 #               cluster.gpu_memory_gb=141" (the config plans 80 GiB, where false is refused)
 #   l8off       one-step off-policy: the streaming loop (staleness 1), policy TP=2 on GPUs 0-1,
-#               two vLLM engines (TP=1) on GPUs 2-3, NCCL refit; L8OFF_RECOMPUTE (full) sets
-#               policy.megatron.recompute_granularity (null: none), L8OFF_SET more overrides
+#               two vLLM engines (TP=1) on GPUs 2-3, NCCL refit; L8OFF_PREV (train_forward) sets
+#               loss.prev_logprobs (recompute: a logprob forward of every chunk before it trains),
+#               L8OFF_RECOMPUTE (full) policy.megatron.recompute_granularity (null: none),
+#               L8OFF_SET more overrides
 #   l8meg       the megatron in-place backend at TP=2 x DP=2 (L8MEG_STEPS steps)
 #   l8prof      l8meg's run for 2 steps under the torch profiler (MCORE_RL_PROFILE_DIR): the
 #               second generate and train call of rank 0, their top kernels (L8PROF_SET: more
@@ -511,12 +513,19 @@ stage_l8sync() {  # L8SYNC_SET: overrides of a second run beside the default one
     [ -z "${L8SYNC_SET:-}" ] || l8run l8_colocated_set "${L8_TIMEOUT:-1500}" ${L8SYNC_SET}
 }
 
-stage_l8off() {  # L8OFF_RECOMPUTE (full, selective or null); L8OFF_SET: more overrides
+stage_l8off() {  # L8OFF_PREV (train_forward or recompute); L8OFF_RECOMPUTE (full, selective or
+    # null); L8OFF_SET: more overrides. train_forward: the training forward's logprobs are the
+    # old policy's (no logprob forward per chunk; one optimizer step per RL step keeps them equal)
+    case "${L8OFF_PREV:=train_forward}" in
+        recompute|train_forward) ;;
+        *) echo "== l8off: L8OFF_PREV must be recompute or train_forward (got $L8OFF_PREV)"
+           status=1; return ;;
+    esac
     # shellcheck disable=SC2086
     l8run l8_offpolicy "${L8_TIMEOUT:-1500}" cluster.colocate_generation=false \
         cluster.num_workers=2 generation.vllm.num_engines=2 generation.vllm.tensor_parallel_size=1 \
         generation.vllm.kv_cache_gb=40 generation.vllm.gpu_memory_utilization=0.9 \
-        grpo.streaming=true grpo.max_staleness=1 loss.prev_logprobs=recompute \
+        grpo.streaming=true grpo.max_staleness=1 loss.prev_logprobs="$L8OFF_PREV" \
         policy.megatron.recompute_granularity="${L8OFF_RECOMPUTE:-full}" \
         ${L8OFF_SET:-}
 }
