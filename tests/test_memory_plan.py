@@ -301,3 +301,57 @@ def test_context_parallel_divides_a_ranks_activations_and_logits():
     two = memory.role_memory("policy", cfg, arch, 64, cp, "adam", 4, 8, False, False,
                              train_rows=4)
     assert two.logits * 2 == one.logits and two.tokens == one.tokens
+
+
+# ---------------------------------------------------------------- phases a run enters
+@pytest.mark.parametrize("overrides,runs", [
+    (["loss.prev_logprobs=recompute"], True),
+    (["loss.prev_logprobs=train_forward"], False),  # the training forward's logprobs
+    (["loss.prev_logprobs=train_forward", "loss.kl_coef=0.1"], True),  # the reference's forward
+])
+def test_logprobs_phase_only_where_a_logprob_forward_runs(overrides, runs):
+    """``logprobs`` has a figure only where the synchronous loop runs a logprob forward (the old
+    policy's with ``loss.prev_logprobs=recompute``, or the KL reference's); otherwise the plan
+    names the phase as not run, with its reason, and its peak is that of the other phases."""
+    cfg = load_config("grpo_synthetic_gpu", ["cluster.num_workers=2", *overrides])
+    arch = cfg.model.arch
+    plan = memory.plan_memory(cfg, arch, VOCAB)
+    policy = plan.roles[0]
+    assert set(plan.phases) == ({"generation", "logprobs", "train"} if runs
+                                else {"generation", "train"})
+    line = [x for x in memory.format_plan(plan).splitlines() if x.split()[:2] == ["peak", "logprobs"]]
+    assert len(line) == 1
+    if runs:
+        assert not plan.not_run
+        assert not plan.engine_offloaded  # everything resident: the engine's bytes too
+        assert plan.phases["logprobs"] == (policy.static + sum(plan.engine.values())
+                                           + policy.logprob_logits + policy.logprob_forward)
+        assert "not run" not in line[0]
+    else:
+        assert "train_forward" in plan.not_run["logprobs"]
+        assert line[0].split()[2] == "-" and "not run: loss.prev_logprobs=train_forward" in line[0]
+        assert plan.peak == max(plan.phases["generation"], plan.phases["train"])
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_megatron_decoder_buffers_are_counted_where_they_are_resident(colocate):
+    """The megatron backend's KV cache and row states, by phase: always in ``generation``;
+    colocated, in neither ``logprobs`` nor ``train`` (the controller frees them once the
+    rollout is generated: tests/test_megatron_generation.py::
+    test_colocated_decoder_buffers_leave_before_the_logprobs_phase), else in both (kept
+    between calls)."""
+    cfg = load_config("grpo_synthetic_gpu", [
+        "cluster.num_workers=2", "generation.backend=megatron", "loss.prev_logprobs=recompute",
+        f"cluster.colocate_generation={str(colocate).lower()}"])
+    plan = memory.plan_memory(cfg, cfg.model.arch, VOCAB)
+    policy = plan.roles[0]
+    kv = plan.engine["kv_cache"] + plan.engine["decode_row_states"]
+    assert plan.engine["kv_cache"] > 0 and plan.engine_offloaded == colocate
+    resident = 0 if colocate else kv
+    assert plan.phases["generation"] == ((policy.weights if colocate else policy.static) + kv
+                                         + sum(plan.engine_transient.values()))
+    assert plan.phases["logprobs"] == ((policy.weights if colocate else policy.static) + resident
+                                       + policy.logprob_logits + policy.logprob_forward)
+    assert plan.phases["train"] == policy.static + resident + policy.train_transient
+    state = "off the GPU outside generation" if colocate else "resident"
+    assert f"kv_cache ({state})" in memory.format_plan(plan)
