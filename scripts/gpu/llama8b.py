@@ -303,6 +303,9 @@ def main() -> int:
         rec.stream(loop)
     placement = loop.trainer.placement.plan
     policy_gpus = sorted({placement.gpu_index("policy", r) for r in range(cfg.cluster.num_workers)})
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    if all(v.isdigit() for v in visible):  # NVML counts every GPU, CUDA the visible ones
+        policy_gpus = [int(visible[i]) for i in policy_gpus]
     try:
         loop.fit()
     finally:
