@@ -217,6 +217,89 @@ def test_controller_keeps_shared_weights_on_device_and_exports_nothing():
                      "offload_before_refit"]
 
 
+class _PhaseLog:
+    """A phase timer that logs each phase's start into ``calls``."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        self.calls.append(f"phase {name}")
+        yield
+
+    def seconds(self, name):
+        return 0.0
+
+    def pop(self):
+        return {}
+
+
+@pytest.mark.parametrize("prev_logprobs", ["recompute", "train_forward"])
+@pytest.mark.parametrize("shares", [True, False])
+def test_colocated_decoder_buffers_leave_before_the_logprobs_phase(prev_logprobs, shares):
+    """Colocated, one synchronous RL step: the megatron decoders free their KV caches and
+    graphs (``release_decoder``) once the rollout is generated, before the logprobs phase
+    starts, once a step; what the policy holds when the phase starts is then what the memory
+    plan counts there and in training (no ``kv_cache``: tests/test_memory_plan.py). A backend
+    in processes of its own (vLLM) sleeps at the next hand-over, as before."""
+    from mcore_rl.controller.loops import SyncLoop
+    from mcore_rl.controller.trainer import RLTrainer
+
+    calls = []
+
+    def worker_call(method, *args):
+        calls.append(method)
+        return [{}]
+
+    policy = SimpleNamespace(call=typed(worker_call), gather_rows=typed(
+        lambda method, *a: calls.append(method) or torch.zeros(1, 1)))
+    if shares:
+        backend = _megatron(policy, eos=1)
+    else:  # a vLLM-like backend: its own processes, its sleep recorded
+        backend = SimpleNamespace(shares_policy_weights=False,
+                                  offload=lambda: calls.append("engine.offload"))
+    cfg = SimpleNamespace(loss=SimpleNamespace(prev_logprobs=prev_logprobs),
+                          policy=SimpleNamespace(logprob_micro_batch_size=2))
+    mismatch = {f"train/{k}": 1.0 for k in ("token_mult_prob_error", "logprob_mismatch_mean",
+                                            "logprob_mismatch_max")}
+    tr = SimpleNamespace(
+        cfg=cfg, step=0, timer=_PhaseLog(calls), use_reference=False, policy=policy,
+        colocation=Colocation(policy, backend, enabled=True),
+        check_logprob_budget=lambda rollout: None,
+        logprob_budget=SimpleNamespace(observe=lambda *a, **k: None,
+                                       observe_trained=lambda *a, **k: None),
+        rollout_metrics=lambda *a: {}, reward_timing=lambda: {})
+    tr.policy_logprobs = lambda batch, reference=False: RLTrainer.policy_logprobs(tr, batch,
+                                                                                  reference)
+
+    def train_step(trainer, rollout):
+        trainer.colocation.prepare_for_training()
+        calls.append("train")
+        return mismatch
+
+    def sample(trainer):
+        with trainer.timer.phase("generation"):
+            calls.append("generate")
+        return {}, None, 0, {}
+
+    alg = SimpleNamespace(trains_policy=lambda step: False, sample=sample,
+                          rollout_forwards=lambda *a: None, set_advantages=lambda r: None,
+                          train_step=train_step, batch_metrics=lambda r: {})
+    SyncLoop(tr, alg).rl_step()
+    forward = ["get_logprobs"] if prev_logprobs == "recompute" else []
+    lp_prepare = ["prepare_for_lp_inference"] if forward else []
+    if shares:
+        expected = ["phase step", "phase generation", "generate", "release_decoder",
+                    "phase logprobs", *lp_prepare, *forward, "prepare_for_training", "train"]
+    else:
+        engine = ["engine.offload"]
+        expected = ["phase step", "phase generation", "generate", "phase logprobs",
+                    *(engine if forward else []), *lp_prepare, *forward,
+                    *([] if forward else engine), "prepare_for_training", "train"]
+    assert calls == expected
+
+
 def test_offload_guard(groups, eos):
     """Last of the tests on the groups: it leaves the training state offloaded."""
     group = groups["dp2_torch"]

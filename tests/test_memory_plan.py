@@ -3,7 +3,8 @@ parameter counts per rank against the numel of real Megatron models built on CPU
 PP=2, four families), its byte figures against their definitions, the CLI table, and ``train``
 refusing a layout predicted not to fit (exit 2, before any worker or run directory), and its
 terms against what the code allocates: the megatron decoder's KV cache and row states after a
-run's generate calls, the workers' micro-batch tokens."""
+run's generate calls, the workers' micro-batch tokens; the phases a run enters; and
+scripts/gpu/llama8b.py's memory rows, refit line and summary, and its streaming recorder."""
 
 from __future__ import annotations
 
@@ -378,3 +379,210 @@ def test_context_parallel_divides_a_ranks_activations_and_logits():
     two = memory.role_memory("policy", cfg, arch, 64, cp, "adam", 4, 8, False, False,
                              train_rows=4)
     assert two.logits * 2 == one.logits and two.tokens == one.tokens
+
+
+# ---------------------------------------------------------------- phases a run enters
+@pytest.mark.parametrize("overrides,runs", [
+    (["loss.prev_logprobs=recompute"], True),
+    (["loss.prev_logprobs=train_forward"], False),  # the training forward's logprobs
+    (["loss.prev_logprobs=train_forward", "loss.kl_coef=0.1"], True),  # the reference's forward
+])
+def test_logprobs_phase_only_where_a_logprob_forward_runs(overrides, runs):
+    """``logprobs`` has a figure only where the synchronous loop runs a logprob forward (the old
+    policy's with ``loss.prev_logprobs=recompute``, or the KL reference's); otherwise the plan
+    names the phase as not run, with its reason, and its peak is that of the other phases."""
+    cfg = load_config("grpo_synthetic_gpu", ["cluster.num_workers=2", *overrides])
+    arch = cfg.model.arch
+    plan = memory.plan_memory(cfg, arch, VOCAB)
+    policy = plan.roles[0]
+    assert set(plan.phases) == ({"generation", "logprobs", "train"} if runs
+                                else {"generation", "train"})
+    line = [x for x in memory.format_plan(plan).splitlines() if x.split()[:2] == ["peak", "logprobs"]]
+    assert len(line) == 1
+    if runs:
+        assert not plan.not_run
+        assert not plan.engine_offloaded  # everything resident: the engine's bytes too
+        assert plan.phases["logprobs"] == (policy.static + sum(plan.engine.values())
+                                           + policy.logprob_logits + policy.logprob_forward)
+        assert "not run" not in line[0]
+    else:
+        assert "train_forward" in plan.not_run["logprobs"]
+        assert line[0].split()[2] == "-" and "not run: loss.prev_logprobs=train_forward" in line[0]
+        assert plan.peak == max(plan.phases["generation"], plan.phases["train"])
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_megatron_decoder_buffers_are_counted_where_they_are_resident(colocate):
+    """The megatron backend's KV cache and row states, by phase: always in ``generation``;
+    colocated, in neither ``logprobs`` nor ``train`` (the controller frees them once the
+    rollout is generated: tests/test_megatron_generation.py::
+    test_colocated_decoder_buffers_leave_before_the_logprobs_phase), else in both (kept
+    between calls)."""
+    cfg = load_config("grpo_synthetic_gpu", [
+        "cluster.num_workers=2", "generation.backend=megatron", "loss.prev_logprobs=recompute",
+        f"cluster.colocate_generation={str(colocate).lower()}"])
+    plan = memory.plan_memory(cfg, cfg.model.arch, VOCAB)
+    policy = plan.roles[0]
+    kv = plan.engine["kv_cache"] + plan.engine["decode_row_states"]
+    assert plan.engine["kv_cache"] > 0 and plan.engine_offloaded == colocate
+    resident = 0 if colocate else kv
+    assert plan.phases["generation"] == ((policy.weights if colocate else policy.static) + kv
+                                         + sum(plan.engine_transient.values()))
+    assert plan.phases["logprobs"] == ((policy.weights if colocate else policy.static) + resident
+                                       + policy.logprob_logits + policy.logprob_forward)
+    assert plan.phases["train"] == policy.static + resident + policy.train_transient
+    state = "off the GPU outside generation" if colocate else "resident"
+    assert f"kv_cache ({state})" in memory.format_plan(plan)
+
+
+# ---------------------------------------------------------------- scripts/gpu/llama8b.py's tables
+def _llama8b_script():
+    """scripts/gpu/llama8b.py (run on GPUs only), imported."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "llama8b.py"
+    spec = importlib.util.spec_from_file_location("llama8b", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Sampler:
+    """GPUSampler's answers: each GPU's used GiB, whatever the window."""
+
+    def __init__(self, used_gib):
+        self.used = used_gib
+
+    def peak(self, windows, gpus=None):
+        return int(max(u for i, u in enumerate(self.used) if gpus is None or i in gpus) * 2**30)
+
+    def process_peaks(self, windows):
+        return [("1039: python3 scripts/gpu/llama8b.py", 61.0)]
+
+
+L8OFF = ["cluster.colocate_generation=false", "cluster.num_workers=2",
+         "generation.vllm.num_engines=2", "generation.vllm.tensor_parallel_size=1",
+         "generation.vllm.kv_cache_gb=40", "generation.vllm.gpu_memory_utilization=0.9",
+         "grpo.streaming=true", "grpo.max_staleness=1", "loss.prev_logprobs=recompute",
+         "policy.megatron.recompute_granularity=null", "policy.max_tokens_per_microbatch=8192",
+         "cluster.gpu_memory_gb=141"]  # scripts/gpu/session.sh's l8off, as it ran
+
+
+@pytest.mark.parametrize("layout", ["colocated", "megatron", "offpolicy"])
+def test_llama8b_memory_rows_compare_each_phase_that_runs_with_its_plan(layout):
+    """The 8B script's memory rows (the windows and peaks its Recorder keeps): a phase the
+    plan says never runs (the empty logprobs phase under train_forward) gets the plan's
+    reason instead of a figure; the others the policy's peak against the plan less the vLLM
+    engines' share where the phase counts it; the streaming loop's train row is its streamed
+    step's; the GPU figure is the policy's GPUs' only."""
+    l8 = _llama8b_script()
+    overrides = {"colocated": [], "megatron": ["generation.backend=megatron"],
+                 "offpolicy": L8OFF}[layout]
+    cfg = load_config("grpo_llama8b", overrides)
+    plan = memory.plan_memory(cfg, cfg.model.arch)
+    # the streaming loop's step has no generation or logprobs phase of its own
+    phases = ("refit", "train") if layout == "offpolicy" else l8.PHASES
+    windows = {p: [(0.0, 1.0)] for p in phases}
+    peaks = {p: (i + 1) * 2**30 for i, p in enumerate(phases)}
+    sampler = _Sampler([60.0, 61.0, 120.0, 121.0])
+    rows = {r["phase"]: r for r in l8.memory_rows(plan, cfg.generation.backend, peaks, windows,
+                                                  sampler, [0, 1], layout == "offpolicy")}
+    gib = 2**30
+    if layout == "offpolicy":  # recompute: logprobs runs, but streamed inside the step
+        assert set(rows) == {"refit", "train"} and "logprobs" in plan.phases
+        assert rows["train"]["policy_plan_gib"] == plan.phases["train"] / gib  # engines elsewhere
+        assert "streamed step" in rows["train"]["note"]
+    else:
+        assert rows["logprobs"] == {"phase": "logprobs", "not_run": plan.not_run["logprobs"]}
+        assert "note" not in rows["train"]
+        engine = sum(plan.engine.values())
+        if layout == "colocated":  # the vLLM share is the engines' processes', asleep in training
+            assert rows["generation"]["policy_plan_gib"] == (plan.phases["generation"] - engine) / gib
+        else:  # the megatron decoder's KV cache is the policy's own
+            assert rows["generation"]["policy_plan_gib"] == plan.phases["generation"] / gib
+        assert rows["train"]["policy_plan_gib"] == plan.phases["train"] / gib
+    assert rows["refit"]["policy_plan_gib"] is None and rows["refit"]["gpu_plan_gib"] is None
+    assert rows["train"]["policy_alloc_gib"] == phases.index("train") + 1
+    assert rows["train"]["gpu_used_gib"] == 61.0  # GPUs 0-1, not the engines' 2-3
+
+
+def test_llama8b_summary_names_what_the_refit_gigabytes_are():
+    """The summary's refit: GB each engine worker receives and GB sent in all (the colocated
+    8B run's CUDA IPC refit: 16.1 and 64.2; over NCCL both 16.1; the megatron backend's shared
+    weights: nothing sent), and a phase not run by name and reason."""
+    l8 = _llama8b_script()
+    median = {"refit/seconds": 2.12, "refit/gbytes": 16.06, "refit/gbytes_sent": 64.24}
+    assert l8.refit_line(median, 4) == (
+        "refit 2.12 s: 16.1 GB to each of 4 engine workers, 64.2 GB sent by the policy's ranks "
+        "in all")
+    assert l8.refit_line({**median, "refit/gbytes_sent": 16.06}, 2).endswith(
+        "16.1 GB to each of 2 engine workers, 16.1 GB sent by the policy's ranks in all")
+    assert l8.refit_line({"refit/seconds": 0.97, "refit/gbytes": 0.0}, None) == (
+        "refit 0.97 s: weights shared in place, nothing sent")
+    cfg = load_config("grpo_llama8b", [])
+    plan = memory.plan_memory(cfg, cfg.model.arch)
+    step = {"step": 2, "timing/step_s": 46.08, "timing/generation_s": 7.61, "timing/refit_s": 2.10,
+            "timing/logprobs_s": 0.0, "timing/train_s": 36.34, "perf/tokens_per_s_per_gpu": 2504.0,
+            "train/response_length": 795.0, "train/token_mult_prob_error": 1.0704,
+            "refit/offload_train_s": 0.95}
+    result = {"name": "l8_colocated", "steps": [step], "warmup": 1, "engine_workers": 4,
+              "plan": memory.format_plan(plan),
+              "median": {**{k: v for k, v in step.items() if k != "step"}, **median},
+              "memory": [{"phase": "logprobs", "not_run": plan.not_run["logprobs"]},
+                         {"phase": "train", "policy_alloc_gib": 56.5, "policy_plan_gib": 56.9,
+                          "gpu_used_gib": 64.6, "gpu_plan_gib": 56.9, "gpu0_processes": []}]}
+    out = l8.format_summary(result).splitlines()
+    assert any(line.endswith("64.2 GB sent by the policy's ranks in all") and "med" in line
+               for line in out)
+    assert "  refit hand-overs (medians, s): offload_train 0.95" in out
+    assert "  logprobs not run: loss.prev_logprobs=train_forward and no KL reference: no logprob " \
+           "forward runs" in out
+    assert any(line.split()[:4] == ["train", "policy", "56.5", "plan"] for line in out)
+
+
+def test_llama8b_recorder_takes_the_streamed_steps_train_peak():
+    """The Recorder on the streaming loop: the policy's peaks reset when an RL step starts and
+    read when its ``finish`` phase (the optimizer step) ends give ``train`` (the micro-batches
+    and logprob forwards between, in no phase of their own); the refit after it is measured
+    from its own reset, as in the synchronous loop."""
+    from types import SimpleNamespace
+
+    from mcore_rl.distributed.worker_group import typed
+    from mcore_rl.utils.timers import PhaseTimer
+
+    l8 = _llama8b_script()
+    log, allocated = [], {"now": 0}
+
+    def memory_stats(method, reset):
+        assert method == "memory_stats"
+        log.append("reset" if reset else "read")
+        peak = allocated["now"]
+        if reset:
+            allocated["now"] = 5  # what stays allocated
+        return [{"max_allocated": peak}, {"max_allocated": peak - 1}]
+
+    trainer = SimpleNamespace(timer=PhaseTimer(), policy=SimpleNamespace(call=typed(memory_stats)),
+                              producer=SimpleNamespace(generate=None, generate_scored=None))
+    rec = l8.Recorder(trainer)
+
+    class Loop:
+        def rl_step(self):
+            with trainer.timer.phase("reward"):
+                allocated["now"] = 70  # micro-batches train: the step's peak
+            with trainer.timer.phase("finish"):
+                allocated["now"] = 72  # the optimizer step
+            with trainer.timer.phase("refit"):
+                allocated["now"] = 66
+            return {}
+
+    loop = Loop()
+    rec.stream(loop)
+    for _ in range(2):
+        loop.rl_step()
+    assert log == ["reset", "read", "reset", "read"] * 2
+    assert rec.peaks == {"train": 72, "refit": 66}
+    assert len(rec.windows["train"]) == len(rec.windows["refit"]) == 2
+    assert "finish" not in rec.windows and len(rec.windows["reward"]) == 2  # inside train's window
+    (start, end), (refit_start, _) = rec.windows["train"][1], rec.windows["refit"][1]
+    assert start <= rec.windows["reward"][1][0] and end <= refit_start

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -225,6 +226,39 @@ def test_gpu_refit_sender_spans_the_live_engines_only():
     with pytest.raises(RuntimeError, match=re.escape("every vLLM engine's process is gone (engines "
                                                      "[0, 1, 2]; their logs: /run/vllm_engine_<i>.log)")):
         backend._gpu_sender()
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_gpu_refit_reports_each_workers_gigabytes_and_the_sum_sent(colocated):
+    """``refit/gbytes`` is what one engine worker receives (the policy's full tensors, once),
+    whichever path sent them; ``refit/gbytes_sent`` sums the policy ranks' sends: over CUDA
+    IPC every rank sends the full tensors to the engine worker on its GPU (four ranks, four
+    copies: at 8B 64 GB for a 16 GB policy), over NCCL rank 0 broadcasts one copy."""
+    from concurrent.futures import Future
+
+    from mcore_rl.distributed.worker_group import typed
+
+    full = 16_060_522_496  # the 8B policy's HF-named bf16 tensors
+    sent = [full] * 4 if colocated else [full, 0, 0, 0]
+
+    class Engines:
+        def call_each_async(self, api, ranks):
+            assert api is VLLMEngineAPI and ranks == [0, 1]
+            return self
+
+        def load_weights(self, args):
+            done = Future()
+            done.set_result([None] * len(args))
+            return done
+
+    sender = SimpleNamespace(receiver_spec=lambda i: {"engine": i})
+    backend = object.__new__(VLLMGenerationBackend)  # no engines started
+    backend.device, backend.colocated, backend.alive = "cuda", colocated, [0, 1]
+    backend.engines, backend._gpu_sender = Engines(), lambda: sender
+    policy = SimpleNamespace(call=typed(lambda method, *a: sent))
+    stats = backend._loaded(backend.push(policy, version=1))
+    assert stats == {"refit/gbytes": full / 1e9, "refit/gbytes_sent": sum(sent) / 1e9}
+    assert stats["refit/gbytes_sent"] == pytest.approx(64.24 if colocated else 16.06, abs=0.01)
 
 
 def test_config_checked_at_load_time():

@@ -12,7 +12,9 @@ lifecycle (``MegatronTrainWorker.offload_before_refit``, ``offload_after_refit``
    channel runs (:meth:`GenerationBackend.refit`); the policy's weights leave too
    (``offload_after_refit``), unless the backend decodes with them
    (``shares_policy_weights``); the backend takes back its decoding memory.
-2. generation.
+2. generation; then :meth:`Colocation.rollout_done`: a backend that decodes with the policy's
+   own weights (the megatron decoder's KV cache and CUDA graphs, in the policy's processes) frees
+   its memory at once, before the rewards, logprobs and training.
 3. :meth:`Colocation.prepare_for_lp_inference` / :meth:`Colocation.prepare_for_training`:
    the backend frees its memory (once), the policy comes back as far as the next call needs.
 
@@ -116,6 +118,18 @@ class Colocation:
             self.backend.prepare_for_refit()
             self.backend.prepare_for_generation()
             self._backend_on_device = True
+
+    def rollout_done(self) -> None:
+        """Colocated, after the step's rollout is generated (nothing decodes again before the
+        next refit): a backend that decodes with the policy's weights
+        (``shares_policy_weights``: the megatron decoder) frees its buffers now, so they do
+        not sit in the policy's processes through the rewards and the logprob phase (the
+        memory plan's ``logprobs`` and ``train`` count none of them). Freeing them costs only
+        the next generation's allocation, which the hand-over before logprobs or training
+        would cause anyway. Other backends (vLLM engines in processes of their own, whose
+        sleep moves memory and takes time) yield at that hand-over, as before."""
+        if self.enabled and self.backend.shares_policy_weights:
+            self._backend_yields()
 
     def prepare_for_lp_inference(self) -> None:
         """Colocated: the backend frees the device; the policy's weights come back (its

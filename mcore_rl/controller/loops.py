@@ -7,7 +7,8 @@ GRPO, PPO) and the loop :class:`SyncLoop`, or with ``<algorithm>.streaming``
 :class:`~mcore_rl.controller.streaming.StreamingLoop`.
 
 One synchronous RL step (:meth:`SyncLoop.rl_step`): the algorithm's rollout
-(:meth:`Algorithm.sample`: generated, scored in the reward pool) -> the policy's old (and
+(:meth:`Algorithm.sample`: generated, scored in the reward pool; colocated, the megatron
+decoder's buffers freed at once: :meth:`Colocation.rollout_done`) -> the policy's old (and
 reference) logprobs -> the logprob budget's check (:meth:`RLTrainer.check_logprob_budget`,
 before any update: it may stop the run) -> the algorithm's other forward passes (PPO: the
 critic's values) -> the rewards collected and shaped (GRPO: DAPO's overlong penalty) -> the
@@ -43,6 +44,7 @@ class SyncLoop(Loop):
         train_policy = alg.trains_policy(tr.step)
         with t.phase("step"):
             rollout, pending, reward_errors, sampling = alg.sample(tr)
+            tr.colocation.rollout_done()  # the megatron decoder's KV cache leaves now
             # loss.prev_logprobs=train_forward: the training forward's logprobs are the old
             # policy's, and it measures the budget's figures (docs/logprob-contract.md)
             recompute = tr.cfg.loss.prev_logprobs == "recompute"

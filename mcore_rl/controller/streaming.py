@@ -429,7 +429,7 @@ class StreamingLoop(Loop):
                     self.trainer.policy, self.algorithm.policy_version(self.trainer.step + 1))
                 clock.mark(bool(self.generating), False)
                 metrics["refit/seconds"] = time.perf_counter() - refit_start
-                metrics["refit/gbytes"] = pushed.gbytes
+                metrics.update(pushed.stats())
         clock.mark(bool(self.generating), False)
 
         rollout = B.concat(chunks)

@@ -127,7 +127,9 @@ class GenerationBackend(abc.ABC):
         buckets). Collective over the policy's ranks when it calls them.
 
         Returns:
-            stats, at least ``refit/gbytes`` (GB of weights moved; 0 when shared).
+            stats, at least ``refit/gbytes`` (GB of weights each engine worker receives; 0
+            when shared); a :class:`StreamingBackend`'s also ``refit/gbytes_sent``
+            (:meth:`Push.stats`).
 
         Raises:
             ValueError: unknown names, shape mismatches, or parameters left unwritten.
@@ -205,13 +207,22 @@ class GenerationBackend(abc.ABC):
 
 class Push(NamedTuple):
     """Weights of one policy version on their way into a :class:`StreamingBackend`'s workers
-    (:meth:`StreamingBackend.push`): ``gbytes``, GB of weights each worker loads, and
-    ``loaded``, a future of None once every live worker has loaded them (a
+    (:meth:`StreamingBackend.push`): ``gbytes``, GB of weights each worker receives (the
+    policy's, once); ``loaded``, a future of None once every live worker has loaded them (a
     :class:`~mcore_rl.distributed.worker_group.WorkerError` naming the workers that failed or
-    are gone; a worker that failed to load refuses to decode until a good refit)."""
+    are gone; a worker that failed to load refuses to decode until a good refit);
+    ``sent_gbytes``, GB the sending side sent in all, over its processes: ``gbytes`` where one
+    copy goes to every worker (a broadcast, files in host memory), more where each sender sends
+    its own (vLLM over CUDA IPC: every policy rank the full tensors to the engine workers on
+    its GPU, so four ranks send four copies)."""
 
     gbytes: float
     loaded: Future
+    sent_gbytes: float
+
+    def stats(self) -> Dict[str, float]:
+        """``refit/gbytes`` (each worker's) and ``refit/gbytes_sent`` (in all)."""
+        return {"refit/gbytes": self.gbytes, "refit/gbytes_sent": self.sent_gbytes}
 
 
 class StreamingBackend(GenerationBackend):
@@ -270,7 +281,7 @@ class StreamingBackend(GenerationBackend):
 
     def refit(self, policy: "DataParallelGroup", version: int = 0) -> Dict[str, float]:
         """:meth:`push` the policy's weights as ``version`` and wait until every live worker has
-        loaded them. Returns ``refit/gbytes`` (per worker). Raises as :meth:`push`, and
+        loaded them. Returns :meth:`Push.stats`. Raises as :meth:`push`, and
         :class:`~mcore_rl.distributed.worker_group.WorkerError` when a worker failed to load
         (then :meth:`generate_async` refuses until a good refit)."""
         return self._loaded(self.push(policy, version))
@@ -283,7 +294,7 @@ class StreamingBackend(GenerationBackend):
             self._weights_loaded = False
             raise
         self._weights_loaded = True
-        return {"refit/gbytes": pushed.gbytes}
+        return pushed.stats()
 
     def generate_async(self, prompts: List[List[int]], seed: int, greedy: bool = False,
                        group_size: int = 1,

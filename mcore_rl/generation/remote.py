@@ -128,7 +128,8 @@ class RemoteGeneration(StreamingBackend):
         weights = policy.call(PolicyAPI).get_hf_weights()[0]
         loaded = self.group.call_each_async(GenerationWorkerAPI, ranks=self.alive).update_weights(
             [[weights, version]] * len(self.alive))
-        return Push(sum(t.numel() * t.element_size() for t in weights.values()) / 1e9, loaded)
+        gbytes = sum(t.numel() * t.element_size() for t in weights.values()) / 1e9
+        return Push(gbytes, loaded, gbytes)
 
     def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,
                first_row: int, greedy: bool = False,

@@ -641,14 +641,16 @@ class VLLMGenerationBackend(StreamingBackend):
         files). GPU: the policy's ranks send them to the engines themselves
         (:class:`RefitSender`: CUDA IPC colocated, NCCL otherwise); the engines receive them
         after the calls queued before, and this returns once the policy's ranks have sent
-        everything (over NCCL: once every engine has decoded the calls it held)."""
+        everything (over NCCL: once every engine has decoded the calls it held). ``gbytes``:
+        what one engine worker receives (the full tensors, from one rank); ``sent_gbytes``: the
+        ranks' sends summed (CUDA IPC: each rank with an engine worker on its GPU sends them)."""
         if self.device == "cpu":  # gathered on policy rank 0, on the host
             return self._push_host(policy.call(PolicyAPI).get_hf_weights()[0].items(), version)
         sender = self._gpu_sender()
         loaded = self.engines.call_each_async(VLLMEngineAPI, ranks=self.alive).load_weights(
             [[sender.receiver_spec(i), version] for i in range(len(self.alive))])
-        nbytes = sum(policy.call(PolicyAPI).send_hf_weights(sender))
-        return Push(nbytes / 1e9, loaded)
+        sent = policy.call(PolicyAPI).send_hf_weights(sender)  # bytes, per policy rank
+        return Push(max(sent) / 1e9, loaded, sum(sent) / 1e9)
 
     def _gpu_sender(self) -> "RefitSender":
         """The GPU refit's sender for the live engines: made at the first refit (an NCCL group
@@ -710,7 +712,8 @@ class VLLMGenerationBackend(StreamingBackend):
         loads = self.engines.call_each_async(VLLMEngineAPI, ranks=self.alive).load_weights(
             [[{"kind": "host", "buckets": files}, version]] * len(self.alive))
         loads.add_done_callback(remove)  # before the future handed out is done (callback order)
-        return Push(sum(size for _, size, _ in files) / 1e9, then(loads, lambda _: None))
+        gbytes = sum(size for _, size, _ in files) / 1e9
+        return Push(gbytes, then(loads, lambda _: None), gbytes)
 
     def _checked(self, named_tensors: Iterable[Tuple[str, torch.Tensor]],
                  written: set) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -746,7 +749,8 @@ class VLLMGenerationBackend(StreamingBackend):
         (:meth:`prepare_for_generation`).
 
         Returns:
-            stats: ``refit/gbytes`` (GB of weights sent).
+            stats: :meth:`Push.stats` (``refit/gbytes``, GB each engine worker receives;
+            ``refit/gbytes_sent``, GB the policy's ranks sent in all).
 
         Raises:
             As :meth:`update_weights`.

@@ -54,13 +54,20 @@ Phases (the figure reported is the largest): ``generation`` (resident state + KV
 layer's prefill intermediates for one prefill group of at most 16384 prompt tokens and a decode
 step's fp32 logits), ``logprobs`` (resident + forward-only logits of a logprob micro-batch and
 one layer's intermediates), ``train`` (resident + activations + logits + their gradient + the
-optimizer step's transient). Checked against the measured peaks of bench/RESULTS.md
-(SmolLM2-135M on GSM8K: -4 to -8%; the 0.85B benchmark: -2%) and, term by term, against the
-buffers the decoder and the micro-batching really allocate (tests/test_memory_plan.py).
+optimizer step's transient). A phase the run never enters has no figure, only its reason
+(:func:`phases_not_run`): ``logprobs`` with ``loss.prev_logprobs=train_forward`` and no KL
+reference (the training forward's logprobs are the old policy's; no logprob forward runs).
+Checked against the measured peaks of bench/RESULTS.md (SmolLM2-135M on GSM8K: -4 to -8%; the
+0.85B benchmark: -2%; 8B at TP=2 x DP=2 on four H200s with colocated vLLM engines and with
+in-place megatron decoding: generation -3 to 0%, train +1%) and, term by term, against the buffers the
+decoder and the micro-batching really allocate (tests/test_memory_plan.py).
 "Resident" is what stays on the GPU in that phase:
-with ``cluster.colocate_generation`` the rollout engine's memory leaves the GPU for training and,
-unless ``cluster.offload_train_state`` keeps them (:func:`offload_train_state_decision`), the
-policy's gradients and optimizer state leave it for generation.
+with ``cluster.colocate_generation`` the policy's gradients and optimizer state leave the GPU
+for generation, unless ``cluster.offload_train_state`` keeps them
+(:func:`offload_train_state_decision`), and the rollout engine's memory leaves it once the
+step's rollout is generated (the ``megatron`` decoder's KV cache at once,
+``controller/colocation.Colocation.rollout_done``; a vLLM engine's share at the next phase's
+hand-over), so neither logprobs nor training count it.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ from mcore_rl.config.families import FAMILIES, head_dim
 from mcore_rl.config.registry import load, task_entry
 
 GIB = float(2**30)
+PHASES = ("generation", "logprobs", "train")  # the plan's phases, in a step's order
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -239,12 +247,15 @@ class MemoryPlan:
         engine: the rollout engine's bytes on a policy GPU (KV cache, engine weights).
         engine_transient: what a generate call adds while it runs (prefill, decode logits).
         engine_offloaded: ``cluster.colocate_generation``: the engine leaves the GPU for
-            training (and logprobs).
+            training and logprobs.
         train_state_offloaded: the policy's training state leaves the GPU for generation
             (colocated, ``cluster.offload_train_state`` resolved).
         offload_decision: one line: ``cluster.offload_train_state``, what it resolved to and
             why (empty without colocation); :func:`offload_train_state_decision`.
-        phases: peak bytes by phase (``generation``, ``logprobs``, ``train``).
+        phases: peak bytes by phase (``generation``, ``logprobs``, ``train``), of the phases
+            the run enters.
+        not_run: the phases the run never enters (no figure in ``phases``), each with the
+            reason (:func:`phases_not_run`).
         gpu_bytes: ``cluster.gpu_memory_gb`` in bytes.
         layout: ``(TP, PP, DP)``.
     """
@@ -258,6 +269,7 @@ class MemoryPlan:
     layout: Tuple[int, int, int]
     train_state_offloaded: bool = False
     offload_decision: str = ""
+    not_run: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def peak(self) -> int:
@@ -470,6 +482,24 @@ def engine_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: int,
     return {}, {}
 
 
+def needs_reference(cfg: TrainConfig) -> bool:
+    """Whether the policy keeps a frozen reference (a KL term in the loss, ``loss.kl_coef``, or
+    in the reward, ``<algorithm>.reward_kl_coef``), as the algorithms' ``needs_reference``."""
+    return cfg.loss.kl_coef > 0 or getattr(getattr(cfg, cfg.algorithm), "reward_kl_coef", 0) > 0
+
+
+def phases_not_run(cfg: TrainConfig) -> Dict[str, str]:
+    """The phases of the plan (:data:`PHASES`) that a run of ``cfg``
+    never enters, each with the reason (one phrase): ``logprobs`` when
+    ``loss.prev_logprobs=train_forward`` and there is no KL reference (:func:`needs_reference`):
+    the synchronous loop then runs no logprob forward (``controller/loops.SyncLoop``; the
+    training forward's own logprobs are the old policy's)."""
+    if cfg.loss.prev_logprobs == "train_forward" and not needs_reference(cfg):
+        return {"logprobs": "loss.prev_logprobs=train_forward and no KL reference: no logprob "
+                            "forward runs"}
+    return {}
+
+
 def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[int] = None,
                 megatron: Optional[MegatronConfig] = None, micro_batch_size: Optional[int] = None,
                 seq: Optional[int] = None, train_rows: Optional[int] = None,
@@ -481,10 +511,11 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
     the rollout engine's buffers with ``generation.max_new_tokens``) to
     ``data.max_prompt_length``; ``offload_train_state`` (colocated: the policy's training
     state leaves the GPU for generation) to ``cluster.offload_train_state`` as
-    :func:`offload_train_state_decision` resolves it."""
+    :func:`offload_train_state_decision` resolves it. A phase the run never enters
+    (:func:`phases_not_run`) is in the plan's ``not_run``, not in its ``phases``."""
     vocab_size = vocab_size or arch.vocab_size
     pm = megatron or cfg.policy.megatron
-    kl = cfg.loss.kl_coef > 0 or getattr(getattr(cfg, cfg.algorithm), "reward_kl_coef", 0) > 0
+    kl = needs_reference(cfg)
     roles = [role_memory("policy", cfg, arch, vocab_size, pm, cfg.policy.optimizer.name,
                          micro_batch_size or cfg.policy.micro_batch_size,
                          cfg.policy.logprob_micro_batch_size, kl, False, seq, train_rows)]
@@ -517,16 +548,19 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
     generation = (kept if policy_offloaded else static) + engine + sum(eng_transient.values())
     resident_train = static + (0 if offloaded else engine)
     policy = roles[0]
-    # Colocated, the training state stays off the GPU for logprobs (only the weights return).
+    # Colocated, the training state stays off the GPU for logprobs (only the weights return)
+    # and the engine's memory has left it (the megatron decoder's right after the rollout).
     logprobs = ((weights if policy_offloaded else resident_train) + policy.logprob_logits
                 + policy.logprob_forward)
     train = resident_train + max(r.train_transient for r in roles)
     tp, pp = pm.tensor_model_parallel_size, pm.pipeline_model_parallel_size
+    not_run = phases_not_run(cfg)
+    phases = {name: value for name, value in zip(PHASES, (generation, logprobs, train))
+              if name not in not_run}
     return MemoryPlan(roles=roles, engine=eng, engine_transient=eng_transient,
-                      engine_offloaded=offloaded,
-                      phases={"generation": generation, "logprobs": logprobs, "train": train},
+                      engine_offloaded=offloaded, phases=phases,
                       gpu_bytes=int(cfg.cluster.gpu_memory_gb * GIB),
-                      layout=(tp, pp, _dp(cfg, pm)),
+                      layout=(tp, pp, _dp(cfg, pm)), not_run=not_run,
                       train_state_offloaded=policy_offloaded, offload_decision=decision)
 
 
@@ -592,7 +626,8 @@ def _gib(n: float) -> str:
 
 
 def format_plan(plan: MemoryPlan) -> str:
-    """The plan as a table: GiB per GPU by role and item, then by phase."""
+    """The plan as a table: GiB per GPU by role and item, then by phase (a phase the run
+    never enters: ``-`` and the reason)."""
     tp, pp, dp = plan.layout
     lines = [f"layout TP={tp} PP={pp} DP={dp}; GiB per GPU (cluster.gpu_memory_gb="
              f"{plan.gpu_bytes / GIB:g})", f"{'role':10s} {'item':50s} {'GiB':>8s}"]
@@ -609,13 +644,16 @@ def format_plan(plan: MemoryPlan) -> str:
                  ("logprob forward (one layer, no autograd)", r.logprob_forward)]
         for what, value in items:
             lines.append(f"{r.name:10s} {what:50s} {_gib(value):>8s}")
-    state = "offloaded for training" if plan.engine_offloaded else "resident"
+    state = "off the GPU outside generation" if plan.engine_offloaded else "resident"
     for what, value in plan.engine.items():
         lines.append(f"{'rollout':10s} {what + ' (' + state + ')':50s} {_gib(value):>8s}")
     for what, value in plan.engine_transient.items():
         lines.append(f"{'rollout':10s} {what + ' (while generating)':50s} {_gib(value):>8s}")
-    for phase, value in plan.phases.items():
-        lines.append(f"{'peak':10s} {phase:50s} {_gib(value):>8s}")
+    for phase in PHASES:
+        if phase in plan.phases:
+            lines.append(f"{'peak':10s} {phase:50s} {_gib(plan.phases[phase]):>8s}")
+        elif phase in plan.not_run:
+            lines.append(f"{'peak':10s} {phase:50s} {'-':>8s}  not run: {plan.not_run[phase]}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines.append(f"{'peak':10s} {'max':50s} {_gib(plan.peak):>8s}  {verdict}")
     if plan.offload_decision:

@@ -154,7 +154,7 @@ def measure(name: str, config: str, overrides: List[str], bench: bool = False) -
           f"{memory.format_plan(seen)}", flush=True)
     rows = []
     for phase in PHASES:
-        if phase not in rec.peaks:
+        if phase not in rec.peaks or phase not in seen.phases:  # not run (seen.not_run)
             continue
         engine = sum(seen.engine.values()) if bench else 0  # the benchmark decodes nothing
         predicted = seen.phases[phase] - engine
