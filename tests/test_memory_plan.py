@@ -298,9 +298,9 @@ def test_planned_packed_tokens_count_the_padding_to_2cp():
     batch = {"input_ids": torch.ones(rows, seq, dtype=torch.long),
              "input_lengths": torch.full((rows,), seq)}
     for budget in (None, 1000):
-        cfg = load_config("grpo_synthetic", ["policy.sequence_packing=true",
-                                             "policy.megatron.layer_spec=torch",
-                                             f"policy.max_tokens_per_microbatch={budget or 'null'}"])
+        cfg = load_config("grpo_synthetic", [
+            "policy.sequence_packing=true", "policy.megatron.layer_spec=torch",
+            f"policy.max_tokens_per_microbatch={budget or 'null'}"])
         parts = make_packed_microbatches(batch, budget or mbs * 304, width_multiple=4,
                                          sequence_multiple=4)
         real = max(p["packed_input_ids"].numel() for p in parts)

@@ -330,26 +330,26 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     cu = _packed_cu_seqlens(packed_seq_params)
     varlen = _torch_varlen() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) \
         else None
-    if varlen is None:
-        return document_attention(query, key, value, cu, scale, packed_seq_params)
-    varlen_attn, causal, has_gqa = varlen
-    k, v, extra = key, value, {}
-    if np_ != key.shape[1]:
-        if has_gqa:
-            extra["enable_gqa"] = True
-        else:
-            k = k.repeat_interleave(np_ // k.shape[1], dim=1)
-            v = v.repeat_interleave(np_ // v.shape[1], dim=1)
-    if cu.device != query.device:  # a host cu_seqlens: copied once per micro-batch
-        on_device = getattr(packed_seq_params, "_mcore_rl_cu_device", None)
-        if on_device is None:
-            on_device = cu.to(device=query.device, dtype=torch.int32, non_blocking=True)
-            packed_seq_params._mcore_rl_cu_device = on_device
-        cu = on_device
-    longest = packed_seq_params.max_seqlen_q or int((cu[1:] - cu[:-1]).max())
-    out = varlen_attn(query.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest,
-                      longest, scale=scale, **causal, **extra)
-    return out.reshape(t, np_ * hn)
+    if varlen is not None:
+        varlen_attn, causal, has_gqa = varlen
+        k, v, extra = key, value, {}
+        if np_ != key.shape[1]:
+            if has_gqa:
+                extra["enable_gqa"] = True
+            else:
+                k = k.repeat_interleave(np_ // k.shape[1], dim=1)
+                v = v.repeat_interleave(np_ // v.shape[1], dim=1)
+        if cu.device != query.device:  # a host cu_seqlens: copied once per micro-batch
+            on_device = getattr(packed_seq_params, "_mcore_rl_cu_device", None)
+            if on_device is None:
+                on_device = cu.to(device=query.device, dtype=torch.int32, non_blocking=True)
+                packed_seq_params._mcore_rl_cu_device = on_device
+            cu = on_device
+        longest = packed_seq_params.max_seqlen_q or int((cu[1:] - cu[:-1]).max())
+        out = varlen_attn(query.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest,
+                          longest, scale=scale, **causal, **extra)
+        return out.reshape(t, np_ * hn)
+    return document_attention(query, key, value, cu, scale, packed_seq_params)
 
 
 def _packed_cu_seqlens(packed_seq_params) -> torch.Tensor:

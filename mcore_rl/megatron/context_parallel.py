@@ -44,33 +44,23 @@ from torch.nn.attention.bias import causal_lower_right
 _order_cache: dict = {}  # one entry: (cu_seqlens, width, cp_size, device) -> global order
 
 
-def _check(width: int, cp_size: int, cp_rank: int) -> None:
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"CP rank {cp_rank} outside [0, {cp_size})")
-    if width % (2 * cp_size):
-        raise ValueError(f"width {width} is not a multiple of 2 x context_parallel_size "
-                         f"({2 * cp_size})")
-
-
-def _order(width: int, cp_size: int, device, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
-    """Every rank's positions, rank after rank (``[CP, width / CP]`` int64 on ``device``): row
-    ``r`` is :func:`local_positions` of rank ``r``. Position ``t`` of sequence ``j`` (start
-    ``s_j``, ``L_j`` tokens, a multiple of ``2 CP``) is in chunk ``k = (t - s_j) // (L_j / 2
-    CP)``, held by rank ``k`` for ``k < CP`` and ``2 CP - 1 - k`` otherwise; a rank's positions in
-    ascending order are its chunks of each sequence, sequences in order. Cached for the last
-    ``cu_seqlens`` object (every layer of a forward and its backward share it)."""
+def _order(width: int, cp_size: int, device, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Every rank's positions in a packed row, rank after rank (``[CP, width / CP]`` int64 on
+    ``device``): row ``r`` is :func:`local_positions` of rank ``r``. Position ``t`` of sequence
+    ``j`` (start ``s_j``, ``L_j`` tokens, a multiple of ``2 CP``) is in chunk ``k = (t - s_j) //
+    (L_j / 2 CP)``, held by rank ``k`` for ``k < CP`` and ``2 CP - 1 - k`` otherwise; a rank's
+    positions in ascending order are its chunks of each sequence, sequences in order. Computed
+    on the host, cached for the last ``cu_seqlens`` object (every layer of a forward and its
+    backward share it)."""
     key = (cu_seqlens, width, cp_size, torch.device(device))
     hit = _order_cache.get("entry")
     if hit is not None and hit[0][0] is key[0] and hit[0][1:] == key[1:]:
         return hit[1]
-    if cu_seqlens is None:
-        cu = torch.tensor([0, width])
-    else:
-        cu = cu_seqlens.to("cpu", torch.int64)
-        lengths = cu[1:] - cu[:-1]
-        if int(cu[-1]) != width or bool((lengths % (2 * cp_size)).any()):
-            raise ValueError(f"packed sequences {lengths.tolist()} (of {width} tokens) are not "
-                             f"each a multiple of 2 x context_parallel_size ({2 * cp_size})")
+    cu = cu_seqlens.to("cpu", torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    if int(cu[-1]) != width or bool((lengths % (2 * cp_size)).any()):
+        raise ValueError(f"packed sequences {lengths.tolist()} (of {width} tokens) are not "
+                         f"each a multiple of 2 x context_parallel_size ({2 * cp_size})")
     idx = torch.arange(width)
     doc = torch.searchsorted(cu[1:], idx, right=True).clamp_(max=cu.numel() - 2)
     chunk = (idx - cu[doc]) * (2 * cp_size) // (cu[doc + 1] - cu[doc])
@@ -100,7 +90,11 @@ def local_positions(width: int, cp_size: int, cp_rank: int,
         ValueError: ``width`` or a sequence not a multiple of ``2 cp_size``, or ``cp_rank``
             outside ``[0, cp_size)``.
     """
-    _check(width, cp_size, cp_rank)
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"CP rank {cp_rank} outside [0, {cp_size})")
+    if width % (2 * cp_size):
+        raise ValueError(f"width {width} is not a multiple of 2 x context_parallel_size "
+                         f"({2 * cp_size})")
     if cu_seqlens is None:
         c = width // (2 * cp_size)
         base = torch.arange(c, device=device)
