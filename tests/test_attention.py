@@ -324,3 +324,28 @@ def test_context_parallel_chunks_are_megatrons_load_balanced_layout():
         cpar.local_positions(10, 3, 0)
     with pytest.raises(ValueError, match="outside"):
         cpar.local_positions(8, 2, 2)
+
+
+def test_context_parallel_packed_layout_is_per_sequence():
+    """A packed row (sequences of multiples of 2 CP): rank r holds chunks r and 2 CP - 1 - r of
+    every sequence, sequences in order (Transformer Engine's THD layout,
+    ``thd_get_partitioned_indices``); one sequence of the whole width is the padded layout; the
+    ranks' slices put back in packed order give the row again."""
+    from mcore_rl.megatron import context_parallel as cpar
+
+    cu = torch.tensor([0, 8, 12, 24], dtype=torch.int32)
+    assert cpar.local_positions(24, 2, 0, cu_seqlens=cu).tolist() == \
+        [0, 1, 6, 7, 8, 11, 12, 13, 14, 21, 22, 23]
+    assert cpar.local_positions(24, 2, 1, cu_seqlens=cu).tolist() == \
+        [2, 3, 4, 5, 9, 10, 15, 16, 17, 18, 19, 20]
+    for cp, width in ((2, 8), (3, 12), (4, 24)):
+        whole = torch.tensor([0, width], dtype=torch.int32)
+        assert all(torch.equal(cpar.local_positions(width, cp, r, cu_seqlens=whole),
+                               cpar.local_positions(width, cp, r)) for r in range(cp))
+    cu3 = torch.tensor([0, 6, 12, 30, 36], dtype=torch.int32)
+    x = torch.arange(2 * 36 * 2).view(2, 36, 2)
+    parts = [cpar.split(x, 1, 3, r, cu3) for r in range(3)]
+    assert all(p.shape == (2, 12, 2) for p in parts)
+    assert torch.equal(cpar._unshuffle(torch.cat(parts, dim=1), 1, 3, cu3), x)
+    with pytest.raises(ValueError, match=r"packed sequences \[6, 6\] .* not each a multiple"):
+        cpar.local_positions(12, 2, 0, cu_seqlens=torch.tensor([0, 6, 12], dtype=torch.int32))

@@ -362,6 +362,34 @@ def test_planned_micro_batch_tokens_are_the_workers(packing, budget):
 
 
 
+def test_planned_packed_tokens_count_the_padding_to_2cp():
+    """Packed with CP = 2, every row is padded to a multiple of 4: rows of 301 tokens run as
+    304 (:func:`memory.micro_batch_tokens` against the workers' packed micro-batches: the same
+    without a budget, its bound with one)."""
+    import torch
+
+    from mcore_rl.data.packing import make_packed_microbatches
+
+    seq, rows, mbs = 301, 12, 4
+    cp = dataclasses.replace(load_config("grpo_synthetic").policy.megatron, layer_spec="torch",
+                             context_parallel_size=2, cp_comm_type="all_gather")
+    batch = {"input_ids": torch.ones(rows, seq, dtype=torch.long),
+             "input_lengths": torch.full((rows,), seq)}
+    for budget in (None, 1000):
+        cfg = load_config("grpo_synthetic", [
+            "policy.sequence_packing=true", "policy.megatron.layer_spec=torch",
+            f"policy.max_tokens_per_microbatch={budget or 'null'}"])
+        parts = make_packed_microbatches(batch, budget or mbs * 304, width_multiple=4,
+                                         sequence_multiple=4)
+        real = max(p["packed_input_ids"].numel() for p in parts)
+        planned = memory.micro_batch_tokens(cfg, mbs, rows, seq, cp)
+        if budget:  # 3 padded rows fill the budget to within one row
+            assert real == 3 * 304 <= planned == budget < real + 304
+        else:
+            assert planned == real == mbs * 304
+        assert memory.micro_batch_tokens(cfg, mbs, rows, seq) == (budget or mbs * seq)
+
+
 def test_context_parallel_divides_a_ranks_activations_and_logits():
     """CP = 2: a rank's activations are those of half the positions plus the other half's
     all-gathered keys and values; its logits half; DP counts workers / (TP x CP x PP)."""

@@ -6,6 +6,9 @@ targets, the padding fraction. Attention: ``varlen_causal_attention`` (CPU path)
 run on each sequence alone, with GQA. Model level (fp32, CPU, gloo): a tiny Llama on the
 ``torch`` spec, packed (Megatron ``PackedSeqParams``, its THD RoPE) vs padded logits of
 sequences of different lengths in one micro-batch, and their gradients, at TP=1 and TP=2.
+Workers: packed against padded policy and critic steps at DP=2 and TP=2. Context parallelism:
+each sequence padded to 2 CP (pack / unpack), RoPE on each CP rank against Megatron-Core's, and
+packed policy and critic steps at CP=2 against CP=1, padded and packed.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ def test_config_refuses_packing_where_it_cannot_run(overrides, needle):
     cfg = load_config("grpo_synthetic", ["policy.sequence_packing=true",
                                          "policy.megatron.layer_spec=torch"])
     assert cfg.policy.sequence_packing
+    cfg = load_config("grpo_synthetic", ["policy.sequence_packing=true", "cluster.num_workers=2",
+                                         "policy.megatron.layer_spec=torch",
+                                         "policy.megatron.context_parallel_size=2",
+                                         "policy.megatron.cp_comm_type=all_gather"])
+    assert cfg.policy.sequence_packing and cfg.policy.megatron.context_parallel_size == 2
 
 
 def test_pack_unpack_roundtrip_and_targets():
@@ -73,6 +81,39 @@ def test_pack_unpack_roundtrip_and_targets():
     shifted = unpack(torch.arange(16.0)[None], mb["cu_seqlens"], 12, shift=1)
     assert shifted[1, :5].tolist() == [0.0, 10.0, 11.0, 12.0, 0.0]
     assert padding_fraction(16, 15) == pytest.approx(1 / 16) and padding_fraction(0, 0) == 0.0
+
+
+def test_pack_pads_each_sequence_for_context_parallelism():
+    """``sequence_multiple`` (2 CP): each sequence padded right after its tokens, the padding
+    part of its span in ``cu_seqlens`` and its positions; the packed length a multiple of
+    both multiples; unpack with the rows' lengths gives the rows back; the token budget counts
+    each row with its padding."""
+    from mcore_rl.data.packing import make_packed_microbatches
+
+    batch = _batch(LENGTHS)  # 10, 7, 4, 9, 1
+    mb = pack(batch, [0, 1, 4], width_multiple=8, sequence_multiple=4)
+    assert mb["cu_seqlens"].tolist() == [0, 12, 20, 24]  # 10 -> 12, 7 -> 8, 1 -> 4
+    ids = mb["input_ids"][0]
+    assert torch.equal(ids[:10], batch["input_ids"][0, :10]) and (ids[10:12] == 0).all()
+    assert torch.equal(ids[12:19], batch["input_ids"][1, :7]) and ids[19] == 0
+    assert ids[20] == batch["input_ids"][4, 0] and (ids[21:] == 0).all()
+    assert mb["position_ids"][0].tolist() == list(range(12)) + list(range(8)) + list(range(4))
+    lengths = batch["input_lengths"][[0, 1, 4]]
+    back = unpack(mb["input_ids"], mb["cu_seqlens"], 12, num_rows=3, lengths=lengths)
+    assert torch.equal(back, batch["input_ids"][[0, 1, 4]])
+    shifted = unpack(torch.arange(24.0)[None], mb["cu_seqlens"], 12, shift=1, lengths=lengths)
+    assert shifted[1].tolist() == [0.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0] + [0.0] * 5
+    assert pack(batch, [3], width_multiple=8, sequence_multiple=4)["cu_seqlens"].tolist() == \
+        [0, 12, 16]  # 9 -> 12, then a tail of 4 to the multiple of 8
+    mbs = make_packed_microbatches(batch, 16, width_multiple=4, sequence_multiple=4)
+    assert sorted(int(i) for m in mbs for i in m["row_index"]) == list(range(5))
+    for m in mbs:  # the budget holds the padded spans: 12 + 4, 8 + 4 + ...
+        spans = (m["cu_seqlens"][1:] - m["cu_seqlens"][:-1]).tolist()
+        assert all(s % 4 == 0 for s in spans) and sum(spans) <= 16
+        assert int(m["max_seqlen"]) == max(spans)
+        assert torch.equal(unpack(m["packed_input_ids"], m["cu_seqlens"], m["input_ids"].shape[1],
+                                  num_rows=len(m["row_index"]), lengths=m["input_lengths"]),
+                           m["input_ids"])
 
 
 def test_unpack_equals_a_per_sequence_copy():
@@ -132,6 +173,50 @@ def test_packed_rope_matches_megatron_per_sequence_rope(interleaved):
         (ga,) = torch.autograd.grad(ref, t, g)
         (gb,) = torch.autograd.grad(got, t, g)
         torch.testing.assert_close(gb, ga, rtol=0, atol=1e-6)
+
+
+class _Rank:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_packed_rope_matches_megatron_on_each_context_parallel_rank(cp):
+    """With context parallelism, packed_rope (this rank's positions in one gather) equals
+    Megatron-Core's THD RoPE on each CP rank (which slices chunks r and 2 CP - 1 - r of the
+    frequencies sequence by sequence, ``_get_thd_freqs_on_this_cp_rank``): it pins the layout
+    of :mod:`mcore_rl.megatron.context_parallel` to Megatron's; the rank's tokens rotated by the
+    positions they hold in the whole packed row."""
+    from mcore_rl.megatron import context_parallel as cpar
+    from mcore_rl.megatron.rope import megatron_function, packed_rope
+
+    inv = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+    angles = torch.outer(torch.arange(32).float(), inv)  # per-sequence frequencies (no packed
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # row is 32 tokens long)
+    original = megatron_function("_apply_rotary_pos_emb_thd")
+    torch.manual_seed(0)
+    m = 2 * cp
+    for spans in ([2 * m, m, 4 * m], [m, 3 * m]):
+        cu = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()], dtype=torch.int32)
+        whole = torch.randn(int(cu[-1]), 3, 8)
+        full = original(whole, cu, freqs, cp_group=_OneRankGroup())
+        for rank in range(cp):
+            t = cpar.split(whole, 0, cp, rank, cu).requires_grad_(True)
+            kw = dict(cp_group=_Rank(cp, rank))
+            ref = original(t, cu, freqs, **kw)
+            got = packed_rope(original, t, cu, freqs, **kw)
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+            torch.testing.assert_close(got, cpar.split(full, 0, cp, rank, cu), rtol=0, atol=1e-6)
+            g = torch.randn_like(ref)
+            (ga,) = torch.autograd.grad(ref, t, g)
+            (gb,) = torch.autograd.grad(got, t, g)
+            torch.testing.assert_close(gb, ga, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -354,3 +439,126 @@ def test_packed_workers_match_padded(worker_results, layout):
         assert m["values_diff"] < 1e-5 and m["values_first_zero"], m
         pad_frac, packed_frac = m["padding_fraction"]
         assert packed_frac == 0.0 and 0.1 < pad_frac < 0.9, m  # no TP rounding without SP
+
+
+# ------------------------------------------------ context parallelism: packed CP=2 vs CP=1
+# Uneven rows: 3, 1 and 2 tokens are shorter than 2 CP = 4; 13, 9, 6 and 11 are padded to a
+# multiple of 4; 16 needs no padding.
+CP_LENGTHS = [13, 3, 9, 1, 16, 6, 2, 11]
+CP_BUDGET = 24  # tokens of a packed micro-batch: several sequences each, padding included
+CP_TORCH = dict(context_parallel_size=2, cp_comm_type="all_gather")  # the torch spec: _cp_worker
+
+
+def _cp_rows() -> dict:
+    """Right-padded rows of :data:`CP_LENGTHS` with a loss's inputs: response tokens after a
+    prompt of a third of the row (at least one token), advantages, old logprobs near
+    log(1/V) (clipped and unclipped ratios both occur) and returns for the critic."""
+    import math
+
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.tensor(CP_LENGTHS)
+    width = int(lengths.max())
+    cols = torch.arange(width)[None]
+    prompt = (lengths // 3).clamp(min=1)
+    valid = cols < lengths[:, None]
+    mask = (valid & (cols >= prompt[:, None])).float()
+    ids = torch.randint(1, WORKER_VOCAB, (len(CP_LENGTHS), width), generator=g) * valid
+    return {"input_ids": ids, "input_lengths": lengths, "prompt_lengths": prompt,
+            "token_mask": mask, "sample_mask": torch.ones(len(CP_LENGTHS)),
+            "advantages": torch.randn(len(CP_LENGTHS), 1, generator=g) * mask,
+            "prev_logprobs": (-math.log(WORKER_VOCAB) + 0.3 * torch.randn(mask.shape, generator=g))
+            * mask,
+            "returns": torch.randn(mask.shape, generator=g) * mask,
+            "prev_values": 0.1 * torch.randn(mask.shape, generator=g) * mask}
+
+
+def _cp_worker(kind: str, packed: bool, **megatron):
+    from dist_utils import _WORLD
+
+    from mcore_rl.config.schema import MegatronConfig, ModelArchConfig, OptimizerConfig
+    from mcore_rl.megatron.conversion import arch_to_hf_config
+    from mcore_rl.workers.policy import PolicyWorker
+    from mcore_rl.workers.value import ValueWorker
+
+    arch = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=32, num_attention_heads=4,
+                           num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=64,
+                           qkv_bias=True, tie_word_embeddings=False, vocab_size=WORKER_VOCAB)
+    cls, extra = (PolicyWorker, {"temperature": 0.8}) if kind == "policy" else (ValueWorker, {})
+    return cls(hf_path=None, hf_config=arch_to_hf_config(arch, WORKER_VOCAB).to_dict(),
+               vocab_size=WORKER_VOCAB, arch=arch,
+               megatron=MegatronConfig(layer_spec="torch", **megatron),
+               optimizer=OptimizerConfig(name="sgd", lr=0.1, clip_grad=0.0),
+               rank=_WORLD["rank"], world_size=_WORLD["world_size"], master_addr="127.0.0.1",
+               master_port=_WORLD["port"], device="cpu", seed=7, total_optimizer_steps=10,
+               global_batch_size=len(CP_LENGTHS), sequence_packing=packed,
+               max_tokens_per_microbatch=CP_BUDGET if packed else None, **extra)
+
+
+def _cp_step(kind: str, packed: bool, batch: dict, **megatron) -> dict:
+    """Per-token outputs of ``batch`` (this DP rank's rows), then one training step on them:
+    the outputs, the step's loss and grad norm, and the weights after it."""
+    from mcore_rl.algorithms.losses import ClippedPGLoss, ClippedValueLoss
+    from mcore_rl.config.schema import LossConfig, ValueLossConfig
+
+    w = _cp_worker(kind, packed, **megatron)
+    if kind == "policy":
+        per_token = w.get_logprobs(batch, 2)
+        loss = ClippedPGLoss(LossConfig(kl_coef=0.0))
+    else:
+        per_token = w.get_values(batch, 2)
+        loss = ClippedValueLoss(ValueLossConfig(cliprange=0.05, coef=1.0))
+    m = w.train(batch, loss, len(CP_LENGTHS), 2)
+    return {"per_token": per_token, "loss": m["loss"], "grad_norm": m["grad_norm"],
+            "padding_fraction": m["padding_fraction"],
+            "weights": {n: p.detach().clone() for n, p in w.model[0].named_parameters()}}
+
+
+def _cp_checks() -> dict:
+    """On 2 gloo processes: padded and packed at CP=1 (DP=2, each rank half the rows), then
+    packed at CP=2 (DP=1, every row), for the policy and the critic."""
+    from mcore_rl.data import batch as B
+
+    batch = _cp_rows()
+    rank = torch.distributed.get_rank()
+    out = {}
+    for kind in ("policy", "value"):
+        use_layout()
+        shard = B.shard(batch, 2)[rank]
+        out[f"{kind}_padded_cp1"] = _cp_step(kind, False, shard)
+        out[f"{kind}_packed_cp1"] = _cp_step(kind, True, shard)
+        use_layout(context_parallel_size=2)
+        out[f"{kind}_packed_cp2"] = _cp_step(kind, True, batch, **CP_TORCH)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp_results():
+    return run_distributed(_cp_checks, 2)
+
+
+@pytest.mark.parametrize("kind", ["policy", "value"])
+@pytest.mark.parametrize("reference", ["padded_cp1", "packed_cp1"])
+def test_packed_context_parallel_matches_cp1(cp_results, kind, reference):
+    """Packed micro-batches at CP = 2 (every sequence padded to a multiple of 4 and split into
+    4 chunks, rank r holding chunks r and 3 - r of each; keys and values all-gathered,
+    attention within each sequence; the logprobs / values gathered back to packed order)
+    against CP = 1, padded and packed, on the same weights and rows of uneven lengths: per-token
+    logprobs (values), loss, grad norm and the weights after one SGD step agree to fp32
+    round-off (bounds: 1e-5 relative, weights 1e-6 absolute; measured ~1e-7)."""
+    from mcore_rl.controller.parity import relative_diff
+
+    batch = _cp_rows()
+    ranks = [r[f"{kind}_{reference}"] for r in cp_results]
+    ref_tokens = torch.cat([r["per_token"] for r in ranks])  # the DP shards, in row order
+    for r in cp_results:
+        got = r[f"{kind}_packed_cp2"]
+        assert got["per_token"].shape == ref_tokens.shape == batch["input_ids"].shape
+        assert relative_diff(got["per_token"], ref_tokens) < 1e-5
+        assert relative_diff(got["loss"], ranks[0]["loss"]) < 1e-5
+        assert relative_diff(got["grad_norm"], ranks[0]["grad_norm"]) < 1e-5
+        assert ranks[0]["grad_norm"] > 1e-3 and abs(ranks[0]["loss"]) > 1e-4
+        assert max((got["weights"][n] - w).abs().max().item()
+                   for n, w in ranks[0]["weights"].items()) < 1e-6
+        valid = torch.arange(batch["input_ids"].shape[1])[None] < batch["input_lengths"][:, None]
+        assert bool((got["per_token"][valid & (torch.arange(valid.shape[1]) > 0)] != 0).all())
+        assert got["padding_fraction"] > 0  # the per-sequence padding to 2 CP is counted

@@ -181,12 +181,20 @@ def transformer_engine_shape_errors(arch: ModelArchConfig, megatron: MegatronCon
     return errors
 
 
+def packed_sequence_multiple(megatron: MegatronConfig) -> int:
+    """What every sequence of a packed micro-batch of a Megatron worker with layout ``megatron``
+    is padded to a multiple of: ``2 CP`` with context parallelism (each CP rank holds two chunks
+    of 1/(2 CP) of every sequence), else 1 (no padding)."""
+    cp = max(1, megatron.context_parallel_size)
+    return 2 * cp if cp > 1 else 1
+
+
 def microbatch_width_multiple(megatron: MegatronConfig) -> int:
     """What every micro-batch width (and packed length) of a Megatron worker with layout
     ``megatron`` is a multiple of: TP under sequence parallelism (Megatron splits the sequence
     over TP), x 2 CP with context parallelism (each CP rank holds two chunks of 1/(2 CP) for
-    causal load balance), x 8 with FP8 (Transformer Engine's FP8 matrix multiplies need a
-    multiple of 8 tokens on each rank). Sizes below 1 count as 1."""
-    tp, cp = max(1, megatron.tensor_model_parallel_size), max(1, megatron.context_parallel_size)
-    return ((tp if megatron.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+    causal load balance: :func:`packed_sequence_multiple`), x 8 with FP8 (Transformer Engine's
+    FP8 matrix multiplies need a multiple of 8 tokens on each rank). Sizes below 1 count as 1."""
+    tp = max(1, megatron.tensor_model_parallel_size)
+    return ((tp if megatron.sequence_parallel else 1) * packed_sequence_multiple(megatron)
             * (8 if megatron.fp8 is not None else 1))

@@ -170,7 +170,7 @@ def transformer_engine_errors(cfg: TrainConfig, section: str) -> List[str]:
     be installed (:func:`transformer_engine_missing`), else nothing more is said about the device
     (one line for the usual mistake); TE runs on a GPU only; FP8 runs in bf16 and, with the
     ``delayed`` recipe, uncompiled (TE refuses it under torch.compile); packed sequences with CP
-    are not split yet. Which GPU runs which FP8 recipe is known only where the GPU is: at the
+    need the ``torch`` spec. Which GPU runs which FP8 recipe is known only where the GPU is: at the
     run's start (:func:`mcore_rl.megatron.te.runtime_errors`)."""
     mg, key, device = getattr(cfg, section).megatron, f"{section}.megatron", cfg.cluster.device
     cp = mg.context_parallel_size
@@ -209,10 +209,11 @@ def context_parallel_errors(cfg: TrainConfig, section: str) -> List[str]:
     empty for CP = 1. CP needs the ``torch`` layer spec (its attention all-gathers keys and
     values: :mod:`mcore_rl.megatron.context_parallel`, so ``cp_comm_type=all_gather``) or the
     ``transformer_engine`` one (TE's attention; refused at the run's start until verified:
-    :func:`mcore_rl.megatron.te.runtime_errors`); not the ``local`` one. Not built yet: packed
-    sequences (each would need padding to 2 CP), mixture-of-experts models (the router's
-    padding mask and losses are not split), and the sections other than ``policy`` and
-    ``value`` (a reward model's or a judge's CP is not tested)."""
+    :func:`mcore_rl.megatron.te.runtime_errors`); not the ``local`` one. Packed sequences run
+    on the ``torch`` spec (each padded to 2 CP: :mod:`mcore_rl.data.packing`), not on the TE
+    one. Not built yet: mixture-of-experts models (the router's padding mask and losses are
+    not split), and the sections other than ``policy`` and ``value`` (a reward model's or a
+    judge's CP is not tested)."""
     mg, key = getattr(cfg, section).megatron, f"{section}.megatron"
     cp = mg.context_parallel_size
     if cp <= 1:
@@ -229,10 +230,11 @@ def context_parallel_errors(cfg: TrainConfig, section: str) -> List[str]:
         errors.append(f"{key}.context_parallel_size={cp} with {key}.layer_spec=torch needs "
                       f"{key}.cp_comm_type=all_gather (got {mg.cp_comm_type}): the torch spec's "
                       f"attention all-gathers keys and values")
-    if getattr(getattr(cfg, section), "sequence_packing", False):
-        errors.append(f"{section}.sequence_packing cannot run with {key}.context_parallel_size > 1 "
-                      f"(got {cp}) yet: each packed sequence would need padding to a multiple of "
-                      f"2 x CP")
+    if getattr(getattr(cfg, section), "sequence_packing", False) \
+            and mg.layer_spec == "transformer_engine":
+        errors.append(f"{section}.sequence_packing with {key}.context_parallel_size={cp} needs "
+                      f"{key}.layer_spec=torch (got transformer_engine: Transformer Engine's "
+                      f"context-parallel attention on packed sequences is not verified yet)")
     if getattr(cfg.model.arch, "num_experts", None) is not None and mg.layer_spec == "torch":
         errors.append(f"{key}.context_parallel_size > 1 (got {cp}) does not support "
                       f"mixture-of-experts models yet (model.arch.num_experts is "

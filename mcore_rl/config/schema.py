@@ -218,7 +218,8 @@ class MegatronConfig:
     # the micro-batch width per rank, attention passing keys and values between them); needs
     # layer_spec=torch with cp_comm_type=all_gather, or layer_spec=transformer_engine (refused at
     # a run's start until TE's CP attention is verified, issue 34); TP x CP x PP divides
-    # cluster.num_workers; policy and value only, no sequence packing, no MoE.
+    # cluster.num_workers; policy and value only, no MoE; with sequence_packing (torch spec only)
+    # every packed sequence is padded to a multiple of 2 CP and split the same way.
     context_parallel_size: int = bounded(1, ge=1)
     # With CP > 1, how attention exchanges keys and values (Megatron's cp_comm_type): "p2p" (a ring
     # of sends overlapped with compute), "all_gather", "a2a" (all-to-all over heads: attention
@@ -311,7 +312,8 @@ class PolicyConfig:
     max_tokens_per_microbatch: Optional[int] = bounded(None, ge=1)
     # Pack sequences (THD: tokens concatenated, attention within each sequence, no padding) in
     # training and logprob passes. Needs PP=1, a dense model, layer_spec torch or
-    # transformer_engine; micro-batch counts are equalized over DP ranks.
+    # transformer_engine (torch with context_parallel_size > 1: each sequence padded to a
+    # multiple of 2 CP); micro-batch counts are equalized over DP ranks.
     sequence_packing: bool = False
 
 

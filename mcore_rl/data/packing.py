@@ -16,11 +16,19 @@ number of micro-batches on every rank, and the DP gradient all-reduce is collect
 Per-sequence shifts: next-token targets and logprobs never cross a sequence boundary
 (:func:`packed_targets`); the first token of every sequence gets logprob 0 / value 0 after
 :func:`unpack`, as in the padded layout.
+
+Context parallelism (CP > 1): every sequence is padded to a multiple of ``2 CP``
+(``sequence_multiple``), its padding right after its tokens and counted as part of it in
+``cu_seqlens`` (Transformer Engine's ``cu_seqlens_padded``; causal attention never lets a valid
+token see the padding after it), so each CP rank can hold two chunks of every sequence
+(:mod:`mcore_rl.megatron.context_parallel`); :func:`unpack` keeps each sequence's valid tokens
+(``lengths``).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import math
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -83,7 +91,8 @@ def packed_groups(lengths: Sequence[int] | torch.Tensor, max_tokens: int,
     return bins
 
 
-def pack(batch: Batch, rows: Sequence[int], width_multiple: int = 1) -> Batch:
+def pack(batch: Batch, rows: Sequence[int], width_multiple: int = 1,
+         sequence_multiple: int = 1) -> Batch:
     """Concatenate the valid tokens of ``rows`` of a right-padded batch into one packed row.
 
     Args:
@@ -92,31 +101,38 @@ def pack(batch: Batch, rows: Sequence[int], width_multiple: int = 1) -> Batch:
             (kept as ``[n]``, in ``rows`` order).
         rows: the rows to pack, in order.
         width_multiple: the packed length is rounded up to it with zero tokens.
+        sequence_multiple: each sequence is padded to a multiple of it with zero tokens right
+            after its own (context parallelism: ``2 CP``); the packed length is then rounded
+            up to a multiple of both.
 
     Returns:
         a micro-batch: per-token tensors ``[1, T]`` (padding zeros), per-row tensors ``[n]``,
         plus ``cu_seqlens`` int32, ``[n + 1]``, or ``[n + 2]`` when a padding tail exists (the
-        tail is one more sequence: Megatron's THD RoPE splits the whole tensor by it), and ``position_ids [1, T]`` int64 (restart at 0 in
-        every sequence; the padding tail counts from 0 too).
+        tail is one more sequence: Megatron's THD RoPE splits the whole tensor by it), each
+        sequence with its own padding, and ``position_ids [1, T]`` int64 (restart at 0 in
+        every sequence and count on through its padding; the padding tail counts from 0 too).
     """
     lengths = batch["input_lengths"]
     S = batch["input_ids"].shape[1]
     lens = [int(lengths[r]) for r in rows]
-    total = sum(lens)
-    T = _round_up(max(total, 1), width_multiple)
+    spans = [_round_up(l, sequence_multiple) for l in lens]
+    total = sum(spans)
+    T = _round_up(max(total, 1), math.lcm(width_multiple, sequence_multiple))
     out: Batch = {}
     for k, v in batch.items():
         if v.dim() >= 2 and v.shape[1] == S:
-            parts = [v[r, :l] for r, l in zip(rows, lens)]
+            parts = []
+            for r, l, p in zip(rows, lens, spans):
+                parts += [v[r, :l]] + ([v.new_zeros((p - l, *v.shape[2:]))] if p > l else [])
             pad = v.new_zeros((T - total, *v.shape[2:]))
             out[k] = torch.cat(parts + [pad])[None]
         else:
             out[k] = v[list(rows)]
-    seqs = lens + ([T - total] if T > total else [])
+    seqs = spans + ([T - total] if T > total else [])
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(seqs, dtype=torch.int32).cumsum(0)
     out["cu_seqlens"] = cu
-    out["position_ids"] = torch.cat([torch.arange(l) for l in lens] + [torch.arange(T - total)])[None]
+    out["position_ids"] = torch.cat([torch.arange(l) for l in seqs])[None]
     return out
 
 
@@ -138,7 +154,7 @@ def packed_targets(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.T
 
 
 def unpack(values: torch.Tensor, cu_seqlens: torch.Tensor, width: int, shift: int = 0,
-           num_rows: int | None = None) -> torch.Tensor:
+           num_rows: int | None = None, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token values of a packed row back to right-padded rows.
 
     Args:
@@ -150,6 +166,9 @@ def unpack(values: torch.Tensor, cu_seqlens: torch.Tensor, width: int, shift: in
             logprob of token ``j`` is computed at position ``j - 1``; 0 to keep positions.
         num_rows: sequences to return (the first ``num_rows`` of ``cu_seqlens``; default all:
             pass the row count to drop a padding tail).
+        lengths: ``[>= num_rows]`` the valid tokens of each sequence (``<= width``), when its
+            span in ``cu_seqlens`` also holds padding (``pack``'s ``sequence_multiple``);
+            default: the whole span.
 
     Returns:
         ``[num_rows, width, ...]`` with zeros past each sequence (and at position 0 when shifted).
@@ -164,7 +183,9 @@ def unpack(values: torch.Tensor, cu_seqlens: torch.Tensor, width: int, shift: in
     idx = torch.arange(values.shape[0], device=values.device)
     doc = torch.searchsorted(cu[1:], idx, right=True).clamp_(max=max(n - 1, 0))
     col = idx - cu[doc] + shift
-    col = torch.where((col < cu[doc + 1] - cu[doc]) & (idx < cu[-1]), col, width)
+    valid = cu[1:] - cu[:-1] if lengths is None else \
+        lengths[:n].to(device=values.device, dtype=torch.long)
+    col = torch.where((col < valid[doc]) & (idx < cu[-1]), col, width) if n else col
     out = values.new_zeros((n, width + 1, *values.shape[1:]))
     if n:
         out[doc, col] = values
@@ -184,7 +205,7 @@ MAX_SEQLEN = "max_seqlen"  # a 0-d CPU tensor: stays on the host
 
 
 def make_packed_microbatches(batch: Batch, max_tokens: int, width_multiple: int = 1,
-                             min_count: int = 1) -> List[Batch]:
+                             min_count: int = 1, sequence_multiple: int = 1) -> List[Batch]:
     """Cut ``batch`` into packed micro-batches (:func:`packed_groups`), each carrying both
     layouts: the model runs on the packed row, the loss reads the usual right-padded rows.
 
@@ -192,16 +213,19 @@ def make_packed_microbatches(batch: Batch, max_tokens: int, width_multiple: int 
         batch: right-padded rows (``input_ids [B, S]``, ``input_lengths [B]``, any other
             ``[B, ...]`` tensors).
         max_tokens: token budget of one packed micro-batch (before rounding to
-            ``width_multiple``).
+            ``width_multiple``), each row counted with its padding to ``sequence_multiple``.
         width_multiple: packed lengths are rounded up to it (TP under sequence parallelism).
         min_count: at least this many micro-batches (the largest count over DP ranks); when
             the rows cannot be split further, micro-batches of one masked padding row are added.
+        sequence_multiple: every sequence padded to a multiple of it (:func:`pack`; context
+            parallelism: ``2 CP``).
 
     Returns:
         micro-batches with the padded rows of the group (each cut to its own longest row,
         ``row_index`` added: -1 for padding rows) plus ``packed_input_ids [1, T]``,
         ``packed_position_ids [1, T]``, ``cu_seqlens`` (:func:`pack`; T a multiple of
-        ``width_multiple``) and ``max_seqlen`` (0-d, its longest sequence, kept on the host).
+        ``width_multiple`` and ``sequence_multiple``) and ``max_seqlen`` (0-d, its longest
+        sequence with its padding, kept on the host).
 
     Raises:
         ValueError: as :func:`packed_groups`.
@@ -209,22 +233,24 @@ def make_packed_microbatches(batch: Batch, max_tokens: int, width_multiple: int 
     lengths = batch["input_lengths"]
     n = lengths.numel()
     batch = dict(batch, **{ROW_INDEX: torch.arange(n)})
+    spans = [_round_up(int(x), sequence_multiple) for x in lengths.tolist()]
     out = []
-    for g in packed_groups(lengths, max_tokens, min_groups=min_count):
+    for g in packed_groups(spans, max_tokens, min_groups=min_count):
         mb = select(batch, g)
         mb = _with_width(mb, int(mb["input_lengths"].max()))
         packed = pack({"input_ids": mb["input_ids"], "input_lengths": mb["input_lengths"]},
-                      range(len(g)), width_multiple)
+                      range(len(g)), width_multiple, sequence_multiple)
         mb[PACKED_IDS], mb[PACKED_POSITIONS] = packed["input_ids"], packed["position_ids"]
         mb[CU_SEQLENS] = packed["cu_seqlens"]
         mb[MAX_SEQLEN] = (packed["cu_seqlens"][1:] - packed["cu_seqlens"][:-1]).max()
         out.append(mb)
+    width = math.lcm(width_multiple, sequence_multiple)
     while len(out) < min_count:
         mb = _padding_rows({k: v for k, v in batch.items() if k != ROW_INDEX}, 1, 1)
-        mb[PACKED_IDS] = torch.zeros(1, width_multiple, dtype=torch.long)
-        mb[PACKED_POSITIONS] = torch.arange(width_multiple)[None]
-        mb[CU_SEQLENS] = torch.tensor([0, width_multiple], dtype=torch.int32)
-        mb[MAX_SEQLEN] = torch.tensor(width_multiple)
+        mb[PACKED_IDS] = torch.zeros(1, width, dtype=torch.long)
+        mb[PACKED_POSITIONS] = torch.arange(width)[None]
+        mb[CU_SEQLENS] = torch.tensor([0, width], dtype=torch.int32)
+        mb[MAX_SEQLEN] = torch.tensor(width)
         out.append(mb)
     return out
 

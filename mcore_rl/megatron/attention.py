@@ -85,7 +85,9 @@ class TorchSDPAttention(DotProductAttention):
     Context parallelism (``config.context_parallel_size`` CP > 1): each rank holds two chunks of
     the sequence (Megatron's load-balanced layout) and attends them to the keys and values of
     every CP rank, all-gathered (Transformer Engine's ``cp_comm_type=all_gather`` method;
-    :func:`mcore_rl.megatron.context_parallel.attention`); causal and unpacked only.
+    :func:`mcore_rl.megatron.context_parallel.attention`), causal; packed micro-batches hold
+    those two chunks of every sequence and attend within each sequence
+    (:meth:`_context_parallel_packed`).
 
     Raises:
         ValueError: (at construction) a configuration SDPA does not reproduce here: sliding
@@ -153,15 +155,14 @@ class TorchSDPAttention(DotProductAttention):
             raise ValueError("TorchSDPAttention does not support attention_bias; use "
                              "megatron.layer_spec=transformer_engine")
         if packed_seq_params is not None:
-            if self.config.context_parallel_size > 1:
-                raise ValueError("TorchSDPAttention: packed sequences with context_parallel_size "
-                                 "> 1 are not supported")
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError("TorchSDPAttention: packed_seq_params needs qkv_format='thd', "
                                  f"got {packed_seq_params.qkv_format!r}")
             if self.attention_dropout.p > 0.0 and self.training:
                 raise ValueError("TorchSDPAttention: packed sequences do not support "
                                  "attention dropout")
+            if self.config.context_parallel_size > 1:
+                return self._context_parallel_packed(query, key, value, packed_seq_params)
             return varlen_causal_attention(query, key, value, packed_seq_params,
                                            self.softmax_scale)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
@@ -236,6 +237,22 @@ class TorchSDPAttention(DotProductAttention):
                                              dropout_p=dropout)
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
+    def _context_parallel_packed(self, query, key, value, packed_seq_params) -> torch.Tensor:
+        """Attention within each sequence of a packed micro-batch split over the CP ranks
+        (``query`` ``[t, np, hn]``: this rank's two chunks of every sequence, :func:`mcore_rl.
+        megatron.context_parallel.local_positions`): keys and values all-gathered into packed
+        order (:func:`~mcore_rl.megatron.context_parallel.gather_sequence`, backward: summed
+        back to their rank), each query attending causally to the keys of its own sequence
+        (:func:`document_attention` at its packed position). Returns ``[t, np * hn]``."""
+        group = self._cp_group()
+        cp_size, rank = group.size(), group.rank()
+        cu = _packed_cu_seqlens(packed_seq_params)
+        total = query.shape[0] * cp_size
+        k_all, v_all = (context_parallel.gather_sequence(t, group, cu) for t in (key, value))
+        positions = context_parallel.local_positions(total, cp_size, rank, query.device, cu)
+        return document_attention(query, k_all, v_all, cu, self.softmax_scale,
+                                  packed_seq_params, query_positions=positions)
+
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Sequence index of each token of a packed micro-batch.
@@ -297,11 +314,7 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     (a block-diagonal causal "document" mask); the tail past ``cu_seqlens_q[-1]`` (padding to a
     TP multiple) only attends within itself. On CUDA in bf16/fp16: torch's own varlen
     FlashAttention (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10) when present; else
-    FlexAttention (``torch.nn.attention.
-    flex_attention``, compiled; Dong et al. 2024, arXiv:2412.05496) with a block mask built once
-    per micro-batch and cached on ``packed_seq_params`` (every layer reuses it), GQA without
-    repeating KV heads. Elsewhere: SDPA with the dense ``[t, t]`` boolean mask (KV heads
-    repeated), fine for CPU tests.
+    :func:`document_attention` (FlexAttention on CUDA, SDPA with a dense mask elsewhere).
 
     Args:
         query: ``[t, np, hn]``; key, value: ``[t, ng, hn]`` (``np % ng == 0``).
@@ -314,9 +327,7 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         ``[t, np * hn]`` in the dtype of ``query``.
     """
     t, np_, hn = query.shape
-    cu = packed_seq_params.cu_seqlens_q_padded
-    if cu is None:
-        cu = packed_seq_params.cu_seqlens_q
+    cu = _packed_cu_seqlens(packed_seq_params)
     varlen = _torch_varlen() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) \
         else None
     if varlen is not None:
@@ -338,30 +349,73 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         out = varlen_attn(query.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest,
                           longest, scale=scale, **causal, **extra)
         return out.reshape(t, np_ * hn)
+    return document_attention(query, key, value, cu, scale, packed_seq_params)
+
+
+def _packed_cu_seqlens(packed_seq_params) -> torch.Tensor:
+    """The sequence starts attention and RoPE read: ``cu_seqlens_q_padded`` when set, else
+    ``cu_seqlens_q`` (Megatron's rule)."""
+    cu = packed_seq_params.cu_seqlens_q_padded
+    return packed_seq_params.cu_seqlens_q if cu is None else cu
+
+
+def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       cu_seqlens: torch.Tensor, scale: float, packed_seq_params,
+                       query_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of packed queries to the packed keys of their own sequence, causally:
+    query ``i`` (packed position ``p_i``) attends to key ``j`` when both are in the same
+    sequence of ``cu_seqlens`` and ``j <= p_i``.
+
+    On CUDA: FlexAttention (``torch.nn.attention.flex_attention``, compiled; Dong et al. 2024,
+    arXiv:2412.05496) with a block mask built once per micro-batch and cached on
+    ``packed_seq_params`` (every layer reuses it), GQA without repeating KV heads. Elsewhere:
+    SDPA with the dense ``[tq, tk]`` boolean mask (KV heads repeated), fine for CPU tests. No
+    query row is fully masked: each sees its own key.
+
+    Args:
+        query: ``[tq, np, hn]``; key, value: ``[tk, ng, hn]``, every position of the packed
+            row (``np % ng == 0``).
+        cu_seqlens: ``[n + 1]`` int, sequence starts of the packed row (host or device); keys
+            past ``cu_seqlens[-1]`` form one more sequence.
+        scale: softmax scale.
+        packed_seq_params: where the CUDA block mask is cached (any object with attributes).
+        query_positions: ``[tq]`` int64, the packed position of each query (context
+            parallelism: this rank's, :func:`mcore_rl.megatron.context_parallel.
+            local_positions`); None: ``0 .. tq - 1`` (``tq == tk``).
+
+    Returns:
+        ``[tq, np * hn]`` in the dtype of ``query``.
+    """
+    tq, np_, hn = query.shape
+    tk = key.shape[0]
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, t, d]
     if query.is_cuda:
         from torch.nn.attention.flex_attention import create_block_mask
 
         block_mask = getattr(packed_seq_params, "_mcore_rl_block_mask", None)
-        if block_mask is None or block_mask.shape[-2] != t:
-            doc = document_ids(cu.to(query.device), t)
+        if block_mask is None or tuple(block_mask.shape[-2:]) != (tq, tk):
+            doc = document_ids(cu_seqlens.to(query.device), tk)
+            qpos = None if query_positions is None else query_positions.to(query.device)
 
             def causal_document(b, h, q_idx, kv_idx):
-                return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+                p = q_idx if qpos is None else qpos[q_idx]
+                return (doc[p] == doc[kv_idx]) & (kv_idx <= p)
 
-            block_mask = create_block_mask(causal_document, None, None, t, t, device=query.device)
+            block_mask = create_block_mask(causal_document, None, None, tq, tk,
+                                           device=query.device)
             packed_seq_params._mcore_rl_block_mask = block_mask
         out = _flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
                                 enable_gqa=np_ != key.shape[1])
     else:
-        doc = document_ids(cu, t)
-        pos = torch.arange(t, device=query.device)
-        keep = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+        doc = document_ids(cu_seqlens, tk).to(query.device)
+        pos = torch.arange(tk, device=query.device)
+        qpos = pos[:tq] if query_positions is None else query_positions.to(query.device)
+        keep = (doc[qpos][:, None] == doc[None, :]) & (pos[None, :] <= qpos[:, None])
         if np_ != key.shape[1]:
             k = k.repeat_interleave(np_ // k.shape[1], dim=1)
             v = v.repeat_interleave(np_ // v.shape[1], dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
-    return out[0].transpose(0, 1).reshape(t, np_ * hn)
+    return out[0].transpose(0, 1).reshape(tq, np_ * hn)
 
 
 class KVCache:

@@ -31,7 +31,8 @@ The model of one GPU of the policy's workers (and the critic's, colocated) in by
   4 H200s) the train phase allocated 69.6 GiB, 68.8 predicted;
 - context parallelism (CP): a rank's activations, logits and forward intermediates are those
   of its ``s / CP`` positions, plus the keys and values its attention all-gathers (DP counts
-  ``workers / (TP x CP x PP)``);
+  ``workers / (TP x CP x PP)``); packed, every sequence is padded to a multiple of ``2 CP``
+  (:func:`micro_batch_tokens`);
 - **logits** ``[b, s, V/t]`` in the activation dtype and their gradient (the fused logprob
   kernels of :mod:`mcore_rl.megatron.logprobs` keep no fp32 copy);
 - a micro-batch's tokens (:func:`micro_batch_tokens`, as the workers cut them): ``b x s`` with
@@ -76,7 +77,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from mcore_rl.config.schema import MegatronConfig, ModelArchConfig, TrainConfig
-from mcore_rl.config.families import FAMILIES, head_dim
+from mcore_rl.config.families import FAMILIES, head_dim, packed_sequence_multiple
 from mcore_rl.config.registry import load, task_entry
 
 GIB = float(2**30)
@@ -309,8 +310,8 @@ def role_memory(name: str, cfg: TrainConfig, arch: ModelArchConfig, vocab_size: 
     lp_rows = _ceil_div(rollout_rows(cfg), dp)
     b_lp = max(1, min(logprob_micro_batch_size, lp_rows))
     # The rows of one micro-batch, in units of rows of ``seq`` tokens (micro_batch_tokens).
-    tokens = micro_batch_tokens(cfg, b, train_rows, seq)
-    lp_tokens = micro_batch_tokens(cfg, b_lp, lp_rows, seq)
+    tokens = micro_batch_tokens(cfg, b, train_rows, seq, megatron)
+    lp_tokens = micro_batch_tokens(cfg, b_lp, lp_rows, seq, megatron)
     t_rows, t_lp = tokens / seq, lp_tokens / seq
     p = rank_parameters(arch, vocab_size, megatron, value_head)
     bf16 = megatron.precision == "bf16"
@@ -351,7 +352,8 @@ def forward_elements_per_token(arch: ModelArchConfig, megatron: MegatronConfig) 
     return 2 * arch.hidden_size + max(3 * f, 2 * a * d + 2 * g * d) / tp
 
 
-def micro_batch_tokens(cfg: TrainConfig, rows: int, total_rows: int, seq: int) -> int:
+def micro_batch_tokens(cfg: TrainConfig, rows: int, total_rows: int, seq: int,
+                       megatron: Optional[MegatronConfig] = None) -> int:
     """Tokens (padded, the width the model runs at) of the largest micro-batch of a call over
     ``total_rows`` rows of at most ``seq`` tokens with micro-batches of ``rows`` rows, as the
     workers cut them (:func:`mcore_rl.data.microbatching.make_microbatches`,
@@ -359,8 +361,14 @@ def micro_batch_tokens(cfg: TrainConfig, rows: int, total_rows: int, seq: int) -
     ``policy.max_tokens_per_microbatch`` the budget (a micro-batch holds at most that many
     tokens, and never more than the call's rows; without packing whole rows of ``seq`` under
     it), else ``rows x seq`` (a packed micro-batch's budget is then ``rows`` x the longest row).
+    Packed rows count with their padding to a multiple of ``2 CP`` under context parallelism
+    of ``megatron`` (default ``policy.megatron``: :func:`~mcore_rl.config.families.
+    packed_sequence_multiple`).
     """
     budget = cfg.policy.max_tokens_per_microbatch
+    if cfg.policy.sequence_packing:  # every packed row to a multiple of 2 CP
+        multiple = packed_sequence_multiple(megatron or cfg.policy.megatron)
+        seq = _ceil_div(seq, multiple) * multiple
     if budget is None:
         return rows * seq
     if cfg.policy.sequence_packing:

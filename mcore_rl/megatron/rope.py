@@ -10,12 +10,13 @@ training 12x slower than padded on one H100 (bench/RESULTS.md, "Sequence packing
 :func:`packed_rope` computes the same thing with no host sync and a constant number of
 kernels: the position of every packed token within its sequence,
 ``pos[i] = i - cu_seqlens[doc(i)]`` (``doc(i)``: the sequence holding token ``i``, by
-``searchsorted``), gathers ``freqs[pos]`` once per micro-batch (cached on the ``cu_seqlens``
-tensor object, which every layer of a forward shares) and rotates the whole ``[t, h, d]``
-tensor with Megatron's own BSHD function: the formula of Su et al. 2021 ("RoFormer", eq. 34),
-as Megatron applies it to each sequence from position 0. :func:`install` puts it in Megatron's
-place for context-parallel size 1 and per-sequence frequencies (Megatron's "CASE 2"); every
-other case (CP > 1, frequencies of the whole packed batch) goes to Megatron's function.
+``searchsorted``; with context parallelism, of this CP rank's tokens only), gathers
+``freqs[pos]`` once per micro-batch (cached on the ``cu_seqlens`` tensor object, which every
+layer of a forward shares) and rotates the whole ``[t, h, d]`` tensor with Megatron's own BSHD
+function: the formula of Su et al. 2021 ("RoFormer", eq. 34), as Megatron applies it to each
+sequence from position 0. :func:`install` puts it in Megatron's place for per-sequence
+frequencies (Megatron's "CASE 2", at any CP size); frequencies of the whole packed batch go to
+Megatron's function.
 
 :func:`rotate` is Megatron's BSHD rotation (``_apply_rotary_pos_emb_bshd``: the same numbers,
 bit for bit) with fewer kernels, which matters where the model is small and the step is a
@@ -112,25 +113,37 @@ def packed_rope(original, t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torc
                 *args, cp_group=None, **kwargs) -> torch.Tensor:
     """RoPE of a packed ``[t, h, d]`` tensor, each sequence rotated from position 0.
 
+    Context parallelism (``cp_group`` of CP > 1 ranks): ``t`` holds this rank's two chunks of
+    every sequence of ``cu_seqlens`` (each sequence's length a multiple of ``2 CP``:
+    :func:`mcore_rl.megatron.context_parallel.local_positions`), rotated by the frequencies of
+    their positions in the sequence, as Megatron's ``_get_thd_freqs_on_this_cp_rank`` slices
+    them sequence by sequence.
+
     Args:
-        original: Megatron's ``_apply_rotary_pos_emb_thd`` (called for CP > 1 and for
-            frequencies that cover the whole packed batch).
-        t: ``[T, h, d]`` packed queries or keys; ``cu_seqlens``: ``[n + 1]`` with
+        original: Megatron's ``_apply_rotary_pos_emb_thd`` (called for frequencies that cover
+            the whole packed batch).
+        t: ``[T / CP, h, d]`` packed queries or keys; ``cu_seqlens``: ``[n + 1]`` with
             ``cu_seqlens[-1] = T``; ``freqs``: ``[max_s, 1, 1, d_rot]`` (max_s >= the longest
             sequence). Other arguments as Megatron's.
 
     Returns:
-        ``[T, h, d]`` in ``t``'s dtype, equal to Megatron's result.
+        ``[T / CP, h, d]`` in ``t``'s dtype, equal to Megatron's result.
     """
     from megatron.core.models.common.embeddings import rope_utils
 
-    total = t.shape[0]
-    if (cp_group is not None and cp_group.size() > 1) or freqs.shape[0] == total:
+    from mcore_rl.megatron import context_parallel
+
+    cp = 1 if cp_group is None else cp_group.size()
+    rank = 0 if cp == 1 else cp_group.rank()
+    total = t.shape[0] * cp  # the packed row's tokens
+    if freqs.shape[0] == total:
         return original(t, cu_seqlens, freqs, *args, cp_group=cp_group, **kwargs)
-    key = (cu_seqlens, freqs, total)
+    key = (cu_seqlens, freqs, total, cp, rank)
     hit = _cache.get("entry")
-    if hit is None or any(a is not b for a, b in zip(hit[0][:2], key[:2])) or hit[0][2] != total:
+    if hit is None or any(a is not b for a, b in zip(hit[0][:2], key[:2])) or hit[0][2:] != key[2:]:
         pos = packed_positions(cu_seqlens.to(freqs.device, non_blocking=True), total)
+        if cp > 1:
+            pos = pos[context_parallel.local_positions(total, cp, rank, pos.device, cu_seqlens)]
         hit = (key, freqs[pos])
         _cache["entry"] = hit
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), hit[1], *args, **kwargs).squeeze(1)

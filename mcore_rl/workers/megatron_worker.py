@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config.families import microbatch_width_multiple
+from mcore_rl.config.families import microbatch_width_multiple, packed_sequence_multiple
 from mcore_rl.config.schema import ModelArchConfig, MegatronConfig, OptimizerConfig
 from mcore_rl.data.batch import Batch
 from mcore_rl.data.microbatching import ROW_INDEX, gather_rows, make_microbatches, shapes_vary
@@ -288,37 +288,37 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
 
     # ------------------------------------------------------------------ forward plumbing
     def _model_forward(self, model, mb: Batch) -> torch.Tensor:
-        """Run one model chunk on a micro-batch; returns its output tensor. With context
+        """Run one model chunk on a micro-batch; returns its output tensor (``[b, s, ...]``, or
+        ``[1, T, ...]`` for a packed micro-batch: :meth:`_packed_params`). With context
         parallelism (CP > 1) the chunk sees this CP rank's two chunks of the ids and positions
-        (:func:`mcore_rl.megatron.context_parallel.split`) and the last chunk's output goes
+        (of every sequence of a packed micro-batch: :func:`mcore_rl.megatron.context_parallel.
+        split`; Megatron's RoPE slices its frequencies alike) and the last chunk's output goes
         through :meth:`_cp_output`."""
         from mcore_rl.megatron.model import attention_mask, position_ids
 
-        if PACKED_IDS in mb:
-            return self._packed_forward(model, mb)
-        ids = mb["input_ids"]
-        b, s = ids.shape
         # bf16: the last stage returns bf16 (Float16Module would upcast the whole output, a
         # full-vocabulary fp32 copy of the logits); consumers compute in fp32 themselves.
         kwargs = {"fp32_output": False} if self.megatron_cfg.precision == "bf16" else {}
         router_losses = contextlib.nullcontext()
-        if self.arch.num_experts is not None:
-            kwargs["padding_mask"], router_losses = self._router_losses(model, mb)
-        positions = position_ids(b, s, ids.device)
+        cu = mb.get(CU_SEQLENS)
+        if cu is not None:
+            ids, positions = mb[PACKED_IDS], mb[PACKED_POSITIONS]
+            kwargs["packed_seq_params"] = self._packed_params(mb)
+        else:
+            ids = mb["input_ids"]
+            positions = position_ids(*ids.shape, ids.device)
+            if self.arch.num_experts is not None:
+                kwargs["padding_mask"], router_losses = self._router_losses(model, mb)
         cp = self.ps.get_context_parallel_world_size()
-        if cp > 1:  # this rank's two chunks; Megatron's RoPE slices its frequencies alike
+        if cp > 1:  # this rank's two chunks (of every packed sequence)
             rank = self.ps.get_context_parallel_rank()
-            ids, positions = (context_parallel.split(t, 1, cp, rank) for t in (ids, positions))
-            s = ids.shape[1]
+            ids, positions = (context_parallel.split(t, 1, cp, rank, cu) for t in (ids, positions))
+        mask = None if cu is not None else \
+            attention_mask(self.megatron_cfg.layer_spec, ids.shape[0], ids.shape[1], ids.device)
         with router_losses:
-            out = model(
-                ids,
-                positions,
-                attention_mask(self.megatron_cfg.layer_spec, b, s, ids.device),
-                **kwargs,
-            )
+            out = model(ids, positions, mask, **kwargs)
         if cp > 1 and self._is_output_chunk(model):
-            out = self._cp_output(out)
+            out = self._cp_output(out, mb)
         return out
 
     def _is_output_chunk(self, model) -> bool:
@@ -327,27 +327,29 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
 
         return bool(unwrap_model(model).post_process)
 
-    def _cp_output(self, output: torch.Tensor) -> torch.Tensor:
+    def _cp_output(self, output: torch.Tensor, mb: Batch) -> torch.Tensor:
         """Context parallelism: the head output of this CP rank's two sequence chunks ``[b, 2 c,
-        ...]`` -> the full width ``[b, S, ...]`` on every CP rank (:func:`~mcore_rl.megatron.
+        ...]`` (of every sequence of a packed micro-batch ``mb``) -> the full width ``[b, S,
+        ...]`` (the packed row ``[1, T, ...]``) on every CP rank (:func:`~mcore_rl.megatron.
         context_parallel.gather`, whose backward keeps this rank's slice), so the per-token
         outputs and the loss are computed whole, as at CP = 1. Subclasses whose output is wide
         (the policy's logits) gather something smaller instead."""
-        return context_parallel.gather(output, dim=1, group=self.ps.get_context_parallel_group())
+        return context_parallel.gather(output, dim=1, group=self.ps.get_context_parallel_group(),
+                                       cu_seqlens=mb.get(CU_SEQLENS))
 
-    def _packed_forward(self, model, mb: Batch) -> torch.Tensor:
-        """One model chunk on a packed micro-batch (``packed_input_ids [1, T]``): Megatron's
-        ``PackedSeqParams(qkv_format='thd')`` carries ``cu_seqlens`` to attention and RoPE
-        (positions restart in every sequence). Returns the output ``[1, T, ...]``."""
+    def _packed_params(self, mb: Batch):
+        """Megatron's ``PackedSeqParams(qkv_format='thd')`` of a packed micro-batch
+        (``packed_input_ids [1, T]``, :mod:`mcore_rl.data.packing`): ``cu_seqlens`` for
+        attention and RoPE (positions restart in every sequence). With context parallelism
+        every sequence is padded to a multiple of ``2 CP``, the padding part of its sequence in
+        ``cu_seqlens`` (Megatron's THD RoPE divides each length by CP and takes the rank's
+        chunks of the frequencies)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = mb[CU_SEQLENS]
         longest = int(mb[MAX_SEQLEN])  # a CPU tensor: no device sync
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=longest, max_seqlen_kv=longest)
-        kwargs = {"fp32_output": False} if self.megatron_cfg.precision == "bf16" else {}
-        return model(mb[PACKED_IDS], mb[PACKED_POSITIONS], None, packed_seq_params=params,
-                     **kwargs)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               max_seqlen_q=longest, max_seqlen_kv=longest)
 
     def _router_losses(self, model, mb: Batch):
         """``(padding_mask, context)`` of an MoE model's forward on ``mb``: the router losses
@@ -442,17 +444,22 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
     def _packed_microbatches(self, batch: Batch, micro_batch_size: int,
                              width_multiple: int) -> List[Batch]:
         """Packed micro-batches of ``batch`` (:func:`~mcore_rl.data.packing.
-        make_packed_microbatches`) under :attr:`max_tokens_per_microbatch` (or
-        ``micro_batch_size`` x the longest row), as many on this rank as on the DP rank with
+        make_packed_microbatches`; with CP every sequence padded to ``2 CP``) under
+        :attr:`max_tokens_per_microbatch` (or ``micro_batch_size`` x the longest row with its
+        padding), as many on this rank as on the DP rank with
         the most (one all-reduce over DP: Megatron's schedule and the gradient all-reduce need
         the same count on every rank)."""
         budget = self.max_tokens_per_microbatch
+        multiple = packed_sequence_multiple(self.megatron_cfg)  # CP: every sequence to 2 CP
         if budget is None:
-            budget = micro_batch_size * max(1, int(batch["input_lengths"].max()))
-        count = torch.tensor(len(make_packed_microbatches(batch, budget, width_multiple)),
+            longest = max(1, int(batch["input_lengths"].max()))
+            budget = micro_batch_size * -(-longest // multiple) * multiple
+        count = torch.tensor(len(make_packed_microbatches(batch, budget, width_multiple,
+                                                          sequence_multiple=multiple)),
                              device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
-        return make_packed_microbatches(batch, budget, width_multiple, min_count=int(count))
+        return make_packed_microbatches(batch, budget, width_multiple, min_count=int(count),
+                                        sequence_multiple=multiple)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on this rank's device. On a GPU through pinned host memory and an

@@ -101,8 +101,9 @@ class PolicyWorker(MegatronTrainWorker):
                 (:func:`~mcore_rl.megatron.context_parallel.gather`, backward: the local slice).
             mb: micro-batch with ``input_ids`` ``[b, s]``; a packed one
                 (:mod:`mcore_rl.data.packing`) has logits ``[1, T, V_pad / TP]`` of its packed
-                row: targets are the next tokens within each sequence, and the result is put
-                back in the ``[b, s]`` layout (``[:, 0] = 0`` per sequence).
+                row (with CP ``[1, T / CP, V_pad / TP]``: this rank's chunks of every
+                sequence): targets are the next tokens within each sequence, and the result is
+                put back in the ``[b, s]`` layout (``[:, 0] = 0`` per sequence).
         Returns:
             float32 ``[b, s]``, of ``logits / temperature``, from
             :func:`~mcore_rl.megatron.logprobs.vocab_parallel_logprobs` (max and sum-exp
@@ -112,23 +113,23 @@ class PolicyWorker(MegatronTrainWorker):
         """
         from mcore_rl.megatron.logprobs import vocab_parallel_logprobs
 
-        if CU_SEQLENS in mb:
-            cu = mb[CU_SEQLENS]
-            target = packed_targets(mb[PACKED_IDS], cu)
-            next_lp = vocab_parallel_logprobs(output, target, self.vocab_size, self.temperature)
-            return unpack(next_lp, cu, mb["input_ids"].shape[1], shift=1,
-                          num_rows=mb["input_ids"].shape[0])
-        target = torch.roll(mb["input_ids"], shifts=-1, dims=1)
+        cu = mb.get(CU_SEQLENS)
+        ids = mb["input_ids"] if cu is None else mb[PACKED_IDS]
+        target = torch.roll(ids, shifts=-1, dims=1) if cu is None else packed_targets(ids, cu)
         cp = self.ps.get_context_parallel_world_size()
         if cp > 1:  # logits of this rank's two chunks: their targets, then the full width
-            target = context_parallel.split(target, 1, cp, self.ps.get_context_parallel_rank())
+            target = context_parallel.split(target, 1, cp, self.ps.get_context_parallel_rank(), cu)
         next_lp = vocab_parallel_logprobs(output, target, self.vocab_size, self.temperature)
         if cp > 1:
             next_lp = context_parallel.gather(next_lp, dim=1,
-                                              group=self.ps.get_context_parallel_group())
+                                              group=self.ps.get_context_parallel_group(),
+                                              cu_seqlens=cu)
+        if cu is not None:
+            return unpack(next_lp, cu, mb["input_ids"].shape[1], shift=1,
+                          num_rows=mb["input_ids"].shape[0], lengths=mb["input_lengths"])
         return torch.cat([torch.zeros_like(next_lp[:, :1]), next_lp[:, :-1]], dim=1)
 
-    def _cp_output(self, output: torch.Tensor) -> torch.Tensor:
+    def _cp_output(self, output: torch.Tensor, mb: Batch) -> torch.Tensor:
         """The local logits as they are: :meth:`_token_logprobs` gathers the logprobs instead
         (``[b, s]``, not ``[b, s, V / TP]``)."""
         return output

@@ -30,7 +30,7 @@ def _values(output: torch.Tensor, mb: Batch) -> torch.Tensor:
     shifted within each sequence and put back in the ``[b, s]`` layout."""
     if CU_SEQLENS in mb:
         return unpack(output[..., 0].float(), mb[CU_SEQLENS], mb["input_ids"].shape[1], shift=1,
-                      num_rows=mb["input_ids"].shape[0])
+                      num_rows=mb["input_ids"].shape[0], lengths=mb["input_lengths"])
     return shift_right(output[..., 0])
 
 
