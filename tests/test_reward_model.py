@@ -1,12 +1,12 @@
 """Reward-model worker on real Megatron-Core over gloo, against transformers.
 
 - Scores equal a transformers ``Qwen2ForSequenceClassification`` forward (its pooling of the
-  last non-pad token) of the checkpoint the worker loaded, in one process, at TP=2, at PP=2 and
-  with DP=2; fixed micro-batches and a token budget give the same scores.
+  last non-pad token) of the checkpoint the worker loaded, in one process, at TP=2 (also with
+  sequence parallelism), at PP=2 and with DP=2; fixed micro-batches and a token budget give the same scores.
 - Import/export: the worker's ``get_hf_weights`` is the loaded checkpoint exactly; a dist
   checkpoint after a training step goes through ``mcore-rl export`` to a directory that
   ``AutoModelForSequenceClassification`` loads and that scores as the worker does.
-- A Bradley-Terry step at TP=2, PP=2 and DP=2 equals one process (metrics and weights), and
+- A Bradley-Terry step at TP=2 (with and without sequence parallelism), PP=2 and DP=2 equals one process (metrics and weights), and
   its metrics equal a hand computation from the scores.
 - A causal LM checkpoint has no score head: refused where one is required, a fresh head on its
   backbone otherwise.
@@ -31,7 +31,10 @@ PAD = 0  # random_rows pads with 0 and draws ids from 1..VOCAB-1: HF's pooling f
 ARCH = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=32, num_attention_heads=4,
                        num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=64,
                        qkv_bias=True, tie_word_embeddings=True, vocab_size=VOCAB)
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
+# name: (TP, PP, other megatron fields); tp2_sp: sequence parallelism (the head's output
+# gathered over the sequence: workers/scalar_head.py)
+LAYOUTS = {"tp2": (2, 1, {}), "pp2": (1, 2, {}), "dp2": (1, 1, {}),
+           "tp2_sp": (2, 1, dict(sequence_parallel=True))}
 LOSS = BradleyTerryLoss()
 
 
@@ -41,12 +44,13 @@ def _hf_config(num_labels=1):
     return config
 
 
-def _worker(hf_path, tp=1, pp=1, **overrides):
+def _worker(hf_path, tp=1, pp=1, megatron=None, **overrides):
     from mcore_rl.workers.reward_model import RewardModelWorker
 
     kwargs = dict(
         hf_path=hf_path, hf_config=_hf_config().to_dict(), vocab_size=VOCAB, arch=ARCH,
-        megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                **(megatron or {})),
         optimizer=OptimizerConfig(name="sgd", lr=0.1, clip_grad=1.0), rank=_WORLD["rank"],
         world_size=_WORLD["world_size"], master_addr="127.0.0.1", master_port=_WORLD["port"],
         device="cpu", seed=7, total_optimizer_steps=10, global_batch_size=8,
@@ -88,9 +92,9 @@ def _one_process(hf_dir, lm_dir, ckpt_dir):
 def _layouts(hf_dir):
     out = {}
     batch = _pairs()
-    for name, (tp, pp) in LAYOUTS.items():
+    for name, (tp, pp, megatron) in LAYOUTS.items():
         use_layout(tp, pp)
-        w = _worker(hf_dir, tp, pp)
+        w = _worker(hf_dir, tp, pp, megatron)
         layout = w.layout()
         dp, dp_rank = layout["dp_size"], layout["dp_rank"]
         out[name] = {"scores": w.get_scores(B.shard(batch, dp)[dp_rank], 3),

@@ -4,8 +4,9 @@
   Qwen2 forward) on the exported weights, shifted right by one; changing token k leaves
   ``values[:, :k+1]`` alone and changes ``values[:, k+1]``.
 - Layout parity: values, metrics and weights after one clipped-value-loss step at TP=2, PP=2,
-  DP=2 and CP=2 (torch spec: the head's output gathered over CP ranks) equal one process
-  (fp32); the replicated head stays identical over TP ranks.
+  DP=2, CP=2 (torch spec: the head's output gathered over CP ranks) and TP=2 with sequence
+  parallelism (torch spec, padded and packed micro-batches: the head's output gathered over
+  the sequence) equal one process (fp32); the replicated head stays identical over TP ranks.
 - Split step (begin / train_microbatch / finish) equals sync ``train``.
 - A base LM checkpoint initialises the backbone and not the head; ``load_backbone``;
   checkpoints restore weights and Adam state.
@@ -29,10 +30,16 @@ ARCH = ModelArchConfig(family="qwen2", num_layers=2, hidden_size=32, num_attenti
                        ffn_hidden_size=64, max_position_embeddings=64, qkv_bias=True, tie_word_embeddings=True,
                        vocab_size=VOCAB)
 LOSS = ClippedValueLoss(ValueLossConfig(cliprange=0.05, coef=1.0))
-# name: (TP, PP, other policy.megatron fields); cp2: context parallelism on the torch spec
-LAYOUTS = {"tp2": (2, 1, {}), "pp2": (1, 2, {}), "dp2": (1, 1, {}),
+# name: (TP, PP, other policy.megatron fields, other worker arguments); cp2: context parallelism
+# on the torch spec; tp2_sp*: sequence parallelism on the torch spec (the head sees s / TP
+# positions per rank), padded and packed micro-batches
+TORCH_SP = dict(sequence_parallel=True, layer_spec="torch")
+LAYOUTS = {"tp2": (2, 1, {}, {}), "pp2": (1, 2, {}, {}), "dp2": (1, 1, {}, {}),
            "cp2": (1, 1, dict(context_parallel_size=2, layer_spec="torch",
-                              cp_comm_type="all_gather"))}
+                              cp_comm_type="all_gather"), {}),
+           "tp2_sp": (2, 1, TORCH_SP, {}),
+           "tp2_sp_packed": (2, 1, TORCH_SP, dict(sequence_packing=True,
+                                                  max_tokens_per_microbatch=24))}
 
 
 def _worker_kwargs(tp=1, pp=1, **megatron):
@@ -143,9 +150,9 @@ def _layouts():
     """One step in each layout of 2 processes; per layout: values, metrics, weights, head."""
     out = {}
     batch = _batch()
-    for name, (tp, pp, megatron) in LAYOUTS.items():
+    for name, (tp, pp, megatron, extra) in LAYOUTS.items():
         use_layout(tp, pp, context_parallel_size=megatron.get("context_parallel_size", 1))
-        w = _worker(tp, pp, megatron)
+        w = _worker(tp, pp, megatron, **extra)
         layout = w.layout()
         dp, dp_rank = layout["dp_size"], layout["dp_rank"]
         values = w.get_values(B.shard(batch, dp)[dp_rank], 4)
@@ -218,7 +225,7 @@ def test_layout_equals_one_process(single, layouts, name):
         assert ranks[1]["metrics"][k] == ranks[0]["metrics"][k]
     assert 0 < single["metrics"]["vf_clipfrac"] < 1  # the clip is exercised
     _assert_weights_close(ranks[0]["after"], single["after"])
-    if name == "tp2":  # the replicated head got the same update on both TP ranks
+    if name.startswith("tp2"):  # the replicated head got the same update on both TP ranks
         assert torch.equal(ranks[0]["head"], ranks[1]["head"])
 
 

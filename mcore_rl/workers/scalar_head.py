@@ -14,10 +14,16 @@ the head's output.
 Tensor parallelism: the hidden states after the final norm are replicated over the TP ranks
 (the last row-parallel layer all-reduces them), so the head is replicated and every TP rank
 computes the same outputs, loss and head gradients: no TP reduction is needed, and Megatron
-counts the head in the gradient norm on TP rank 0 only, as any replicated parameter. Sequence
-parallelism (``s / TP`` positions per rank after the norm) is refused by the local layer spec;
-a spec that allows it will need the head's output gathered along the sequence and the head's
-gradients summed over TP.
+counts the head in the gradient norm on TP rank 0 only, as any replicated parameter. With
+sequence parallelism each TP rank holds ``s / TP`` positions after the norm (``GPTModel``
+hands them to the output layer as they are; its vocabulary projection gathers them itself):
+the head runs on the rank's positions and its ``[s / TP, b, 1]`` output is all-gathered along
+the sequence (Megatron's ``gather_from_sequence_parallel_region`` with
+``tensor_parallel_output_grad=False``: the loss after it is computed whole on every TP rank,
+so the backward keeps the rank's slice of the gradient instead of summing the TP copies).
+The head's gradients are then partial sums over the rank's positions: its parameters carry
+Megatron's ``sequence_parallel`` flag, and ``finalize_model_grads`` sums them over TP as it
+does the norms'.
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ class ScalarHead(torch.nn.Module):
 
     Called by ``GPTModel`` as its output layer: ``forward(hidden_states [s, b, h], weight=None,
     runtime_gather_output=None) -> (values [s, b, 1], None)`` (the two keyword arguments are
-    those of the LM output layer and are ignored). Parameters are named ``weight`` ``[1, h]``
-    and, with ``bias``, ``bias`` ``[1]`` (Megatron's checkpointing of a language model expects
-    ``output_layer.weight``); replicated over TP.
+    those of the LM output layer and are ignored); with ``sequence_parallel`` the input is this
+    TP rank's ``[s / TP, b, h]`` and the output is gathered to ``[s, b, 1]`` (module
+    docstring). Parameters are named ``weight`` ``[1, h]`` and, with ``bias``, ``bias`` ``[1]``
+    (Megatron's checkpointing of a language model expects ``output_layer.weight``); replicated
+    over TP.
 
     Args:
         hidden_size: ``h``.
@@ -54,21 +62,28 @@ class ScalarHead(torch.nn.Module):
         device: parameter device.
         bias: with a bias (the critic's); without (the reward model's, as Hugging Face's
             ``*ForSequenceClassification`` ``score`` layer).
+        sequence_parallel: the model's ``TransformerConfig.sequence_parallel``.
     """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, init_std: float, seed: int,
-                 device: torch.device, bias: bool = True):
+                 device: torch.device, bias: bool = True, sequence_parallel: bool = False):
         super().__init__()
         g = torch.Generator(device="cpu").manual_seed(seed)
         weight = torch.randn(1, hidden_size, generator=g, dtype=torch.float32) * init_std
         self.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, device=device, dtype=dtype)) if bias else None
-        for p in self.parameters():  # stays fp32 in a bf16 model (model.wrap_float16)
-            p.keep_fp32 = dtype == torch.float32
+        self.sequence_parallel = sequence_parallel
+        for p in self.parameters():
+            p.keep_fp32 = dtype == torch.float32  # stays fp32 in a bf16 model (model.wrap_float16)
+            p.sequence_parallel = sequence_parallel  # gradients summed over TP (module docstring)
 
     def forward(self, hidden_states: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None):
         values = torch.nn.functional.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
         return values, None
 
 
@@ -185,7 +200,7 @@ def attach_scalar_heads(chunks: List[torch.nn.Module], dtype: torch.dtype, seed:
         if chunk.post_process:
             config = chunk.config
             chunk.output_layer = ScalarHead(config.hidden_size, dtype, config.init_method_std,
-                                            seed, device, bias)
+                                            seed, device, bias, config.sequence_parallel)
 
 
 def unwrap(model: List[torch.nn.Module]) -> List[torch.nn.Module]:
