@@ -75,8 +75,24 @@ def run_distributed(fn, world_size: int, *args, tensor_model_parallel_size=1,
 
     Returns the per-rank return values, index = global rank. Raises ``RuntimeError`` with the
     failing ranks' tracebacks if any rank raised, died, or gave no result within
-    ``timeout_s`` seconds.
+    ``timeout_s`` seconds. A world whose rendezvous port was taken between :func:`free_port`
+    and the store's listen (another test process got the same port from the OS:
+    ``EADDRINUSE``) is started again on a new port, up to three times.
     """
+    for attempt in range(3):
+        try:
+            return _run_world(fn, world_size, args, tensor_model_parallel_size,
+                              pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
+                              timeout_s)
+        except RuntimeError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_world(fn, world_size, args, tensor_model_parallel_size, pipeline_model_parallel_size,
+               virtual_pipeline_model_parallel_size, timeout_s) -> list:
+    """One try of :func:`run_distributed` on a fresh port."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     layout = (tensor_model_parallel_size, pipeline_model_parallel_size,
