@@ -257,8 +257,10 @@ def test_colocated_decoder_buffers_leave_before_the_logprobs_phase(prev_logprobs
     if shares:
         backend = _megatron(policy, eos=1)
     else:  # a vLLM-like backend: its own processes, its sleep recorded
-        backend = SimpleNamespace(shares_policy_weights=False,
-                                  offload=lambda: calls.append("engine.offload"))
+        backend = SimpleNamespace(
+            shares_policy_weights=False, offload=lambda: calls.append("engine.offload"),
+            prepare_for_refit=lambda: calls.append("engine.prepare_for_refit"),
+            prepare_for_generation=lambda: calls.append("engine.prepare_for_generation"))
     cfg = SimpleNamespace(loss=SimpleNamespace(prev_logprobs=prev_logprobs),
                           policy=SimpleNamespace(logprob_micro_batch_size=2))
     mismatch = {f"train/{k}": 1.0 for k in ("token_mult_prob_error", "logprob_mismatch_mean",
@@ -289,14 +291,19 @@ def test_colocated_decoder_buffers_leave_before_the_logprobs_phase(prev_logprobs
     SyncLoop(tr, alg).rl_step()
     forward = ["get_logprobs"] if prev_logprobs == "recompute" else []
     lp_prepare = ["prepare_for_lp_inference"] if forward else []
+    # a step without refit (trains_policy False: PPO's critic warm-up) ends with the device
+    # back to the backend: the policy yields as after a refit, the engine wakes
     if shares:
         expected = ["phase step", "phase generation", "generate", "release_decoder",
-                    "phase logprobs", *lp_prepare, *forward, "prepare_for_training", "train"]
+                    "phase logprobs", *lp_prepare, *forward, "prepare_for_training", "train",
+                    "offload_before_refit"]
     else:
         engine = ["engine.offload"]
         expected = ["phase step", "phase generation", "generate", "phase logprobs",
                     *(engine if forward else []), *lp_prepare, *forward,
-                    *([] if forward else engine), "prepare_for_training", "train"]
+                    *([] if forward else engine), "prepare_for_training", "train",
+                    "offload_after_refit", "engine.prepare_for_refit",
+                    "engine.prepare_for_generation"]
     assert calls == expected
 
 

@@ -362,3 +362,68 @@ def test_separate_placement_trains_critic_and_policy_at_once():
     assert [rows for kind, rows in both if kind == "critic"] == [rows for kind, rows in seq if kind == "critic"]
     assert [rows for kind, rows in both if kind == "policy"] == [rows for kind, rows in seq if kind == "policy"]
     assert both_metrics == seq_metrics and set(both_metrics) == {"critic/loss", "train/loss"}
+
+
+def test_colocated_critic_warmup_hands_the_device_back_before_generating(tmp_path):
+    """Colocated PPO with a critic warm-up step: the warm-up trains the critic only (no
+    refit), and still the next RL step generates with the rollout backend awake and the
+    policy off the device (``Colocation.prepare_for_generation`` at the step's end); the
+    backend then sleeps again before the logprobs. The backend's hooks (hf: no-ops on CPU) and
+    the policy's calls are spied on, in order."""
+    from mcore_rl.controller.loops import build
+    from mcore_rl.utils.logging import read_metrics
+
+    out = tmp_path / "run"
+    cfg = load_config("ppo_synthetic", [
+        "cluster.use_ray=false", "cluster.colocate_generation=true", "ppo.max_steps=2",
+        "ppo.critic_warmup_steps=1", "ppo.num_prompts_per_step=4", "ppo.ppo_epochs=1",
+        "ppo.val_every=0", "ppo.val_at_start=false", "sft.steps=0", "checkpoint.every=0",
+        "checkpoint.save_final=false", "logging.progress=false", "logging.tensorboard=false",
+        "data.synthetic.num_train=12", "data.synthetic.num_test=2",
+        "model.arch.num_layers=2", "model.arch.hidden_size=32", "model.arch.ffn_hidden_size=64",
+        "policy.micro_batch_size=2", "value.micro_batch_size=2",
+        "generation.logprob_canary_prompts=0", f"run.output_dir={out}"])
+    loop = build(cfg)
+    tr, events = loop.trainer, []
+    backend, awake = tr.generation, {"kv": True}
+
+    def spy(name, state=None):
+        original = getattr(backend, name)
+
+        def hook(*args, **kwargs):
+            events.append(f"engine.{name}")
+            if state is not None:
+                awake["kv"] = state
+            return original(*args, **kwargs)
+        setattr(backend, name, hook)
+
+    spy("offload", False)
+    spy("prepare_for_refit")
+    spy("prepare_for_generation", True)
+    generate = backend.generate_async
+
+    def generate_async(*args, **kwargs):
+        events.append("generate" if awake["kv"] else "generate (backend asleep)")
+        return generate(*args, **kwargs)
+    backend.generate_async = generate_async
+    group = tr.policy.group
+    send = group.call_each_async
+    group.call_each_async = lambda method, *a, **k: events.append(method) or send(method, *a, **k)
+    try:
+        loop.fit()
+    finally:
+        loop.close()
+    rows = [r for r in read_metrics(out) if "critic/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "train/loss" not in rows[0] and "refit/seconds" not in rows[0]
+    assert "train/loss" in rows[1] and "refit/seconds" in rows[1]
+    generations = [i for i, e in enumerate(events) if e.startswith("generate")]
+    assert [events[i] for i in generations] == ["generate", "generate"], events
+    # the second rollout: after the warm-up's logprobs, the policy yields and the engine wakes
+    between = events[generations[0]:generations[1]]
+    assert "get_hf_weights" not in between  # no refit
+    assert between[-3:] == ["offload_after_refit", "engine.prepare_for_refit",
+                            "engine.prepare_for_generation"], between
+    # and it sleeps again before the policy's logprobs of that rollout
+    after = events[generations[1]:]
+    assert after.index("engine.offload") < after.index("prepare_for_lp_inference"), after

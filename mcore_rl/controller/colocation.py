@@ -23,8 +23,9 @@ policy's training state and the engine's awake memory fit the GPU together) the 
 moves: no policy call in step 1 or 3, the refit is the backend's wake-up, refit channel and
 decoding memory; the backend still frees its memory before logprobs and training.
 
-:meth:`Colocation.prepare_for_generation` hands the device back to the backend after training
-without a refit (a checkpoint save). Without colocation nothing moves and :meth:`refit` is the
+:meth:`Colocation.prepare_for_generation` hands the device back to the backend without a refit
+(after a checkpoint save; at the end of an RL step that trained no policy: PPO's critic
+warm-up), so the next generation finds it awake, as after step 1. Without colocation nothing moves and :meth:`refit` is the
 backend's refit alone. The controller calls only these; which side moves is decided here.
 """
 
@@ -112,7 +113,8 @@ class Colocation:
 
     def prepare_for_generation(self) -> None:
         """Colocated: the policy leaves the device (as after a refit), the backend takes it
-        back, with the weights of its last refit."""
+        back, with the weights of its last refit (a step without refit: the policy did not
+        change)."""
         if self.enabled:
             self._policy_yields()
             self.backend.prepare_for_refit()

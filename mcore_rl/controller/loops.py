@@ -13,7 +13,9 @@ reference) logprobs -> the logprob budget's check (:meth:`RLTrainer.check_logpro
 before any update: it may stop the run) -> the algorithm's other forward passes (PPO: the
 critic's values) -> the rewards collected and shaped (GRPO: DAPO's overlong penalty) -> the
 algorithm's advantages -> its update (:meth:`Algorithm.train_step`) -> refit of the rollout
-backend when the policy changed -> metrics.
+backend when the policy changed; when it did not (PPO's critic warm-up), colocated, the device
+back to the backend for the next generation (:meth:`Colocation.prepare_for_generation`: the
+refit's hand-over without its transfer) -> metrics.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class SyncLoop(Loop):
             if train_policy:
                 with t.phase("refit"):
                     refit = self.refit()
+            else:  # no refit (PPO's critic warm-up): colocated, the backend takes the device back
+                tr.colocation.prepare_for_generation()
         metrics = tr.rollout_metrics(rollout, reward_errors, t.seconds("generation"))
         metrics.update(sampling)
         metrics.update(alg.batch_metrics(rollout))
