@@ -277,6 +277,11 @@ class MemoryPlan:
         return max(self.phases.values())
 
     @property
+    def peak_phase(self) -> str:
+        """The phase of :attr:`peak` (the first of equal ones, in :data:`PHASES` order)."""
+        return max(self.phases, key=self.phases.get)
+
+    @property
     def fits(self) -> bool:
         return self.peak <= self.gpu_bytes
 
@@ -540,8 +545,7 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
     eng, eng_transient = engine_memory(cfg, arch, vocab_size, seq, prompt)
     engine = sum(eng.values())
     # Streaming generates while it trains: nothing is offloaded there.
-    offloaded = cfg.cluster.colocate_generation and not getattr(
-        getattr(cfg, cfg.algorithm), "streaming", False)
+    offloaded = cfg.cluster.colocate_generation and not cfg.streaming
     weights = sum(r.weights + r.reference for r in roles)
     static = sum(r.static for r in roles)
     decision = ""
@@ -704,8 +708,7 @@ def offload_train_state_decision(cfg: TrainConfig, arch: ModelArchConfig,
     """
     setting, gpu = cfg.cluster.offload_train_state, cfg.cluster.gpu_memory_gb
     key = f"cluster.offload_train_state={setting}"
-    if not cfg.cluster.colocate_generation or getattr(getattr(cfg, cfg.algorithm), "streaming",
-                                                      False):
+    if not cfg.cluster.colocate_generation or cfg.streaming:
         return setting != "false", ""
     keep = plan_memory(cfg, arch, vocab_size, offload_train_state=False, **plan_args)
     resident = sum(r.static for r in keep.roles)
@@ -713,7 +716,7 @@ def offload_train_state_decision(cfg: TrainConfig, arch: ModelArchConfig,
         return True, (f"{key}: the policy's training state ({_gib(resident)} GiB) goes to host "
                       f"memory while the engine decodes")
     awake = sum(keep.engine.values()) + sum(keep.engine_transient.values())
-    phase = max(keep.phases, key=keep.phases.get)
+    phase = keep.peak_phase
     figures = (f"generation {_gib(keep.phases['generation'])} GiB = training state "
                f"{_gib(resident)} + engine awake {_gib(awake)}")
     peak = f"peak {_gib(keep.peak)} GiB in {phase} of cluster.gpu_memory_gb={gpu:g}"
@@ -737,7 +740,7 @@ def offload_train_state_error(cfg: TrainConfig, arch: ModelArchConfig,
     offloading = plan_memory(cfg, arch, vocab_size, offload_train_state=True)
     if not offloading.fits:
         return None
-    phase = max(plan.phases, key=plan.phases.get)
+    phase = plan.peak_phase
     return (f"cluster.offload_train_state=false: with the policy's training state on the GPU "
             f"while the engine decodes, {phase} is predicted to need {_gib(plan.peak)} GiB per "
             f"GPU (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}; offloaded: peak "
@@ -757,7 +760,7 @@ def memory_error(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[i
     refusal = offload_train_state_error(cfg, arch, vocab_size, plan)
     if refusal:
         return refusal
-    phase = max(plan.phases, key=plan.phases.get)
+    phase = plan.peak_phase
     r = plan.roles[0]
     fit = [f"TP={tp} PP={pp} DP={dp} mbs<={mbs}" for (tp, pp, dp), mbs, _ in
            fitting_layouts(cfg, arch, vocab_size) if mbs]
