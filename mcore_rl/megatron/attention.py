@@ -56,11 +56,12 @@ batching", ``Attention.forward``), and its dynamic-batching context asserts flas
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -100,8 +101,6 @@ class TorchSDPAttention(DotProductAttention):
         if config.context_parallel_size > 1:
             # DotProductAttention asserts CP = 1 (its attention does not split); this one does
             # (:func:`~mcore_rl.megatron.context_parallel.attention`): build with a CP-1 copy.
-            import copy
-
             single = copy.copy(config)
             single.context_parallel_size = 1
             if "config" in kwargs:
@@ -214,8 +213,6 @@ class TorchSDPAttention(DotProductAttention):
         one with ``tp`` and ``cp``), else Megatron's parallel state's."""
         group = getattr(self.pg_collection, "cp", None)
         if group is None:
-            from megatron.core import parallel_state
-
             group = parallel_state.get_context_parallel_group()
         return group
 
