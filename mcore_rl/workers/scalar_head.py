@@ -79,6 +79,9 @@ class ScalarHead(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None):
+        """``hidden_states [s, b, h]`` (``[s / TP, b, h]`` under sequence parallelism) ->
+        ``(values [s, b, 1], None)`` in the head's dtype (``weight`` and
+        ``runtime_gather_output``: the LM output layer's arguments, ignored)."""
         values = torch.nn.functional.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)
         if self.sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region

@@ -63,6 +63,7 @@ def all_requirements(found: dict[str, tuple[Path, str]], env: dict | None) -> li
 
 
 def installed(name: str) -> str | None:
+    """The version of distribution ``name`` importable here, or None."""
     try:
         return version(name)
     except PackageNotFoundError:
@@ -70,6 +71,9 @@ def installed(name: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    """``COMMAND FOLDER`` (the module docstring's commands ``closed``, ``needed``, ``met``);
+    returns the exit status: 1 with each unmet requirement on stderr, else 0. Raises
+    ``SystemExit`` with the usage for an unknown command."""
     command, folder = argv
     found = wheels(folder)
     if command == "closed":
