@@ -258,7 +258,8 @@ def test_colocated_decoder_buffers_leave_before_the_logprobs_phase(prev_logprobs
         backend = _megatron(policy, eos=1)
     else:  # a vLLM-like backend: its own processes, its sleep recorded
         backend = SimpleNamespace(
-            shares_policy_weights=False, offload=lambda: calls.append("engine.offload"),
+            shares_policy_weights=False, needs_refit=False,
+            offload=lambda: calls.append("engine.offload"),
             prepare_for_refit=lambda: calls.append("engine.prepare_for_refit"),
             prepare_for_generation=lambda: calls.append("engine.prepare_for_generation"))
     cfg = SimpleNamespace(loss=SimpleNamespace(prev_logprobs=prev_logprobs),

@@ -181,44 +181,55 @@ def test_train_refuses_a_layout_that_does_not_fit_before_any_worker(tmp_path, mo
 
 def test_auto_keeps_the_train_state_where_the_plan_fits_with_it():
     """cluster.offload_train_state=auto at the 8B config (TP=2 x DP=2, two colocated vLLM
-    engines at 0.45 of the GPU): the training state (44.9 GiB) and the engines' awake share fit
-    a 141 GiB GPU together (false), not an 80 GiB one (true); the generation phase holds the
-    training state only when it stays, and the plan says which and why in one line."""
+    engines at 0.45 of the GPU) picks the least that fits: the training state (44.9 GiB) and
+    the engines' awake share fit a 141 GiB GPU together (false); on an 80 GiB one they do not,
+    but without the gradient buffers (15.0 GiB) they do (grads); with the engines at 0.7 of
+    it only offloading all of it fits (true). The generation phase holds what stays, and the
+    plan says which and why in one line."""
     plans = {}
-    for gpu in (80, 141):
-        for setting in ("auto", "true", "false"):
-            cfg = load_config("grpo_llama8b", [f"cluster.gpu_memory_gb={gpu}",
-                                               f"cluster.offload_train_state={setting}"])
-            plans[gpu, setting] = memory.plan_memory(cfg, cfg.model.arch)
-    for gpu, keep in ((80, False), (141, True)):
-        auto, off, stays = plans[gpu, "auto"], plans[gpu, "true"], plans[gpu, "false"]
+    cases = {"141": ["cluster.gpu_memory_gb=141"], "80": ["cluster.gpu_memory_gb=80"],
+             "80, engine 0.7": ["cluster.gpu_memory_gb=80",
+                                "generation.vllm.gpu_memory_utilization=0.7"]}
+    for case, extra in cases.items():
+        for setting in ("auto", "true", "grads", "false"):
+            cfg = load_config("grpo_llama8b", [*extra, f"cluster.offload_train_state={setting}"])
+            plans[case, setting] = memory.plan_memory(cfg, cfg.model.arch)
+    for case, picked in (("141", "false"), ("80", "grads"), ("80, engine 0.7", "true")):
+        auto, off = plans[case, "auto"], plans[case, "true"]
+        grads, stays = plans[case, "grads"], plans[case, "false"]
         resident = sum(r.static for r in stays.roles)
         engine = sum(stays.engine.values())
         assert off.phases["generation"] == engine  # vLLM: the policy holds nothing
         assert stays.phases["generation"] == resident + engine
-        assert stays.phases["train"] == off.phases["train"]
-        assert auto.train_state_offloaded is not keep
-        assert auto.phases == (stays if keep else off).phases
-        assert (stays.train_state_offloaded, off.train_state_offloaded) == (False, True)
+        assert grads.phases["generation"] == resident - stays.roles[0].grads + engine
+        assert stays.phases["train"] == off.phases["train"] == grads.phases["train"]
+        assert auto.offload_mode == picked
+        assert auto.phases == plans[case, picked].phases
+        assert [plans[case, m].offload_mode for m in ("true", "grads", "false")] == [
+            "true", "grads", "false"]
+        assert auto.train_state_offloaded is (picked == "true")
         line = memory.format_plan(auto).splitlines()[-1]
         assert line == auto.offload_decision
-        assert line.startswith(f"cluster.offload_train_state=auto -> {str(not keep).lower()}: ")
-    assert plans[80, "auto"].offload_decision.startswith(
-        "cluster.offload_train_state=auto -> true: with the policy's training state resident "
+        assert line.startswith(f"cluster.offload_train_state=auto -> {picked}: ")
+        # the rule, on the plan's own terms: the first of false, grads, true that fits
+        fitting = [m for m in ("false", "grads", "true") if plans[case, m].fits]
+        assert fitting[0] == picked
+    assert plans["80", "auto"].offload_decision == (
+        "cluster.offload_train_state=auto -> grads: with the policy's training state resident "
         "generation would need 80.87 GiB > cluster.gpu_memory_gb=80 (generation 80.87 GiB = "
-        "training state 44.87 + engine awake 36.00)")
-    assert not plans[80, "false"].fits and plans[141, "false"].fits
-    # the rule, on the plan's own terms: every phase with the policy resident fits
-    for gpu in (80, 141):
-        fits = max(plans[gpu, "false"].phases.values()) <= gpu * 2**30
-        assert fits is not plans[gpu, "auto"].train_state_offloaded
+        "training state 44.87 + engine awake 36.00); its gradient buffers (14.96 GiB) are "
+        "dropped while the engine decodes; the weights and optimizer state (29.92 GiB) stay "
+        "(peak 65.92 GiB in generation)")
+    assert plans["80, engine 0.7", "auto"].offload_decision.startswith(
+        "cluster.offload_train_state=auto -> true: with the policy's training state resident "
+        "generation would need 100.87 GiB > cluster.gpu_memory_gb=80")
     # without colocation, or streaming, nothing moves and nothing is said
     for extra in (["cluster.colocate_generation=false"], [
             "grpo.streaming=true", "generation.backend=hf", "generation.num_workers=1",
             "loss.prev_logprobs=recompute"]):
         cfg = load_config("grpo_llama8b", extra)
         plan = memory.plan_memory(cfg, cfg.model.arch)
-        assert not plan.train_state_offloaded and plan.offload_decision == ""
+        assert plan.offload_mode == "false" and plan.offload_decision == ""
 
 
 def test_a_false_that_does_not_fit_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
@@ -228,6 +239,15 @@ def test_a_false_that_does_not_fit_is_refused_in_one_line(tmp_path, monkeypatch,
     assert memory.memory_error(cfg, cfg.model.arch) == (
         "cluster.offload_train_state=false: with the policy's training state on the GPU while "
         "the engine decodes, generation is predicted to need 80.87 GiB per GPU "
+        "(cluster.gpu_memory_gb=80; offloaded: peak 56.85); set "
+        "cluster.offload_train_state=auto (or true), or cluster.skip_memory_check=true to "
+        "train anyway")
+    # grads where even the engines' awake share beside the weights and optimizer does not fit
+    cfg = load_config("grpo_llama8b", ["cluster.offload_train_state=grads",
+                                       "generation.vllm.gpu_memory_utilization=0.7"])
+    assert memory.memory_error(cfg, cfg.model.arch) == (
+        "cluster.offload_train_state=grads: with the policy's weights and optimizer state on "
+        "the GPU while the engine decodes, generation is predicted to need 85.92 GiB per GPU "
         "(cluster.gpu_memory_gb=80; offloaded: peak 56.85); set "
         "cluster.offload_train_state=auto (or true), or cluster.skip_memory_check=true to "
         "train anyway")

@@ -85,11 +85,23 @@ def _lifecycle_checks() -> dict:
 
     out = {}
     batch = _rollout(8, seed=1)
-    plain, lifecycle = _policy(), _policy()
+    plain, lifecycle, dropping = _policy(), _policy(), _policy()
     out["weights_start"] = plain.get_hf_weights()
     _step(plain, batch)
     _step(lifecycle, batch)
+    _step(dropping, batch)
     out["bytes_start"] = _device_bytes(lifecycle)
+    # cluster.offload_train_state=grads: the gradient buffers alone leave, and come back zeroed
+    dropping.drop_grad_buffers()
+    dropping.drop_grad_buffers()  # idempotent
+    out["grads_bytes_dropped"] = _device_bytes(dropping)
+    out["grads_train_error"] = _error(lambda: dropping.train(batch, LOSS, 8, 2))
+    out["grads_refit_equal"] = all(torch.equal(a, b) for a, b in zip(
+        dropping.get_hf_weights().values(), plain.get_hf_weights().values()))
+    out["grads_logprobs_equal"] = torch.equal(dropping.get_logprobs(batch, 4),
+                                              plain.get_logprobs(batch, 4))
+    dropping.prepare_for_training()
+    out["grads_bytes_training"] = _device_bytes(dropping)
     out["plain_weights_step1"] = plain.get_hf_weights()  # what the refit must read
 
     lifecycle.offload_before_refit()
@@ -125,7 +137,15 @@ def _lifecycle_checks() -> dict:
 
     batch2 = _rollout(8, seed=2)
     out["metrics"] = (_step(plain, batch2), _step(lifecycle, batch2))
+    out["grads_metrics"] = _step(dropping, batch2)
     out["weights"] = (plain.get_hf_weights(), lifecycle.get_hf_weights())
+    out["grads_weights"] = dropping.get_hf_weights()
+    # a whole offload after a drop moves the optimizer state too, and one prepare restores both
+    dropping.drop_grad_buffers()
+    dropping.offload_before_refit()
+    out["grads_then_offload_bytes"] = _device_bytes(dropping)
+    dropping.prepare_for_training()
+    out["grads_then_offload_flags"] = (dropping._grads_dropped, dropping._train_state_offloaded)
     out["reference_equal"] = torch.equal(plain.get_reference_logprobs(batch2, 4),
                                          lifecycle.get_reference_logprobs(batch2, 4))
 
@@ -263,6 +283,26 @@ def test_next_step_after_prepare_equals_a_run_without_offload(results):
         assert torch.equal(w_plain[k], w_life[k]), k
 
 
+def test_dropping_the_grad_buffers_keeps_weights_and_optimizer_and_trains_the_same(results):
+    """cluster.offload_train_state=grads on the worker: drop_grad_buffers frees the gradient
+    buffers alone; inference and the refit export still run, training refuses (naming the
+    gradient buffers and prepare_for_training), and after prepare_for_training the next step
+    gives the parameters of a worker that never dropped anything, bit for bit."""
+    r = results["lifecycle"]
+    start = r["bytes_start"]
+    assert r["grads_bytes_dropped"] == dict(start, grads=0)
+    assert re.search(r"^train: the worker's gradient buffers are offloaded.*"
+                     r"prepare_for_training\(\)", r["grads_train_error"]), r["grads_train_error"]
+    assert r["grads_refit_equal"] and r["grads_logprobs_equal"]
+    assert r["grads_bytes_training"] == start
+    assert r["grads_metrics"] == r["metrics"][0]
+    plain = r["weights"][0]
+    for k in plain:
+        assert torch.equal(plain[k], r["grads_weights"][k]), k
+    assert r["grads_then_offload_bytes"] == dict(start, grads=0, optimizer=0)
+    assert r["grads_then_offload_flags"] == (False, False)
+
+
 def test_bf16_wraps_in_float16_module_and_converts(results):
     r = results["bf16"]
     assert r["is_float16_module"]
@@ -282,6 +322,7 @@ class _RecordingEngine:
     """A rollout backend that records the colocation hooks (and refits by the hf channel)."""
 
     shares_policy_weights = False
+    needs_refit = False
 
     def __init__(self, calls):
         self.calls = calls
@@ -304,11 +345,13 @@ POLICY_MOVES = {"offload_before_refit", "offload_after_refit", "prepare_for_lp_i
                 "prepare_for_training"}
 
 
-@pytest.mark.parametrize("offload", [True, False], ids=["offload", "keep"])
+@pytest.mark.parametrize("offload", ["true", "grads", "false", True, False])
 def test_controller_calls_the_lifecycle_in_order(offload):
     """Colocated, the policy's offload lifecycle around the engine's hooks; with
     ``cluster.offload_train_state`` false (``offload=False``) only the engine's hooks: no policy
-    call moves anything and the refit has no ``offload_*`` hand-over."""
+    call moves anything and the refit has no ``offload_*`` hand-over; with grads only the
+    gradient buffers' drop before the refit (its ``refit/offload_train_s``) and their return
+    before training."""
     from mcore_rl.controller.colocation import Colocation
     from mcore_rl.controller.trainer import RLTrainer
     from mcore_rl.distributed.worker_group import typed
@@ -319,6 +362,7 @@ def test_controller_calls_the_lifecycle_in_order(offload):
         gather_rows=typed(lambda method, *a: calls.append(method)),
         train=lambda *a: calls.append("train"),
     )
+    mode = str(offload).lower()
     for colocate in (True, False):
         calls.clear()
         cfg = SimpleNamespace(policy=SimpleNamespace(logprob_micro_batch_size=4, micro_batch_size=2))
@@ -330,7 +374,7 @@ def test_controller_calls_the_lifecycle_in_order(offload):
         RLTrainer.policy_logprobs(trainer, {})
         moves = {f"refit/{p}_s" for p in ("offload_train", "offload_weights")}
         parts = {f"refit/{p}_s" for p in ("wake_weights", "transfer", "wake_kv")}
-        parts |= moves if offload else set()
+        parts |= {"true": moves, "grads": {"refit/offload_train_s"}, "false": set()}[mode]
         assert parts <= set(refit) if colocate else not parts & set(refit)
         assert not (moves - parts) & set(refit)
         if colocate:  # the hand-overs add up to the refit's seconds
@@ -340,8 +384,11 @@ def test_controller_calls_the_lifecycle_in_order(offload):
                     "offload_before_refit", "engine.prepare_for_refit", "get_hf_weights",
                     "offload_after_refit", "engine.prepare_for_generation",
                     "engine.offload", "prepare_for_lp_inference", "get_logprobs"]
-        if not offload:
-            expected = [c for c in expected if c not in POLICY_MOVES]
+        if mode != "true":
+            expected = [c for c in expected if c not in POLICY_MOVES
+                        or (mode == "grads" and c == "prepare_for_training")]
+        if mode == "grads":
+            expected.insert(expected.index("engine.prepare_for_refit"), "drop_grad_buffers")
         if not colocate:
             expected = ["get_logprobs", "train", "get_hf_weights", "get_logprobs"]
         assert calls == expected
@@ -413,9 +460,10 @@ def _colocated_run(tmp_path, reward: str, backend: str, setting: str, workers: i
     ("hf", 1), pytest.param("megatron", 2, marks=pytest.mark.slow)])
 def test_keeping_the_train_state_trains_as_offloading_it(tmp_path, capsys, chars_reward,
                                                         backend, workers):
-    """cluster.offload_train_state=false against true, colocated: the same rewards, losses and
-    weights after two RL steps; false calls no policy method that moves state, and its refits
-    have no ``offload_*`` hand-over. The log says which, first."""
+    """cluster.offload_train_state=false and grads against true, colocated: the same rewards,
+    losses and weights after two RL steps; false calls no policy method that moves state, and
+    its refits have no ``offload_*`` hand-over; grads drops the gradient buffers alone (no
+    ``offload_weights``). The log says which, first."""
     run = functools.partial(_colocated_run, tmp_path, chars_reward, backend, workers=workers)
     rows_off, weights_off, calls_off = run("true")
     assert "cluster.offload_train_state=true: the policy's training state (" in (
@@ -436,3 +484,52 @@ def test_keeping_the_train_state_trains_as_offloading_it(tmp_path, capsys, chars
         assert "refit/transfer_s" in row and not {"refit/offload_train_s",
                                                   "refit/offload_weights_s"} & set(row)
     assert all("refit/offload_train_s" in r for r in steps)
+    rows_grads, weights_grads, calls_grads = run("grads")
+    assert "cluster.offload_train_state=grads: the policy's gradient buffers (" in (
+        capsys.readouterr().out)
+    for key in ("train/reward_mean", "train/loss", "train/grad_norm"):
+        assert [r[key] for r in steps] == [r[key] for r in rows_grads if "train/loss" in r], key
+    for k in weights_off:
+        assert torch.equal(weights_off[k], weights_grads[k]), k
+    assert "drop_grad_buffers" in calls_grads and "prepare_for_training" in calls_grads
+    assert not {"offload_before_refit", "offload_after_refit", "prepare_for_lp_inference"} & set(
+        calls_grads)
+    assert all("refit/offload_train_s" in r and "refit/offload_weights_s" not in r
+               for r in rows_grads if "train/loss" in r)
+
+
+def test_colocation_refuses_an_unknown_offload_mode():
+    from mcore_rl.controller.colocation import Colocation
+
+    with pytest.raises(ValueError, match=r"offload_train_state must be one of \('true', "
+                                         r"'grads', 'false'\).*got 'auto'"):
+        Colocation(SimpleNamespace(), _RecordingEngine([]), True, offload_train_state="auto")
+
+
+@pytest.mark.parametrize("mode", ["true", "grads", "false"])
+def test_a_backend_that_discarded_its_weights_is_refit_instead_of_woken(mode):
+    """Colocation.prepare_for_generation (a step without refit: after a checkpoint save, PPO's
+    critic warm-up, the start-up canary) with a backend whose sleep discarded its weights
+    (``needs_refit``: vLLM sleep_level=2) runs a whole refit, so the next generate finds the
+    policy's weights; a backend that kept them is only woken."""
+    from mcore_rl.controller.colocation import Colocation
+    from mcore_rl.distributed.worker_group import typed
+
+    calls = []
+    policy = SimpleNamespace(call=typed(lambda method, *a: calls.append(method)
+                                        or [{"w": torch.zeros(2)}]))
+    engine = _RecordingEngine(calls)
+    colocation = Colocation(policy, engine, True, offload_train_state=mode)
+    colocation.prepare_for_generation()
+    woken = {"true": ["offload_after_refit"], "grads": ["drop_grad_buffers"], "false": []}[mode]
+    assert calls == woken + ["engine.prepare_for_refit", "engine.prepare_for_generation"]
+    calls.clear()
+    engine.needs_refit = True
+    colocation.prepare_for_generation()
+    refit = {"true": ["offload_before_refit", "engine.prepare_for_refit", "get_hf_weights",
+                      "offload_after_refit", "engine.prepare_for_generation"],
+             "grads": ["drop_grad_buffers", "engine.prepare_for_refit", "get_hf_weights",
+                       "engine.prepare_for_generation"],
+             "false": ["engine.prepare_for_refit", "get_hf_weights",
+                       "engine.prepare_for_generation"]}[mode]
+    assert calls == refit

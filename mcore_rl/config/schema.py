@@ -24,6 +24,8 @@ from mcore_rl.config.registry import SANDBOXES
 # Choice lists that components take from here rather than repeat.
 # cluster.placement: how mcore_rl.distributed.placement puts worker groups on GPUs.
 PLACEMENTS = ("colocated", "separate")
+# cluster.offload_train_state: what of the colocated policy leaves the GPU for generation.
+OFFLOAD_TRAIN_STATE = ("auto", "true", "grads", "false")
 # loss.kl_estimator and ppo.reward_kl_estimator: mcore_rl.algorithms.kl.kl_estimate.
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # loss.aggregation: how mcore_rl.algorithms.losses.ClippedPGLoss turns per-token losses into the
@@ -88,19 +90,20 @@ class ClusterConfig:
     # policy trains. The streaming loop (grpo/ppo.streaming) generates while it trains, so
     # there both stay resident and share each GPU (one GPU runs it; memory must hold both).
     colocate_generation: bool = False
-    # With cluster.colocate_generation: whether the policy hands its gradient buffers, optimizer
-    # state and weights to host memory while the engine decodes (verl's param_offload /
-    # optimizer_offload). "true": every RL step (the offload lifecycle); "false": they stay on
-    # the GPU and the refit only wakes the engine and transfers the weights (the engine still
-    # sleeps while the policy trains); "auto": false where the planner predicts that every phase
-    # fits cluster.gpu_memory_gb with the policy's training state resident (the rule:
-    # mcore_rl.megatron.memory.offload_train_state_decision), else true; `mcore-rl plan` and
-    # the train log say which and why. `train` on cuda refuses a false predicted not to fit
-    # (cluster.skip_memory_check=true trains anyway). On the cpu device auto is true. No effect
-    # without colocation or with streaming. The default stays "true" until "false" has run on a
-    # GPU (its parity is tested on CPU; the engine's wake beside the policy's cached blocks is
-    # not measured yet).
-    offload_train_state: str = one_of("true", ("auto", "true", "false"))
+    # With cluster.colocate_generation: what of the policy's training state leaves the GPU while
+    # the engine decodes (verl's param_offload / grad_offload / optimizer_offload). "true": the
+    # gradient buffers (dropped), the optimizer state and the weights (to host memory), every RL
+    # step (the offload lifecycle); "grads": only the gradient buffers, dropped (every step
+    # zeroes them first: no copy), while the weights and the optimizer state stay, so the refit
+    # moves nothing over PCIe; "false": nothing leaves and the refit only wakes the engine and
+    # transfers the weights. The engine still sleeps while the policy trains. "auto": the least
+    # that fits cluster.gpu_memory_gb in every phase by the planner (false, else grads, else
+    # true; the rule: mcore_rl.megatron.memory.offload_train_state_decision); `mcore-rl plan`
+    # and the train log say which and why. `train` on cuda refuses a false or grads predicted
+    # not to fit (cluster.skip_memory_check=true trains anyway). On the cpu device auto is
+    # true. No effect without colocation or with streaming. The default stays "true" until
+    # grads and false have run on a GPU (their parity is tested on CPU).
+    offload_train_state: str = one_of("true", OFFLOAD_TRAIN_STATE)
     # Garbage collection in the Megatron workers. 0: Python's automatic collection. N > 0: off,
     # with a full collection after every N-th optimizer step on all ranks at once (Megatron-LM's
     # --manual-gc): automatic collections (~0.2 s each, measured on an H200 host) land on each
@@ -337,7 +340,9 @@ class VLLMConfig:
     # Refit bucket size in MiB: weights are streamed to the engines in buckets of about this size.
     refit_bucket_mb: int = bounded(256, ge=1)
     # Colocated GPU runs: vLLM sleep level while the policy trains; 1 moves the engine's weights
-    # to host memory, 2 discards them (the next refit rewrites them). Both free the KV cache.
+    # to host memory (and back at the wake before the refit, which then overwrites them), 2
+    # discards them (the next refit rewrites them; a hand-over without one, after a checkpoint
+    # save or the start-up canary, refits). Both free the KV cache.
     sleep_level: int = one_of(1, (1, 2))
     # Reuse the KV cache of shared prompt prefixes (reset at every refit).
     enable_prefix_caching: bool = True

@@ -18,10 +18,13 @@ lifecycle (``MegatronTrainWorker.offload_before_refit``, ``offload_after_refit``
 3. :meth:`Colocation.prepare_for_lp_inference` / :meth:`Colocation.prepare_for_training`:
    the backend frees its memory (once), the policy comes back as far as the next call needs.
 
-With ``offload_train_state`` False (``cluster.offload_train_state`` resolved to false: the
-policy's training state and the engine's awake memory fit the GPU together) the policy never
-moves: no policy call in step 1 or 3, the refit is the backend's wake-up, refit channel and
-decoding memory; the backend still frees its memory before logprobs and training.
+With ``offload_train_state`` ``"false"`` (``cluster.offload_train_state`` resolved to false:
+the policy's training state and the engine's awake memory fit the GPU together) the policy
+never moves: no policy call in step 1 or 3, the refit is the backend's wake-up, refit channel
+and decoding memory; the backend still frees its memory before logprobs and training. With
+``"grads"`` only the policy's gradient buffers leave, dropped without a copy
+(``drop_grad_buffers`` before the refit; ``prepare_for_training`` brings them back zeroed):
+the weights and optimizer state stay, so no hand-over moves bytes over PCIe.
 
 :meth:`Colocation.prepare_for_generation` hands the device back to the backend without a refit
 (after a checkpoint save; at the end of an RL step that trained no policy: PPO's critic
@@ -48,23 +51,41 @@ class Colocation:
         enabled: ``cluster.colocate_generation``; False makes every method but :meth:`refit` a
             no-op.
         offload_train_state: ``cluster.offload_train_state`` resolved
-            (:func:`mcore_rl.megatron.memory.offload_train_state_decision`): whether the policy
-            leaves the device while the backend holds it; False keeps it there (module
+            (:func:`mcore_rl.megatron.memory.offload_train_state_decision`): what of the
+            policy leaves the device while the backend holds it: ``"true"`` (or True) all of
+            it, ``"grads"`` its gradient buffers, ``"false"`` (or False) nothing (module
             docstring).
+
+    Raises:
+        ValueError: ``offload_train_state`` is none of those.
     """
 
+    MODES = ("true", "grads", "false")
+
     def __init__(self, policy, backend: GenerationBackend, enabled: bool,
-                 offload_train_state: bool = True):
+                 offload_train_state="true"):
+        if isinstance(offload_train_state, bool):
+            offload_train_state = str(offload_train_state).lower()
+        if offload_train_state not in self.MODES:
+            raise ValueError(f"Colocation: offload_train_state must be one of {self.MODES} "
+                             f"(cluster.offload_train_state resolved), got "
+                             f"{offload_train_state!r}")
         self.policy = policy
         self.backend = backend
         self.enabled = enabled
         self.offload_train_state = offload_train_state
         self._backend_on_device = True  # a fresh engine holds its memory
 
+    @property
+    def _moves_all(self) -> bool:
+        return self.offload_train_state == "true"
+
     def _policy_yields(self) -> None:
-        """The policy off the device, except the weights the backend decodes with (nothing
-        without ``offload_train_state``)."""
-        if not self.offload_train_state:
+        """The policy off the device, except the weights the backend decodes with (its
+        gradient buffers alone with ``"grads"``, nothing with ``"false"``)."""
+        if self.offload_train_state == "grads":
+            self.policy.call(PolicyAPI).drop_grad_buffers()
+        if not self._moves_all:
             return
         policy = self.policy.call(PolicyAPI)
         if self.backend.shares_policy_weights:
@@ -83,8 +104,10 @@ class Colocation:
         backend's stats and, colocated, the seconds of each hand-over: ``refit/offload_train_s``
         (the policy's gradients and optimizer state leave), ``refit/wake_weights_s``,
         ``refit/transfer_s`` (the backend's refit itself), ``refit/offload_weights_s``,
-        ``refit/wake_kv_s`` (the backend takes back its decoding memory); without
-        ``offload_train_state`` the policy stays and the two ``offload_*`` are not there."""
+        ``refit/wake_kv_s`` (the backend takes back its decoding memory); with
+        ``offload_train_state`` ``"grads"`` ``refit/offload_train_s`` is the gradient buffers'
+        drop and there is no ``refit/offload_weights_s``; with ``"false"`` the policy stays
+        and neither ``offload_*`` is there."""
         if not self.enabled:
             return self.backend.refit(self.policy)
         times, start = {}, time.perf_counter()
@@ -95,15 +118,18 @@ class Colocation:
             times[f"refit/{name}_s"] = now - start
             start = now
 
-        if self.offload_train_state:
+        if self._moves_all:
             self.policy.call(PolicyAPI).offload_before_refit()
+            lap("offload_train")
+        elif self.offload_train_state == "grads":
+            self.policy.call(PolicyAPI).drop_grad_buffers()
             lap("offload_train")
         self.backend.prepare_for_refit()
         self._backend_on_device = True
         lap("wake_weights")
         stats = self.backend.refit(self.policy)
         lap("transfer")
-        if self.offload_train_state:
+        if self._moves_all:
             if not self.backend.shares_policy_weights:
                 self.policy.call(PolicyAPI).offload_after_refit()
             lap("offload_weights")
@@ -114,8 +140,12 @@ class Colocation:
     def prepare_for_generation(self) -> None:
         """Colocated: the policy leaves the device (as after a refit), the backend takes it
         back, with the weights of its last refit (a step without refit: the policy did not
-        change)."""
-        if self.enabled:
+        change). A backend that discarded its weights while it slept (``needs_refit``: vLLM
+        ``generation.vllm.sleep_level=2``) gets them again by a whole :meth:`refit` instead
+        (the policy's weights are those of the last refit)."""
+        if self.enabled and self.backend.needs_refit:
+            self.refit()
+        elif self.enabled:
             self._policy_yields()
             self.backend.prepare_for_refit()
             self.backend.prepare_for_generation()
@@ -135,16 +165,17 @@ class Colocation:
 
     def prepare_for_lp_inference(self) -> None:
         """Colocated: the backend frees the device; the policy's weights come back (its
-        training state stays off; without ``offload_train_state`` nothing was off)."""
+        training state stays off; with ``"grads"`` or ``"false"`` the weights never left)."""
         if self.enabled:
             self._backend_yields()
-            if self.offload_train_state:
+            if self._moves_all:
                 self.policy.call(PolicyAPI).prepare_for_lp_inference()
 
     def prepare_for_training(self) -> None:
         """Colocated: the backend frees the device; the policy's weights, gradient buffers and
-        optimizer state come back (without ``offload_train_state`` nothing was off)."""
+        optimizer state come back (with ``"grads"`` the gradient buffers; with ``"false"``
+        nothing was off)."""
         if self.enabled:
             self._backend_yields()
-            if self.offload_train_state:
+            if self.offload_train_state != "false":
                 self.policy.call(PolicyAPI).prepare_for_training()

@@ -234,7 +234,8 @@ class RLTrainer:
         # Streaming generates while it trains: colocated engines then share the policy's GPUs
         # with everything resident, so the offload lifecycle is off.
         colocated = cfg.cluster.colocate_generation and not cfg.streaming
-        offload, self.offload_note = True, ""  # the policy's training state; the log's line
+        # What of the policy's training state leaves the GPU for generation; the log's line.
+        offload, self.offload_note = "true", ""
         if colocated and self.device != "cuda" and cfg.cluster.offload_train_state == "auto":
             self.offload_note = ("cluster.offload_train_state=auto -> true: the cpu device (the "
                                  "planner plans GPU memory)")

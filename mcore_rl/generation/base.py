@@ -100,6 +100,15 @@ class GenerationBackend(abc.ABC):
     shares_policy_weights: bool = False
     pad_token_id: int
 
+    @property
+    def needs_refit(self) -> bool:
+        """True when the backend holds no usable copy of the policy's weights (a
+        :class:`StreamingBackend` before its first refit, after a failed one, or after a sleep
+        that discarded them: vLLM ``generation.vllm.sleep_level=2``), so a colocated
+        hand-over without a refit (:meth:`~mcore_rl.controller.colocation.Colocation.
+        prepare_for_generation`) refits instead. False by default."""
+        return False
+
     # ------------------------------------------------------------------ construction
     @classmethod
     @abc.abstractmethod
@@ -246,6 +255,11 @@ class StreamingBackend(GenerationBackend):
     vocab_size: int  # prompt ids are checked against it, and
     max_total_length: int  # prompt lengths against it, before anything is sent
     _weights_loaded: bool = False
+
+    @property
+    def needs_refit(self) -> bool:
+        """See :attr:`GenerationBackend.needs_refit`: no weights loaded (or discarded)."""
+        return not self._weights_loaded
 
     @abc.abstractmethod
     def submit(self, worker: int, prompts: List[List[int]], seed: int, group_size: int,

@@ -764,7 +764,8 @@ class VLLMGenerationBackend(StreamingBackend):
     def offload(self) -> None:
         """Colocated GPU engines: vLLM sleep (``generation.vllm.sleep_level``) so the policy
         has the GPU; elsewhere nothing. At level 2 the weights are discarded: :meth:`generate`
-        refuses until the next refit."""
+        refuses until the next refit (``needs_refit``; a colocated hand-over without a refit
+        refits, :meth:`~mcore_rl.controller.colocation.Colocation.prepare_for_generation`)."""
         if self.device == "cuda" and self.colocated and not self._sleeping:
             self.engines.call(VLLMEngineAPI).sleep()
             self._sleeping = {"weights", "kv_cache"}

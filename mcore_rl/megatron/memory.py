@@ -64,8 +64,8 @@ in-place megatron decoding: generation -3 to 0%, train +1%) and, term by term, a
 decoder and the micro-batching really allocate (tests/test_memory_plan.py).
 "Resident" is what stays on the GPU in that phase:
 with ``cluster.colocate_generation`` the policy's gradients and optimizer state leave the GPU
-for generation, unless ``cluster.offload_train_state`` keeps them
-(:func:`offload_train_state_decision`), and the rollout engine's memory leaves it once the
+for generation, unless ``cluster.offload_train_state`` keeps them (or all but the gradient
+buffers: ``grads``; :func:`offload_train_state_decision`), and the rollout engine's memory leaves it once the
 step's rollout is generated (the ``megatron`` decoder's KV cache at once,
 ``controller/colocation.Colocation.rollout_done``; a vLLM engine's share at the next phase's
 hand-over), so neither logprobs nor training count it.
@@ -249,8 +249,9 @@ class MemoryPlan:
         engine_transient: what a generate call adds while it runs (prefill, decode logits).
         engine_offloaded: ``cluster.colocate_generation``: the engine leaves the GPU for
             training and logprobs.
-        train_state_offloaded: the policy's training state leaves the GPU for generation
-            (colocated, ``cluster.offload_train_state`` resolved).
+        offload_mode: what of the policy's training state leaves the GPU for generation
+            (colocated, ``cluster.offload_train_state`` resolved: ``"true"`` all of it,
+            ``"grads"`` the gradient buffers, ``"false"`` nothing).
         offload_decision: one line: ``cluster.offload_train_state``, what it resolved to and
             why (empty without colocation); :func:`offload_train_state_decision`.
         phases: peak bytes by phase (``generation``, ``logprobs``, ``train``), of the phases
@@ -268,13 +269,19 @@ class MemoryPlan:
     phases: Dict[str, int]
     gpu_bytes: int
     layout: Tuple[int, int, int]
-    train_state_offloaded: bool = False
+    offload_mode: str = "false"
     offload_decision: str = ""
     not_run: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def peak(self) -> int:
         return max(self.phases.values())
+
+    @property
+    def train_state_offloaded(self) -> bool:
+        """All of the policy's training state (gradients, optimizer state, weights) leaves the
+        GPU for generation (:attr:`offload_mode` ``"true"``)."""
+        return self.offload_mode == "true"
 
     @property
     def peak_phase(self) -> str:
@@ -517,14 +524,14 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
                 megatron: Optional[MegatronConfig] = None, micro_batch_size: Optional[int] = None,
                 seq: Optional[int] = None, train_rows: Optional[int] = None,
                 prompt: Optional[int] = None,
-                offload_train_state: Optional[bool] = None) -> MemoryPlan:
+                offload_train_state: Optional[str] = None) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``cfg`` (or of its policy layout replaced by ``megatron``
     and micro-batch ``micro_batch_size``; the critic keeps its own layout). ``seq`` (tokens a
     row) defaults to ``data.max_total_length``, ``prompt`` (the longest prompt, which sizes
     the rollout engine's buffers with ``generation.max_new_tokens``) to
-    ``data.max_prompt_length``; ``offload_train_state`` (colocated: the policy's training
-    state leaves the GPU for generation) to ``cluster.offload_train_state`` as
-    :func:`offload_train_state_decision` resolves it. A phase the run never enters
+    ``data.max_prompt_length``; ``offload_train_state`` (colocated: what of the policy's
+    training state leaves the GPU for generation, ``"true"``, ``"grads"`` or ``"false"``) to
+    ``cluster.offload_train_state`` as :func:`offload_train_state_decision` resolves it. A phase the run never enters
     (:func:`phases_not_run`) is in the plan's ``not_run``, not in its ``phases``."""
     vocab_size = vocab_size or arch.vocab_size
     pm = megatron or cfg.policy.megatron
@@ -553,17 +560,20 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
         offload_train_state, decision = offload_train_state_decision(
             cfg, arch, vocab_size, megatron=megatron, micro_batch_size=micro_batch_size,
             seq=seq, train_rows=train_rows, prompt=prompt)
-    policy_offloaded = offloaded and offload_train_state
-    # Offloaded for generation: all of the policy leaves the GPU, except the weights the
-    # megatron backend decodes with.
-    kept = weights if cfg.generation.backend == "megatron" else 0
-    generation = (kept if policy_offloaded else static) + engine + sum(eng_transient.values())
-    resident_train = static + (0 if offloaded else engine)
+    mode = offload_train_state if offloaded else "false"
     policy = roles[0]
-    # Colocated, the training state stays off the GPU for logprobs (only the weights return)
-    # and the engine's memory has left it (the megatron decoder's right after the rollout).
-    logprobs = ((weights if policy_offloaded else resident_train) + policy.logprob_logits
-                + policy.logprob_forward)
+    # Offloaded for generation ("true"): all of the policy leaves the GPU, except the weights
+    # the megatron backend decodes with; "grads": its gradient buffers only.
+    kept = weights if cfg.generation.backend == "megatron" else 0
+    dropped = policy.grads if mode == "grads" else 0
+    generation = ((kept if mode == "true" else static - dropped) + engine
+                  + sum(eng_transient.values()))
+    resident_train = static + (0 if offloaded else engine)
+    # Colocated, what left stays off the GPU for logprobs (only the weights return; the
+    # gradient buffers come back for training) and the engine's memory has left it (the
+    # megatron decoder's right after the rollout).
+    logprobs = ((weights if mode == "true" else resident_train - dropped)
+                + policy.logprob_logits + policy.logprob_forward)
     train = resident_train + max(r.train_transient for r in roles)
     tp, pp = pm.tensor_model_parallel_size, pm.pipeline_model_parallel_size
     not_run = phases_not_run(cfg)
@@ -573,7 +583,7 @@ def plan_memory(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[in
                       engine_offloaded=offloaded, phases=phases,
                       gpu_bytes=int(cfg.cluster.gpu_memory_gb * GIB),
                       layout=(tp, pp, _dp(cfg, pm)), not_run=not_run,
-                      train_state_offloaded=policy_offloaded, offload_decision=decision)
+                      offload_mode=mode, offload_decision=decision)
 
 
 def candidate_layouts(cfg: TrainConfig, arch: ModelArchConfig) -> List[Tuple[int, int, int]]:
@@ -684,64 +694,81 @@ def format_layouts(rows: List[Tuple[Tuple[int, int, int], int, MemoryPlan]]) -> 
 
 def offload_train_state_decision(cfg: TrainConfig, arch: ModelArchConfig,
                                  vocab_size: Optional[int] = None,
-                                 **plan_args) -> Tuple[bool, str]:
+                                 **plan_args) -> Tuple[str, str]:
     """``cluster.offload_train_state`` resolved for the plan of ``cfg`` (``plan_args``: those of
-    :func:`plan_memory`): whether the colocated policy's training state leaves the GPU while
-    the rollout engine decodes, and one line saying which and why (empty without colocation or
-    with streaming, where it has no effect).
+    :func:`plan_memory`): what of the colocated policy's training state leaves the GPU while
+    the rollout engine decodes (``"true"``: gradient buffers, optimizer state and weights;
+    ``"grads"``: the gradient buffers, dropped; ``"false"``: nothing), and one line saying
+    which and why (empty without colocation or with streaming, where it has no effect).
 
-    ``true`` and ``false`` are taken as set. ``auto`` is false when the plan with the policy's
-    training state resident (``plan_memory(..., offload_train_state=False)``) fits
-    ``cluster.gpu_memory_gb`` in every phase, with ``S`` the resident training state (every
-    role's weights, grads, optimizer state and reference weights: :attr:`RoleMemory.static`):
+    ``true``, ``grads`` and ``false`` are taken as set. ``auto`` is the least that fits
+    ``cluster.gpu_memory_gb`` in every phase: ``false`` when the plan with the policy's
+    training state resident (``plan_memory(..., offload_train_state="false")``) fits, else
+    ``grads`` when the plan without its gradient buffers fits, else ``true``. With ``S`` the
+    resident training state (every role's weights, grads, optimizer state and reference
+    weights: :attr:`RoleMemory.static`) and ``G`` the policy's gradient buffers:
 
-    - generation: ``S`` + the engine's awake share (``MemoryPlan.engine``: vLLM's
-      ``gpu_memory_utilization x cluster.gpu_memory_gb``, the megatron decoder's KV cache and
-      row states) + what a generate call adds (``MemoryPlan.engine_transient``);
-    - logprobs: ``S`` + a logprob micro-batch's logits and forward intermediates;
+    - generation: ``S`` (``grads``: ``S - G``) + the engine's awake share
+      (``MemoryPlan.engine``: vLLM's ``gpu_memory_utilization x cluster.gpu_memory_gb``, the
+      megatron decoder's KV cache and row states) + what a generate call adds
+      (``MemoryPlan.engine_transient``);
+    - logprobs: ``S`` (``grads``: ``S - G``) + a logprob micro-batch's logits and forward
+      intermediates;
     - train (the same either way): ``S`` + the train transients (activations, logits and
       their gradient, the optimizer step's fp32 grads) + the sleeping engine's residue, which
       the plan counts as 0 (the engine's memory leaves the GPU for training);
 
-    true otherwise (where the train phase alone does not fit, the layout's own refusal,
+    ``true`` otherwise (where the train phase alone does not fit, the layout's own refusal,
     :func:`memory_error`, stands either way).
     """
     setting, gpu = cfg.cluster.offload_train_state, cfg.cluster.gpu_memory_gb
     key = f"cluster.offload_train_state={setting}"
     if not cfg.cluster.colocate_generation or cfg.streaming:
-        return setting != "false", ""
-    keep = plan_memory(cfg, arch, vocab_size, offload_train_state=False, **plan_args)
+        return ("false" if setting == "false" else "true"), ""
+    keep = plan_memory(cfg, arch, vocab_size, offload_train_state="false", **plan_args)
     resident = sum(r.static for r in keep.roles)
+    grads = keep.roles[0].grads
     if setting == "true":
-        return True, (f"{key}: the policy's training state ({_gib(resident)} GiB) goes to host "
-                      f"memory while the engine decodes")
+        return "true", (f"{key}: the policy's training state ({_gib(resident)} GiB) goes to host "
+                        f"memory while the engine decodes")
     awake = sum(keep.engine.values()) + sum(keep.engine_transient.values())
     phase = keep.peak_phase
     figures = (f"generation {_gib(keep.phases['generation'])} GiB = training state "
                f"{_gib(resident)} + engine awake {_gib(awake)}")
     peak = f"peak {_gib(keep.peak)} GiB in {phase} of cluster.gpu_memory_gb={gpu:g}"
     if setting == "false":
-        return False, f"{key}: the policy's training state stays on the GPU ({peak}; {figures})"
+        return "false", f"{key}: the policy's training state stays on the GPU ({peak}; {figures})"
+    dropping = plan_memory(cfg, arch, vocab_size, offload_train_state="grads", **plan_args)
+    stays = (f"gradient buffers ({_gib(grads)} GiB) are dropped while the engine decodes; "
+             f"the weights and optimizer state ({_gib(resident - grads)} GiB) stay (peak "
+             f"{_gib(dropping.peak)} GiB in {dropping.peak_phase})")
+    if setting == "grads":
+        return "grads", f"{key}: the policy's {stays}"
     if keep.fits:
-        return False, (f"{key} -> false: with the policy's training state resident every phase "
-                       f"fits ({peak}; {figures})")
-    return True, (f"{key} -> true: with the policy's training state resident {phase} would need "
-                  f"{_gib(keep.peak)} GiB > cluster.gpu_memory_gb={gpu:g} ({figures}); it goes "
-                  f"to host memory while the engine decodes")
+        return "false", (f"{key} -> false: with the policy's training state resident every "
+                         f"phase fits ({peak}; {figures})")
+    over = (f"with the policy's training state resident {phase} would need {_gib(keep.peak)} "
+            f"GiB > cluster.gpu_memory_gb={gpu:g} ({figures})")
+    if dropping.fits:
+        return "grads", f"{key} -> grads: {over}; its {stays}"
+    return "true", (f"{key} -> true: {over}, and {_gib(dropping.peak)} GiB with its gradient "
+                    f"buffers dropped; it goes to host memory while the engine decodes")
 
 
 def offload_train_state_error(cfg: TrainConfig, arch: ModelArchConfig,
                               vocab_size: Optional[int], plan: MemoryPlan) -> Optional[str]:
-    """One line refusing ``cluster.offload_train_state=false`` when ``plan`` (the config's)
-    does not fit ``cluster.gpu_memory_gb`` but would with the training state offloaded (the
-    phase, the predicted GiB, the keys to change); else None."""
-    if cfg.cluster.offload_train_state != "false" or not plan.engine_offloaded or plan.fits:
+    """One line refusing ``cluster.offload_train_state=false`` (or ``grads``) when ``plan``
+    (the config's) does not fit ``cluster.gpu_memory_gb`` but would with the training state
+    offloaded (the phase, the predicted GiB, the keys to change); else None."""
+    setting = cfg.cluster.offload_train_state
+    if setting not in ("false", "grads") or not plan.engine_offloaded or plan.fits:
         return None
-    offloading = plan_memory(cfg, arch, vocab_size, offload_train_state=True)
+    offloading = plan_memory(cfg, arch, vocab_size, offload_train_state="true")
     if not offloading.fits:
         return None
     phase = plan.peak_phase
-    return (f"cluster.offload_train_state=false: with the policy's training state on the GPU "
+    what = "training state" if setting == "false" else "weights and optimizer state"
+    return (f"cluster.offload_train_state={setting}: with the policy's {what} on the GPU "
             f"while the engine decodes, {phase} is predicted to need {_gib(plan.peak)} GiB per "
             f"GPU (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}; offloaded: peak "
             f"{_gib(offloading.peak)}); set cluster.offload_train_state=auto (or true), or "
@@ -752,7 +779,7 @@ def memory_error(cfg: TrainConfig, arch: ModelArchConfig, vocab_size: Optional[i
                  ) -> Optional[str]:
     """One line when the configured layout is predicted not to fit ``cluster.gpu_memory_gb``
     (naming the phase, the figures and the layouts that fit; for a
-    ``cluster.offload_train_state=false`` that would fit offloaded,
+    ``cluster.offload_train_state=false`` or ``grads`` that would fit offloaded,
     :func:`offload_train_state_error`), else None."""
     plan = plan_memory(cfg, arch, vocab_size)
     if plan.fits:

@@ -48,6 +48,7 @@ class OffloadLifecycleMixin:
     # -> prepare_for_lp_inference -> (get_logprobs ...) -> prepare_for_training -> (train).
     _weights_offloaded: bool = False  # weights off the device (offload_after_refit)
     _train_state_offloaded: bool = False  # grad buffers and optimizer state off the device
+    _grads_dropped: bool = False  # grad buffers alone off the device (drop_grad_buffers)
     _weights_host: Optional[StorageOffloader] = None
     _optimizer_host: Optional[StorageOffloader] = None
 
@@ -72,8 +73,10 @@ class OffloadLifecycleMixin:
 
     def _check_device_state(self, method: str, training: bool) -> None:
         """The guard of :func:`requires_device_state`; raises ``RuntimeError`` (see there)."""
-        if self._weights_offloaded or (training and self._train_state_offloaded):
-            what = "weights" if self._weights_offloaded else "gradient buffers and optimizer state"
+        if self._weights_offloaded or (training and (self._train_state_offloaded
+                                                     or self._grads_dropped)):
+            what = ("weights" if self._weights_offloaded else "gradient buffers and optimizer "
+                    "state" if self._train_state_offloaded else "gradient buffers")
             prepare = "prepare_for_training()" if training else "prepare_for_lp_inference()"
             raise RuntimeError(f"{method}: the worker's {what} are offloaded from the device "
                                f"(offload_before_refit/offload_after_refit); call {prepare} "
@@ -82,6 +85,26 @@ class OffloadLifecycleMixin:
     def _empty_cache(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _drop_grads(self) -> None:
+        for m in self.model:
+            m.offload_grad_buffers(synchronize=self.device.type == "cuda", empty_cache=False)
+
+    def drop_grad_buffers(self) -> None:
+        """Free the DDP gradient buffers alone (Megatron's ``offload_grad_buffers``: dropped,
+        not copied, since every step zeroes them first) and return the freed and cached
+        blocks to the device (``torch.cuda.empty_cache``), so a colocated engine can wake into
+        them; the weights and optimizer state stay (``cluster.offload_train_state=grads``).
+        :meth:`prepare_for_training` brings the buffers back, zeroed. Idempotent.
+
+        Raises:
+            RuntimeError: a split train step is open (its accumulated gradients would be lost).
+        """
+        self._refuse_during_split_step("drop_grad_buffers")
+        if not (self._grads_dropped or self._train_state_offloaded):
+            self._drop_grads()
+            self._grads_dropped = True
+        self._empty_cache()
 
     def offload_before_refit(self) -> None:
         """Free the training state before the refit: the DDP gradient buffers (dropped: every
@@ -95,8 +118,9 @@ class OffloadLifecycleMixin:
         self._refuse_during_split_step("offload_before_refit")
         if self._train_state_offloaded:
             return
-        for m in self.model:
-            m.offload_grad_buffers(synchronize=self.device.type == "cuda", empty_cache=False)
+        if not self._grads_dropped:
+            self._drop_grads()
+        self._grads_dropped = False  # now part of the whole training state's offload
         self._optimizer_host = self._optimizer_host or StorageOffloader()
         self._optimizer_host.offload(self._optimizer_tensors())
         self._train_state_offloaded = True
@@ -136,6 +160,10 @@ class OffloadLifecycleMixin:
     def prepare_for_training(self) -> None:
         """Weights, gradient buffers (zeroed) and optimizer state back on the device."""
         self.prepare_for_lp_inference()
+        if self._grads_dropped:
+            for m in self.model:
+                m.restore_grad_buffers(synchronize=self.device.type == "cuda")
+            self._grads_dropped = False
         if self._train_state_offloaded:
             for m in self.model:
                 m.restore_grad_buffers(synchronize=self.device.type == "cuda")

@@ -96,7 +96,8 @@
 #               (scripts/gpu/llama8b.py: tokens/s/GPU, phases, refit, memory against the plan);
 #               with L8SYNC_SET (overrides) a second run with them after the default one
 #               (l8_colocated_set), e.g. L8SYNC_SET="cluster.offload_train_state=false
-#               cluster.gpu_memory_gb=141" (the config plans 80 GiB, where false is refused)
+#               cluster.gpu_memory_gb=141" (the config plans 80 GiB, where false is refused);
+#               L8SYNC_DEFAULT=0 runs the set run alone
 #   l8off       one-step off-policy: the streaming loop (staleness 1), policy TP=2 on GPUs 0-1,
 #               two vLLM engines (TP=1) on GPUs 2-3, NCCL refit; L8OFF_PREV (train_forward) sets
 #               loss.prev_logprobs (recompute: a logprob forward of every chunk before it trains),
@@ -507,8 +508,9 @@ stage_parity8() {
     echo "== parity8"; quiet < "$RES/parity8.log" | tail -n 12
 }
 
-stage_l8sync() {  # L8SYNC_SET: overrides of a second run beside the default one
-    l8run l8_colocated "${L8_TIMEOUT:-1500}"
+stage_l8sync() {  # L8SYNC_SET: overrides of a second run beside the default one (L8SYNC_DEFAULT=0:
+    # the set run alone)
+    [ "${L8SYNC_DEFAULT:-1}" = 0 ] || l8run l8_colocated "${L8_TIMEOUT:-1500}"
     # shellcheck disable=SC2086
     [ -z "${L8SYNC_SET:-}" ] || l8run l8_colocated_set "${L8_TIMEOUT:-1500}" ${L8SYNC_SET}
 }
