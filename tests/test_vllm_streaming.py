@@ -110,7 +110,8 @@ def test_staleness_one_carries_each_engines_version(run):
         del t.logprob_budget.observe
     assert [step for step, _ in counted] == [1, 2, 3, 4]
     for m, (_, canary) in zip(metrics, counted):
-        assert ("canary/token_mult_prob_error" in m) == bool(canary) == (m["stream/staleness_0"] == 0)
+        has_canary = "canary/token_mult_prob_error" in m
+        assert has_canary == bool(canary) == (m["stream/staleness_0"] == 0)
         if canary:
             assert m["canary/logprob_mismatch_max"] < MISMATCH
     assert len(fed) == 4 * 4 * 4

@@ -12,10 +12,11 @@ is NeMo RL's multiplicative probability error, the mean of ``exp(|gap|)`` (1 whe
 start-up canary (:meth:`RLTrainer.logprob_canary <mcore_rl.controller.trainer.RLTrainer>`) over
 budget refuses to train; k consecutive RL steps over budget stop the run, the k-th step aborted
 before its optimizer step (a streamed step that trains no row decoded by its own weights is
-measured on a canary decoded after the refit: :mod:`mcore_rl.controller.streaming`). Both raise :class:`LogprobBudgetExceeded`, which exits the process with
-:data:`EXIT_CODE` (3): not the input-error status 2 (the config is well-formed; the figure is a
-measurement of a backend, precision and layout on given hardware) and not the preemption status
-75 (a requeue would only repeat the failure).
+measured on a canary decoded after the refit: :mod:`mcore_rl.controller.streaming`). Both
+raise :class:`LogprobBudgetExceeded`, which exits the process with :data:`EXIT_CODE` (3): not
+the input-error status 2 (the config is well-formed; the figure is a measurement of a backend,
+precision and layout on given hardware) and not the preemption status 75 (a requeue would only
+repeat the failure).
 """
 
 from __future__ import annotations
