@@ -42,6 +42,7 @@ from mcore_rl.controller.streaming import StepFailed
 from mcore_rl.generation import remote
 
 PARITY_RTOL = 1e-5
+CORRUPT_SCALE = 1.2  # FaultyGenerationWorker's "corrupt" fault
 PARITY_ULPS = 4
 STEPS = 3
 
@@ -71,12 +72,18 @@ BASE = [
 class FaultyGenerationWorker(remote.GenerationWorker):
     """A generation process with faults switched on by the test: ``("die", n)`` exits the
     process at its n-th next ``generate`` call; ``("wait_for", path)`` holds every ``generate``
-    call until ``path`` exists."""
+    call until ``path`` exists; ``("corrupt", v)`` loads the weights of every policy version
+    ``>= v`` scaled by :data:`CORRUPT_SCALE` (a refit that wrote wrong values)."""
 
     fault = None
 
     def set_fault(self, kind, arg):
         self.fault = [kind, arg]
+
+    def update_weights(self, weights, version):
+        if self.fault and self.fault[0] == "corrupt" and version >= self.fault[1]:
+            weights = {k: v * CORRUPT_SCALE for k, v in weights.items()}
+        super().update_weights(weights, version)
 
     def generate(self, *args):
         if self.fault and self.fault[0] == "die":

@@ -4,7 +4,8 @@ a straight run; restored groups train at the staleness they had in the straight 
 group too old for ``max_staleness`` is dropped and generated again, and a checkpoint without the
 finished groups (saved before they were kept) still loads (they are generated again). On the
 same deterministic GRPO run: ``loss.prev_logprobs=train_forward`` against ``recompute``, and
-its logprob budget.
+the logprob budget: on the rows a step's weights decoded, else on the canary decoded after each
+refit (steps 2.. here), which a refit that broke the engine's weights sets off.
 
 Determinism. Which groups a streamed step trains with ``max_staleness >= 1`` depends on when
 generation calls finish wherever a process may hold fewer calls than the loop wants in flight
@@ -194,8 +195,9 @@ def test_train_forward_equals_recompute_at_staleness_1(grpo):
 def test_train_forward_budget_counts_rows_the_trained_weights_decoded(grpo):
     """train_forward, generation.logprob_budget_steps=1, every chunk's rollout logprobs shifted
     by 0.2 nats before it trains (the loss reads them for its figures only): steps 2..4, whose
-    rows were all decoded one version back, are not counted and go on; step 1, decoded by the
-    weights it trains, stops the run after its update (the error says it is in memory only)."""
+    rows were all decoded one version back, measure no token and go on (no canary either:
+    grpo.max_steps=0, the loop starts none for a step to come); step 1, decoded by the weights
+    it trains, stops the run after its update (the error says it is in memory only)."""
     run, t = grpo.run, grpo.run.trainer
     prepare = t.algorithm.prepare_chunk
     drifting = [False]
@@ -220,6 +222,108 @@ def test_train_forward_budget_counts_rows_the_trained_weights_decoded(grpo):
     finally:
         del t.algorithm.prepare_chunk
         t.logprob_budget.steps, t.logprob_budget.over = t.cfg.generation.logprob_budget_steps, 0
+
+
+@contextlib.contextmanager
+def counted(run, **cfg):
+    """``run`` with ``grpo.max_steps`` set (the loop starts a canary only for a step to come)
+    and the ``generation`` keys ``cfg``; yields the budget's observations ``(step, figures,
+    canary)`` (:meth:`LogprobBudget.observe`, which ``observe_trained`` calls too). All put
+    back on leaving, the count of steps over budget too."""
+    t = run.trainer
+    budget, gen = t.logprob_budget, t.cfg.generation
+    was = {k: getattr(gen, k) for k in cfg}, t.cfg.grpo.max_steps
+    seen = []
+    observe = budget.observe
+
+    def spy(step, figures, trained=False, canary=0):
+        seen.append((step, figures, canary))
+        return observe(step, figures, trained, canary)
+
+    for k, v in cfg.items():
+        setattr(gen, k, v)
+    budget.steps = gen.logprob_budget_steps
+    t.cfg.grpo.max_steps = 6
+    budget.observe = spy
+    try:
+        yield seen
+    finally:
+        del budget.observe
+        for k, v in was[0].items():
+            setattr(gen, k, v)
+        t.cfg.grpo.max_steps = was[1]
+        budget.steps, budget.over = gen.logprob_budget_steps, 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "train_forward"])
+def test_canary_counts_every_stale_step(grpo, mode):
+    """Staleness 1: step 1 trains rows decoded by its own weights, steps 2..4 only rows decoded
+    one version back. The budget counts step 1 on its rows and steps 2..4 on the canary the
+    loop decodes after each refit with the pushed weights (generation.logprob_canary_prompts
+    prompts, one response each) and scores with the policy at the same weights: ~1 on fp32,
+    logged as canary/*. Without canary prompts steps 2..4 are not counted (the gap it fills).
+    With train_forward step 1 is counted after its update, the others before it."""
+    run = grpo.run
+    with prev_logprobs(run, mode):
+        for prompts in (8, 0):
+            with counted(run, logprob_canary_prompts=prompts) as seen:
+                run.reset()
+                metrics = run.steps(STEPS)
+            assert [m["stream/staleness_1"] for m in metrics] == [0, 4, 4, 4]
+            if not prompts:
+                assert [step for step, _, _ in seen] == [1]
+                assert not any(k.startswith("canary/") for m in metrics for k in m)
+                continue
+            assert [(step, canary) for step, _, canary in seen] == [(1, 0), (2, 8), (3, 8), (4, 8)]
+            assert not any(k.startswith("canary/") for k in metrics[0])
+            for m, (_, figures, _) in zip(metrics[1:], seen[1:]):
+                assert 1.0 <= m["canary/token_mult_prob_error"] < 1.0001
+                assert m["canary/token_mult_prob_error"] == figures["train/token_mult_prob_error"]
+                assert m["canary/logprob_mismatch_max"] < 1e-4 and m["timing/canary_wait_s"] >= 0
+
+
+def test_corrupted_refit_stops_the_run_on_the_canary(grpo, capsys):
+    """The generation process loads the weights of policy versions >= 2 scaled by 1.2 (a refit
+    that broke the engine's weights; versions 0 and 1 load clean), generation.
+    logprob_budget_steps=2: the rows steps 2..4 train were all decoded one version back, so
+    only the canary measures the refits. Step 2 (version 1) is within budget, step 3 (version
+    2) over, step 4 the second over: fit stops with exit code 3 before step 4's optimizer step
+    (the parameters are those after step 3), the error naming the canary."""
+    from test_streaming import CORRUPT_SCALE
+
+    from mcore_rl.controller.logprob_budget import EXIT_CODE
+
+    run, t, loop = grpo.run, grpo.run.trainer, grpo.run.loop
+    before = {}
+    rl_step = loop.rl_step
+
+    def record_then_step():
+        before[t.step + 1] = run.weights()
+        return rl_step()
+
+    with counted(run, logprob_budget_steps=2) as seen:
+        run.reset()
+        t.generation.group.call_each("set_fault", [["corrupt", 2]], ranks=[0])
+        loop.rl_step = record_then_step
+        try:
+            with pytest.raises(SystemExit) as stop:
+                loop.fit()
+        finally:
+            del loop.rl_step
+            t.generation.group.call_each("set_fault", [[None, None]], ranks=[0])
+        assert isinstance(stop.value, LogprobBudgetExceeded)
+        assert stop.value.code == EXIT_CODE == 3 and stop.value.step == 4 and t.step == 3
+        after = run.weights()
+        run.reset()  # clean weights into the engine again
+    assert [(step, canary) for step, _, canary in seen] == [(1, 0), (2, 8), (3, 8), (4, 8)]
+    mult = [figures["train/token_mult_prob_error"] for _, figures, _ in seen]
+    assert mult[0] < 1.0001 and mult[1] < 1.0001 and min(mult[2:]) > 1.05, (CORRUPT_SCALE, mult)
+    assert all(torch.equal(after[k], before[4][k]) for k in after)  # step 4 trained nothing
+    assert any(not torch.equal(before[3][k], before[4][k]) for k in after)  # step 3 did
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mcore-rl: error: logprob budget exceeded for 2 consecutive RL steps")
+    assert "RL step 4 has" in err and "on a canary of 8 prompts decoded after the refit" in err
+    assert err.endswith("(exit code 3)")
 
 
 @pytest.fixture(scope="module")

@@ -90,16 +90,30 @@ def test_staleness_one_carries_each_engines_version(run):
     """max_staleness=1: generation runs a step ahead (the calls an engine holds when a step
     ends decode with that step's weights; the new weights load after them). Every row trains at
     staleness <= 1; its ``trainer_version`` is the version that decoded it: rows at staleness 0
-    have the policy's own logprobs, rows at staleness 1 the previous weights'."""
+    have the policy's own logprobs, rows at staleness 1 the previous weights'. The logprob
+    budget counts every step: on its rows decoded by its weights, or where it has none on the
+    canary an engine decodes after the refit (logged as canary/*, the policy's logprobs)."""
     t = run.trainer
     run.reset()
     fed = _spy_fed_rows(t)
+    counted = []
+    observe = t.logprob_budget.observe
+    t.logprob_budget.observe = lambda step, figures, trained=False, canary=0: (
+        counted.append((step, canary)) or observe(step, figures, trained, canary))
     t.cfg.grpo.max_staleness = 1
+    t.cfg.grpo.max_steps = 4  # the loop starts a canary for a step to come
     try:
         metrics = run.steps(4)
     finally:
-        t.cfg.grpo.max_staleness = 0
+        t.cfg.grpo.max_staleness = t.cfg.grpo.max_steps = 0
         del t.policy.train_microbatch
+        del t.logprob_budget.observe
+    assert [step for step, _ in counted] == [1, 2, 3, 4]
+    for m, (_, canary) in zip(metrics, counted):
+        has_canary = "canary/token_mult_prob_error" in m
+        assert has_canary == bool(canary) == (m["stream/staleness_0"] == 0)
+        if canary:
+            assert m["canary/logprob_mismatch_max"] < MISMATCH
     assert len(fed) == 4 * 4 * 4
     assert {s for s, _ in fed} <= {0, 1}
     assert all(m["stream/staleness_0"] + m["stream/staleness_1"] == 4 for m in metrics)

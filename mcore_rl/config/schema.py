@@ -410,7 +410,10 @@ class GenerationConfig:
     logprob_budget_steps: int = bounded(3, ge=1)
     # Prompts of the start-up canary (the first training prompts, one response each, sampled
     # as the run samples) whose trainer/rollout mismatch must be within logprob_budget before
-    # the first RL step; 0: no canary.
+    # the first RL step; 0: no canary. Streaming with max_staleness >= 1: also the canary
+    # decoded after each refit, which counts toward logprob_budget_steps for a step that
+    # trains no row decoded by its own weights (logged as canary/*); 0: such steps are not
+    # counted.
     logprob_canary_prompts: int = bounded(8, ge=0)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -621,7 +624,9 @@ class LossConfig:
     # importance weights are those of recompute). The trainer/rollout mismatch
     # (train/token_mult_prob_error, generation.logprob_budget; streaming: over the rows the
     # trained weights decoded) is then measured in the training forward, after that step's
-    # optimizer step; a run the budget stops saves nothing of that step.
+    # optimizer step; a run the budget stops saves nothing of that step. A streamed step
+    # without such rows is measured on the refit's canary (generation.logprob_canary_prompts)
+    # before its optimizer step, as with recompute.
     prev_logprobs: str = one_of("recompute", ("recompute", "train_forward"))
 
 

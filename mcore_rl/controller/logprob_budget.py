@@ -11,10 +11,12 @@ is NeMo RL's multiplicative probability error, the mean of ``exp(|gap|)`` (1 whe
 ``token_mult_prob_error``; null: unchecked) and ``generation.logprob_budget_steps`` (k). The
 start-up canary (:meth:`RLTrainer.logprob_canary <mcore_rl.controller.trainer.RLTrainer>`) over
 budget refuses to train; k consecutive RL steps over budget stop the run, the k-th step aborted
-before its optimizer step. Both raise :class:`LogprobBudgetExceeded`, which exits the process with
-:data:`EXIT_CODE` (3): not the input-error status 2 (the config is well-formed; the figure is a
-measurement of a backend, precision and layout on given hardware) and not the preemption status
-75 (a requeue would only repeat the failure).
+before its optimizer step (a streamed step that trains no row decoded by its own weights is
+measured on a canary decoded after the refit: :mod:`mcore_rl.controller.streaming`). Both
+raise :class:`LogprobBudgetExceeded`, which exits the process with :data:`EXIT_CODE` (3): not
+the input-error status 2 (the config is well-formed; the figure is a measurement of a backend,
+precision and layout on given hardware) and not the preemption status 75 (a requeue would only
+repeat the failure).
 """
 
 from __future__ import annotations
@@ -129,11 +131,15 @@ class LogprobBudget:
                 f"distribution the trainer scores (see docs/logprob-contract.md; raise "
                 f"generation.logprob_budget or set it to null to train anyway)", figures, 0)
 
-    def observe(self, step: int, figures: Dict[str, float], trained: bool = False) -> None:
+    def observe(self, step: int, figures: Dict[str, float], trained: bool = False,
+                canary: int = 0) -> None:
         """Count RL step ``step`` (1-based), whose trainer logprobs are in, before its optimizer
         step (``trained``: after it, the figures measured by the training forward with
         ``loss.prev_logprobs=train_forward``): over budget extends the run of consecutive
-        over-budget steps, within resets it.
+        over-budget steps, within resets it. ``canary``: the figures are those of a canary of
+        that many prompts decoded by the weights being trained (the streaming loop's, for a
+        step whose rows were all decoded by older weights; the error says so); 0: of the
+        step's own rows.
 
         Raises:
             LogprobBudgetExceeded: the ``steps``-th consecutive step over budget; the caller
@@ -148,7 +154,9 @@ class LogprobBudget:
                 f"logprob budget exceeded for {self.over} consecutive RL steps "
                 f"(generation.logprob_budget_steps={self.steps}): RL step {step} has "
                 f"{_figures_text(figures)} > generation.logprob_budget={self.budget:g} with "
-                f"{self.setup}; " + (
+                f"{self.setup}" + (
+                    f" on a canary of {canary} prompts decoded after the refit (every row of "
+                    f"step {step} was decoded by older weights)" if canary else "") + "; " + (
                     f"step {step}'s update (loss.prev_logprobs=train_forward measures in the "
                     f"training forward) is in memory only: nothing of step {step} was saved"
                     if trained else
@@ -162,8 +170,8 @@ class LogprobBudget:
         step: the policy update's metrics ``metrics`` (``train/<name>`` of
         :data:`MISMATCH_KEYS`, over ``train/`` :data:`MISMATCH_TOKENS` tokens). A step that
         measured no token (a streamed step whose rows were all decoded by older weights) is not
-        counted, as the streaming loop's check before the update skips it, and its figures (0
-        over 0 tokens) are removed from ``metrics``.
+        counted here (the streaming loop counted the refit's canary for it before the update,
+        where it had one), and its figures (0 over 0 tokens) are removed from ``metrics``.
 
         Raises:
             KeyError: ``metrics`` lacks a figure (the loss was not built with

@@ -31,6 +31,25 @@ the loss measures the figures over those rows, and the budget counts them after
 ``finish_train_step``, before the refit (:meth:`LogprobBudget.observe_trained
 <mcore_rl.controller.logprob_budget.LogprobBudget.observe_trained>`).
 
+The logprob canary. With ``max_staleness >= 1`` a step may train no row decoded by its own
+weights (at staleness 1 with generation ahead, every step after the first), and a refit that
+broke the engine's weights would then go unmeasured. So right after each push the loop submits
+a canary of the pushed version to the generation process with the fewest calls, queued behind
+the new weights: the start-up canary's prompts (:meth:`RLTrainer.canary_prompts
+<mcore_rl.controller.trainer.RLTrainer.canary_prompts>`: the first
+``generation.logprob_canary_prompts`` training prompts, one response each, a seed of their
+own). When its decoding is in (during the next step, beside the chunks) and that step has fed
+no row of its version yet, the policy's logprob forward of it starts on the DP rank with the
+fewest rows; the weights are that version until the step's ``finish_train_step``. A step
+without a row decoded by its weights waits for the canary before ``finish_train_step`` (both
+``prev_logprobs`` modes) and counts its figures (:meth:`LogprobBudget.observe
+<mcore_rl.controller.logprob_budget.LogprobBudget.observe>` with ``canary``), so ``k`` such
+steps over budget stop the run as on-policy rows do, the ``k``-th aborted before its optimizer
+step. A step with such rows counts them and drops the canary. No canary with
+``max_staleness=0`` (every trained row is on-policy), after the last step, without a budget or
+with 0 canary prompts; one whose decoding or forward failed, or a refit or resume that replaced
+its weights, drops it (a warning; its step is not counted).
+
 What needs the whole batch before its first rows train cannot stream, and is refused at load
 time (:func:`mcore_rl.config.loader.streaming_errors`): GRPO's batch-wide estimator
 (REINFORCE++), dynamic sampling and ``grpo.optimizer_steps_per_rollout > 1``; PPO's advantage
@@ -77,6 +96,9 @@ seconds of the step by what was running (:class:`BusyClock`): ``timing/generatio
 ``timing/trainer_busy_s``, ``timing/overlap_s`` (both), ``timing/idle_s`` (neither: the
 controller alone), with ``timing/step_s``, ``timing/finish_s``, ``timing/refit_s``;
 ``generation/tokens_per_s`` is the step's response tokens over its generation-busy seconds.
+A step the canary measured logs its figures as ``canary/token_mult_prob_error``,
+``canary/logprob_mismatch_mean`` and ``canary/logprob_mismatch_max``, and the seconds it waited
+for the canary before ``finish_train_step`` as ``timing/canary_wait_s``.
 PPO adds the synchronous loop's ``critic/*`` figures (the algorithm's ``batch_metrics``:
 :meth:`mcore_rl.controller.ppo.PPO.critic_metrics` over the step's rows, and the critic's step
 as ``critic/<metric>``).
@@ -86,20 +108,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any, Deque, Dict, List, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
 from mcore_rl.controller.algorithm import Algorithm, SplitStep
 from mcore_rl.controller.checkpoints import TENSORS_KEY
-from mcore_rl.controller.logprob_budget import LogprobBudgetExceeded
+from mcore_rl.controller.logprob_budget import LogprobBudgetExceeded, mismatch_figures
 from mcore_rl.controller.trainer import Loop, RLTrainer, step_seed
 from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import WorkerError
 from mcore_rl.generation.base import assemble_rollout
 from mcore_rl.workers.interfaces import PolicyAPI
+
+_log = logging.getLogger(__name__)
 
 # Generation calls queued per process: one decoding, one waiting.
 CALLS_PER_WORKER = 2
@@ -171,6 +196,20 @@ class _Chunk:
     calls: Dict[str, Future]
 
 
+@dataclasses.dataclass
+class _Canary:
+    """The logprob canary of policy ``version`` (module docstring): its ``prompts``, the
+    generation call decoding them (``decoding``: a future of ``(version, groups)``), then their
+    ``rollout`` and the policy's logprob forward of it (``forward``: a future of one
+    ``[rows, S]`` tensor per DP rank called)."""
+
+    version: int
+    prompts: List[List[int]]
+    decoding: Future
+    rollout: Optional[B.Batch] = None
+    forward: Optional[Future] = None
+
+
 class StreamingLoop(Loop):
     """The streaming loop of the module docstring on ``trainer`` with ``algorithm``, whose
     section gives ``streaming``, ``max_staleness``, ``max_step_retries``,
@@ -205,6 +244,8 @@ class StreamingLoop(Loop):
         self.ready: Deque[ScoredGroup] = collections.deque()  # finished, not trained yet
         self.batches_drawn = 0  # sampler batches drawn (the synchronous loop draws one per step)
         self.dropped_stale = 0  # prompt groups dropped as stale in this RL step
+        # the logprob canary of the weights pushed last, while it may still be needed
+        self.canary: Optional[_Canary] = None
 
     @property
     def train_forward(self) -> bool:
@@ -286,6 +327,7 @@ class StreamingLoop(Loop):
         :attr:`todo`. A checkpoint from before ``ready`` was kept holds every untrained group
         in ``pending``: all are generated again."""
         super().load_controller_state(state)
+        self.canary = None  # of weights the loaded ones replace
         self.batches_drawn = state.get("batches_drawn", self.trainer.step)
         self.todo = collections.deque(PromptGroup(*p) for p in state.get("pending", []))
         self.ready.clear()
@@ -299,8 +341,78 @@ class StreamingLoop(Loop):
         ``self.trainer.step``; waits (the start of a run, or of an evaluation)."""
         start = time.perf_counter()
         tr = self.trainer
+        self.canary = None  # of weights this refit replaces
         stats = tr.generation.refit(tr.policy, version=self.algorithm.policy_version(tr.step))
         return {"refit/seconds": time.perf_counter() - start, **stats}
+
+    # ------------------------------------------------------------------ the logprob canary
+    def _start_canary(self) -> None:
+        """Right after a push of the weights of the next RL step (``trainer.step + 1``,
+        0-based): the canary of that version (module docstring), :meth:`RLTrainer.
+        canary_prompts` with one response each, submitted to the live generation process with
+        the fewest calls, behind the pushed weights. Nothing where the next step cannot lack
+        rows decoded by its weights (``max_staleness=0``: older rows are dropped), where there
+        is no next step (``max_steps``), or without a budget or canary prompts."""
+        tr = self.trainer
+        self.canary = None
+        prompts = tr.canary_prompts()
+        if (not prompts or tr.section.max_staleness == 0 or tr.step + 1 >= tr.section.max_steps
+                or not tr.generation.alive):
+            return
+        load = self._calls_per_worker()
+        worker = min(load, key=load.get)
+        decoding = tr.watchdog.track("generation", tr.generation.submit(
+            worker, prompts, tr.canary_seed(tr.step + 1), 1, 0))
+        self.canary = _Canary(self.algorithm.policy_version(tr.step + 1), prompts, decoding)
+
+    def _forward_canary(self, dp_rank: int) -> None:
+        """The canary's decoding is done: its rollout assembled and the policy's logprob
+        forward of it started on DP rank ``dp_rank`` (answered after the calls that rank
+        holds; the weights are the step's until its ``finish_train_step``). A decoding that
+        failed (its process died, or a failed refit) or was decoded by other weights than the
+        canary's version drops the canary, with a warning: its step is then not counted."""
+        c, tr = self.canary, self.trainer
+        try:
+            version, groups = c.decoding.result()
+        except WorkerError as e:
+            _log.warning("logprob canary of policy version %d: its generation call failed (%s); "
+                         "RL step %d is not counted by generation.logprob_budget",
+                         c.version, e, tr.step + 1)
+            self.canary = None
+            return
+        if version != c.version:
+            _log.warning("logprob canary: decoded by policy version %d, not %d; RL step %d is not "
+                         "counted by generation.logprob_budget", version, c.version, tr.step + 1)
+            self.canary = None
+            return
+        responses: List[Any] = [None] * len(c.prompts)
+        for group in groups:
+            responses[group.rows.start:group.rows.stop] = group.responses
+        c.rollout = assemble_rollout(c.prompts, responses, tr.generation.pad_token_id)
+        policy = tr.policy.call_per_dp_async(PolicyAPI, dp_ranks=[dp_rank])
+        c.forward = tr.watchdog.track("logprobs", policy.get_logprobs(
+            [[c.rollout, tr.cfg.policy.logprob_micro_batch_size]]))
+
+    def _canary_figures(self, version: int) -> Optional[Dict[str, float]]:
+        """The :func:`~mcore_rl.controller.logprob_budget.mismatch_figures` of the canary of
+        policy ``version``, waited for (its forward started on DP rank 0 if it was not yet);
+        the canary is consumed. None without such a canary, or when it failed (a warning)."""
+        c = self.canary
+        if c is None or c.version != version:
+            return None
+        if c.forward is None:
+            self._forward_canary(0)  # waits for the decoding
+            if self.canary is None:
+                return None
+        self.canary = None
+        try:
+            c.rollout["prev_logprobs"] = c.forward.result()[0]
+        except WorkerError as e:
+            _log.warning("logprob canary of policy version %d: the policy's logprob forward "
+                         "failed (%s); RL step %d is not counted by generation.logprob_budget",
+                         version, e, self.trainer.step + 1)
+            return None
+        return mismatch_figures(c.rollout)
 
     # ------------------------------------------------------------------ generation
     def _draw(self) -> None:
@@ -312,6 +424,15 @@ class StreamingLoop(Loop):
                          for i, p in enumerate(self.trainer.sampler.next_batch()))
         self.batches_drawn += 1
 
+    def _calls_per_worker(self) -> Dict[int, int]:
+        """The loop's generation calls in flight per live generation process (the canary's
+        not counted)."""
+        load = {w: 0 for w in self.trainer.generation.alive}
+        for w, _ in self.generating.values():
+            if w in load:
+                load[w] += 1
+        return load
+
     def _dispatch(self, wanted: int) -> None:
         """Start generation calls until ``wanted`` groups are generating or finished, or every
         live process holds :data:`CALLS_PER_WORKER` calls. A call decodes one decoding batch
@@ -321,10 +442,7 @@ class StreamingLoop(Loop):
         measured with 64-row calls against 256-row ones, bench/RESULTS.md)."""
         n = self.trainer.section.num_generations
         per_call = max(1, self.trainer.cfg.generation.batch_size // n)
-        load = {w: 0 for w in self.trainer.generation.alive}
-        for w, _ in self.generating.values():
-            if w in load:
-                load[w] += 1
+        load = self._calls_per_worker()
         generating = sum(len(items) for _, items in self.generating.values())
         while len(self.ready) + generating < wanted and load:
             worker = min(load, key=load.get)
@@ -406,8 +524,20 @@ class StreamingLoop(Loop):
             # PPO: the critic warm-up trains no policy
             version = self.algorithm.policy_version(self.trainer.step)
             on_policy = torch.nonzero(batch["trainer_version"] == version).flatten()
-            if len(on_policy) and not self.train_forward:  # else after the update, below
-                self.trainer.check_logprob_budget(B.select(batch, on_policy))
+            canary: Dict[str, float] = {}
+            if len(on_policy):
+                self.canary = None  # not needed: the step's own rows measure its weights
+                if not self.train_forward:  # else after the update, below
+                    self.trainer.check_logprob_budget(B.select(batch, on_policy))
+            else:  # every row decoded by older weights: the canary of the step's weights
+                wait_start = time.perf_counter()
+                prompts = len(self.canary.prompts) if self.canary is not None else 0
+                figures = self._canary_figures(version)
+                if figures is not None:
+                    canary = {f"canary/{k[len('train/'):]}": v for k, v in figures.items()}
+                    canary["timing/canary_wait_s"] = time.perf_counter() - wait_start
+                    self.trainer.logprob_budget.observe(self.trainer.step + 1, figures,
+                                                        canary=prompts)
         except LogprobBudgetExceeded:
             for step in steps.values():
                 step.group.abort_train_step()
@@ -430,6 +560,7 @@ class StreamingLoop(Loop):
                 clock.mark(bool(self.generating), False)
                 metrics["refit/seconds"] = time.perf_counter() - refit_start
                 metrics.update(pushed.stats())
+            self._start_canary()  # queued behind the pushed weights
         clock.mark(bool(self.generating), False)
 
         rollout = B.concat(chunks)
@@ -437,6 +568,7 @@ class StreamingLoop(Loop):
                                             clock.seconds["generation_busy"]))
         metrics.update(self.algorithm.batch_metrics(rollout))
         metrics.update(trained)
+        metrics.update(canary)
         version = self.algorithm.policy_version(self.trainer.step)
         staleness = [version - sg.version for sg in fed]
         for j in range(loop.max_staleness + 1):
@@ -547,16 +679,26 @@ class StreamingLoop(Loop):
                 clock.mark(bool(self.generating), bool(waiting or training))
                 if len(fed) == need and not waiting and not training:
                     return fed, chunks
-                done, _ = wait([*self.generating, *waiting, *training], return_when=FIRST_COMPLETED)
+                # the canary of this step's weights, until its decoding is in
+                canary = [c.decoding for c in [self.canary] if c is not None
+                          and c.version == version and c.forward is None]
+                done, _ = wait([*self.generating, *waiting, *training, *canary],
+                               return_when=FIRST_COMPLETED)
                 clock.mark(bool(self.generating), bool(waiting or training))
                 for f in done:
                     if f in self.generating:
                         self._generated(f)
                     elif f in waiting:
                         forwarded(f)
-                    else:
+                    elif f in training:
                         training.discard(f)
                         f.result()
+                if canary and canary[0] in done:
+                    if any(sg.version == version for sg in fed):
+                        self.canary = None  # the step's own rows measure its weights
+                    else:  # its forward beside the chunks', on the DP rank with fewest rows
+                        self._forward_canary(min(range(policy.dp_size),
+                                                 key=dp_rows["policy"].__getitem__))
         except BaseException as e:
             # Close the step on every rank once its calls are answered; its groups go back.
             wait([*waiting, *training])

@@ -489,16 +489,32 @@ class RLTrainer:
         Raises:
             LogprobBudgetExceeded: over budget (:meth:`LogprobBudget.check_canary`).
         """
-        n = min(self.cfg.generation.logprob_canary_prompts, len(self.train_data))
-        if self.logprob_budget.budget is None or n == 0:
+        prompts = self.canary_prompts()
+        if not prompts:
             return {}
-        rollout = self.generation.generate(self._prompts(self.train_data, range(n)),
-                                           seed=step_seed(self.cfg.run.seed, 0, salt=_CANARY_SALT))
+        rollout = self.generation.generate(prompts, seed=self.canary_seed(0))
         rollout["prev_logprobs"] = self.policy_logprobs(rollout)
         self.colocation.prepare_for_generation()
         figures = mismatch_figures(rollout)
-        self.logprob_budget.check_canary(figures, n)
+        self.logprob_budget.check_canary(figures, len(prompts))
         return figures
+
+    def canary_prompts(self) -> List[List[int]]:
+        """The logprob canary's prompts (:meth:`logprob_canary`; the streaming loop's canary
+        after a refit, :mod:`mcore_rl.controller.streaming`): the first
+        ``generation.logprob_canary_prompts`` training prompts (all of them when there are
+        fewer), as token-id lists; none without a budget (``generation.logprob_budget=null``)
+        or with 0 canary prompts."""
+        n = min(self.cfg.generation.logprob_canary_prompts, len(self.train_data))
+        if self.logprob_budget.budget is None or n == 0:
+            return []
+        return self._prompts(self.train_data, range(n))
+
+    def canary_seed(self, step: int) -> int:
+        """Sampling seed of the logprob canary measuring the weights of RL step ``step``
+        (0-based; 0: the start-up canary): a seed of its own, so the run's rollouts and prompt
+        order are untouched."""
+        return step_seed(self.cfg.run.seed, step, salt=_CANARY_SALT)
 
     # ------------------------------------------------------------------ phases
     def validate(self) -> Dict[str, float]:
