@@ -13,6 +13,8 @@ packed policy and critic steps at CP=2 against CP=1, padded and packed.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -562,3 +564,30 @@ def test_packed_context_parallel_matches_cp1(cp_results, kind, reference):
         valid = torch.arange(batch["input_ids"].shape[1])[None] < batch["input_lengths"][:, None]
         assert bool((got["per_token"][valid & (torch.arange(valid.shape[1]) > 0)] != 0).all())
         assert got["padding_fraction"] > 0  # the per-sequence padding to 2 CP is counted
+
+
+@pytest.mark.parametrize("spec,moved", [("transformer_engine", True), ("torch", False),
+                                        ("local", False)])
+def test_packed_params_put_cu_seqlens_on_the_device_for_transformer_engine(spec, moved):
+    """TE's fused attention reads ``cu_seqlens`` on the device (a host copy failed on an H100 in
+    ``fused_attn_fwd``): on the ``transformer_engine`` spec the worker's ``PackedSeqParams``
+    carry it on the worker's device as int32; the other specs keep the host copy (they move
+    it once themselves, without a sync). The worker's device is ``meta`` here, so the move is
+    visible on the CPU machine."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mcore_rl.data.packing import CU_SEQLENS, MAX_SEQLEN
+    from mcore_rl.workers.megatron_worker import MegatronTrainWorker
+
+    cu = torch.tensor([0, 3, 7, 12], dtype=torch.int32)
+    worker = SimpleNamespace(megatron_cfg=SimpleNamespace(layer_spec=spec),
+                             device=torch.device("meta"))
+    params = MegatronTrainWorker._packed_params(worker, {CU_SEQLENS: cu,
+                                                         MAX_SEQLEN: torch.tensor(5)})
+    assert isinstance(params, PackedSeqParams) and params.qkv_format == "thd"
+    assert params.max_seqlen_q == params.max_seqlen_kv == 5
+    for t in (params.cu_seqlens_q, params.cu_seqlens_kv):
+        assert t.dtype == torch.int32 and t.shape == cu.shape
+        assert t.device == (torch.device("meta") if moved else cu.device)
+        if not moved:
+            assert torch.equal(t, cu)

@@ -343,10 +343,17 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
         attention and RoPE (positions restart in every sequence). With context parallelism
         every sequence is padded to a multiple of ``2 CP``, the padding part of its sequence in
         ``cu_seqlens`` (Megatron's THD RoPE divides each length by CP and takes the rank's
-        chunks of the frequencies)."""
+        chunks of the frequencies). ``cu_seqlens`` stays where the micro-batch has it (the
+        ``local`` and ``torch`` specs take a host copy and move it once), except on the
+        ``transformer_engine`` spec, whose fused attention kernels read it on the device
+        (int32): there it is copied to the worker's device (measured on an H100: a host
+        ``cu_seqlens`` fails in TE's ``fused_attn_fwd`` with "CUDAGuardImpl initialized with
+        non-CUDA DeviceType: cpu")."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = mb[CU_SEQLENS]
+        if self.megatron_cfg.layer_spec == "transformer_engine" and cu.device != self.device:
+            cu = cu.to(device=self.device, dtype=torch.int32, non_blocking=True)
         longest = int(mb[MAX_SEQLEN])  # a CPU tensor: no device sync
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                max_seqlen_q=longest, max_seqlen_kv=longest)
