@@ -653,3 +653,203 @@ def test_shared_prompt_kv_rollouts_equal_rows_decoded_alone(groups, eos, layout)
     assert 0 < diff < 1e-5  # 1e-6 measured; not 0: the two-level attention ran
     logprobs = group.gather_rows("get_logprobs", shared, 8)
     assert ((logprobs - shared["generation_logprobs"]).abs() * shared["token_mask"]).max() < 1e-5
+
+
+# ---------------------------------------------------------------- generation.cuda_graphs_tp
+def test_decode_graphs_follow_the_keys():
+    """CUDA graphs: on CUDA with generation.cuda_graphs for a dense model; at TP > 1 only with
+    generation.cuda_graphs_tp (TP=1 as before: the new key changes nothing there); never on the
+    CPU, where TP=2 with the key on decodes eagerly."""
+    from mcore_rl.generation.megatron import decode_graphs
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for graphs, graphs_tp, tp, moe in [(g, t, tp, m) for g in (True, False) for t in (True, False)
+                                       for tp in (1, 2, 4) for m in (True, False)]:
+        cfg = GenerationConfig(cuda_graphs=graphs, cuda_graphs_tp=graphs_tp)
+        expected = graphs and not moe and (tp == 1 or graphs_tp)
+        assert decode_graphs(cfg, cuda, tp, moe) == expected, (graphs, graphs_tp, tp, moe)
+        assert not decode_graphs(cfg, cpu, tp, moe)
+    assert GenerationConfig().cuda_graphs and not GenerationConfig().cuda_graphs_tp
+
+
+def test_cuda_graphs_tp_config_and_its_refusal():
+    base = ["generation.backend=megatron", "cluster.num_workers=2",
+            "policy.megatron.tensor_model_parallel_size=2"]
+    assert not load_config("grpo_synthetic", base).generation.cuda_graphs_tp
+    assert load_config("grpo_synthetic", base + ["generation.cuda_graphs_tp=true"]) \
+        .generation.cuda_graphs_tp
+    with pytest.raises(ConfigError, match="cuda_graphs_tp=true captures .* which is false"):
+        load_config("grpo_synthetic", base + ["generation.cuda_graphs_tp=true",
+                                              "generation.cuda_graphs=false"])
+
+
+def test_tp_graph_env_errors_name_the_variables():
+    from mcore_rl.generation.megatron import tp_graph_env_errors
+
+    assert tp_graph_env_errors({}, 9) == []
+    assert tp_graph_env_errors({"TORCH_NCCL_BLOCKING_WAIT": "0", "TORCH_NCCL_NAN_CHECK": "false",
+                                "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, 9) == []
+    errors = tp_graph_env_errors({"TORCH_NCCL_BLOCKING_WAIT": "1",
+                                  "TORCH_NCCL_NAN_CHECK": "True"}, 9)
+    assert [e.split("=")[0] for e in errors] == ["TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_NAN_CHECK"]
+    expandable = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert "NCCL_GRAPH_REGISTER=0" in tp_graph_env_errors(expandable, 9)[0]
+    assert tp_graph_env_errors({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, 9)
+    assert tp_graph_env_errors({**expandable, "NCCL_GRAPH_REGISTER": "0"}, 9) == []
+    assert tp_graph_env_errors(expandable, 10) == []  # Blackwell: Megatron-Core's rule
+
+
+def test_tp2_decoding_with_cuda_graphs_tp_on_cpu_is_unchanged(groups, eos):
+    """TP=2 on gloo with generation.cuda_graphs_tp: graphs are CUDA's, so the steps run eagerly
+    and the rollouts are the key-off ones bit for bit (sampled, greedy, and with a mid-chunk
+    compaction)."""
+    group, prompts = groups["tp2_local"], PROMPTS * 3
+    for cfg, total in ((GEN, MAX_TOTAL), (dataclasses.replace(GEN, max_new_tokens=30,
+                                                              batch_size=32), 40)):
+        on = dataclasses.replace(cfg, cuda_graphs_tp=True)
+        for greedy in (False, True):
+            off_batch = MegatronGenerationBackend(group, cfg, eos, PAD, total, VOCAB).generate(
+                prompts, seed=4, greedy=greedy)
+            on_batch = MegatronGenerationBackend(group, on, eos, PAD, total, VOCAB).generate(
+                prompts, seed=4, greedy=greedy)
+            for key, value in off_batch.items():
+                assert torch.equal(on_batch[key], value), (key, greedy)
+
+
+class _FakeGraphs:
+    """torch.cuda's graph API on the CPU for :class:`_MarkovDecoder`: a capture records the
+    decode step's arguments instead of running it, a replay runs the step with them; ``log``
+    gets ``("eager" | "capture" | "replay", bucket, span)`` per step."""
+
+    def __init__(self, monkeypatch, dec, fail=False):
+        self.log, self.capturing, self.fail = [], None, fail
+        real_step = dec._step
+        stream = SimpleNamespace(wait_stream=lambda other: None)
+        fakes = self
+
+        class Graph:
+            def replay(self):
+                fakes.log.append(("replay", *self.args[:2]))
+                real_step(*self.args)
+
+        @contextlib.contextmanager
+        def graph(g, pool=None, stream=None, capture_error_mode="global"):
+            assert capture_error_mode == "thread_local"
+            if fakes.fail:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            fakes.capturing = g
+            try:
+                yield
+            finally:
+                fakes.capturing = None
+
+        def step(*args):
+            if self.capturing is not None:
+                self.capturing.args = args
+                self.log.append(("capture", *args[:2]))
+            else:
+                self.log.append(("eager", *args[:2]))
+                real_step(*args)
+
+        dec._step = step
+        for name, value in (("graph_pool_handle", lambda: "pool"), ("Stream", lambda: stream),
+                            ("current_stream", lambda: stream),
+                            ("stream", lambda s: contextlib.nullcontext()), ("CUDAGraph", Graph),
+                            ("graph", graph)):
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def _tp2_graph_decoder(monkeypatch, table, moved_elsewhere):
+    """A :class:`_MarkovDecoder` at TP=2 that decides on graphs as on CUDA (the real
+    :func:`decode_graphs` with a CUDA device), its TP agreement on moved weights answered by
+    ``moved_elsewhere`` (calls logged in the returned list)."""
+    from mcore_rl.generation import megatron as decoder
+
+    real = decoder.decode_graphs
+    monkeypatch.setattr(decoder, "decode_graphs",
+                        lambda cfg, device, tp, moe: real(cfg, torch.device("cuda"), tp, moe))
+    monkeypatch.setattr(decoder, "_check_tp_graph_env", lambda device: None)
+    agreed = []
+    monkeypatch.setattr(decoder, "_tp_any", lambda flag, group, device: (
+        agreed.append((flag, group)), flag or moved_elsewhere(len(agreed)))[1])
+    dec = _MarkovDecoder.build(table)
+    dec.megatron = MegatronConfig(tensor_model_parallel_size=2)
+    dec._tp_group = lambda: "tp-group"
+    return dec, agreed
+
+
+def test_tp2_graph_steps_replay_the_eager_steps(monkeypatch):
+    """The CUDA-graph path at TP=2 (generation.cuda_graphs_tp) on the stub model with a stand-in
+    for torch.cuda's graphs: each (rows, span) bucket is captured once, right after its eager
+    warm-up step, and replayed after; the rollouts are the eager ones; two decoders (two TP
+    ranks) take the same steps in the same order, the second generate call replays only, and
+    weights moved on another rank (the TP agreement says so) make every rank recapture."""
+    from mcore_rl.megatron import attention
+
+    monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(MARKOV_STATES, MARKOV_VOCAB, generator=g) * 2.5
+    prompts = [torch.randint(4, MARKOV_VOCAB, (1 + i % 9,), generator=g).tolist() for i in range(40)]
+    cfg = GenerationConfig(temperature=0.9, max_new_tokens=70, batch_size=40)
+    eager = _MarkovDecoder.build(table).generate(prompts, 3, 8, False, cfg, 3, 0, 75)
+    on = dataclasses.replace(cfg, cuda_graphs_tp=True)
+    logs = []
+    for rank in range(2):
+        dec, agreed = _tp2_graph_decoder(monkeypatch, table, lambda call: call == 3)
+        fake = _FakeGraphs(monkeypatch, dec)
+        calls = []
+        for call in range(3):
+            fake.log = []
+            out = dec.generate(prompts, 3, 8, False, on, 3, 0, 75)
+            assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in eager]
+            assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(out, eager))
+            calls.append(fake.log)
+        assert [flag for flag, _ in agreed] == [True, False, False]  # the first call: new weights
+        assert {group for _, group in agreed} == {"tp-group"}
+        logs.append(calls)
+    assert logs[0] == logs[1]  # the same captures and replays, in the same order
+    first, second, third = logs[0]
+    captured = set()
+    for i, (kind, *key) in enumerate(first):
+        key = tuple(key)
+        if kind == "eager":  # only a warm-up, followed by its capture
+            assert first[i + 1] == ("capture", *key) and key not in captured
+            captured.add(key)
+        elif kind == "replay":
+            assert key in captured
+    assert len(captured) > 3 and {32, 16, 8} <= {bucket for bucket, _ in captured}
+    assert {kind for kind, *_ in second} == {"replay"}  # kept between calls
+    assert third == first  # another rank's weights moved: every rank recaptures
+
+
+@pytest.mark.parametrize("tp, key", [(1, "generation.cuda_graphs=false"),
+                                     (2, "generation.cuda_graphs_tp=false")])
+def test_a_failed_capture_names_the_key_to_turn_off(monkeypatch, tp, key):
+    from mcore_rl.megatron import attention
+
+    monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
+    table = torch.randn(MARKOV_STATES, MARKOV_VOCAB, generator=torch.Generator().manual_seed(5))
+    dec, _ = _tp2_graph_decoder(monkeypatch, table, lambda call: False)
+    dec.megatron = MegatronConfig(tensor_model_parallel_size=tp)
+    _FakeGraphs(monkeypatch, dec, fail=True)
+    cfg = GenerationConfig(max_new_tokens=8, batch_size=4, cuda_graphs_tp=True)
+    with pytest.raises(RuntimeError, match=f"CUDA graph failed .*; set {key} to decode eagerly"):
+        dec.generate([[5, 6], [7]], 0, 8, False, cfg, 3, 0, 20)
+
+
+def _tp_any_on_each_rank():
+    from megatron.core import parallel_state
+
+    from mcore_rl.generation.megatron import MegatronDecoder, _tp_any
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    group, cpu = MegatronDecoder._tp_group(), torch.device("cpu")
+    return [_tp_any(rank == 1, group, cpu), _tp_any(False, group, cpu),
+            _tp_any(True, group, cpu)]
+
+
+def test_tp_agreement_on_moved_weights_is_an_or_over_the_tp_group():
+    from dist_utils import run_distributed
+
+    assert run_distributed(_tp_any_on_each_rank, 2, tensor_model_parallel_size=2) == \
+        [[True, False, True]] * 2

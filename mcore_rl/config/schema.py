@@ -380,10 +380,17 @@ class GenerationConfig:
     # cluster.use_ray=false), prompt groups spread over them; 0: it runs in the controller's
     # process. generation.backend=hf only; grpo/ppo.streaming with hf need >= 1.
     num_workers: int = bounded(0, ge=0)
-    # backend=megatron on CUDA with tensor parallelism 1 and a dense model: decode steps replayed
-    # as CUDA graphs (captured per bucket of rows and attended length at first use, kept between
-    # generate calls); false, or a model with experts, decodes the same steps eagerly.
+    # backend=megatron on CUDA with tensor parallelism 1 (above it with cuda_graphs_tp) and a
+    # dense model: decode steps replayed as CUDA graphs (captured per bucket of rows and attended
+    # length at first use, kept between generate calls); false, or a model with experts, decodes
+    # the same steps eagerly.
     cuda_graphs: bool = True
+    # backend=megatron with policy.megatron.tensor_model_parallel_size > 1: replay the decode
+    # steps as CUDA graphs there too (with generation.cuda_graphs), the tensor-parallel NCCL
+    # all-reduces and all-gathers captured inside them; every TP rank captures and replays the
+    # same graphs in the same order. Off: TP > 1 decodes eagerly. Opt-in: not run on a GPU yet.
+    # Refused with cuda_graphs=false; ignored at TP=1; a model with experts stays eager.
+    cuda_graphs_tp: bool = False
     # backend=megatron: the rows that share a prompt (equal consecutive prompts: GRPO's group)
     # read one copy of its keys and values (prefilled once), a two-level attention (prompt
     # part + each row's response part, one softmax over both); the batch is compacted by whole

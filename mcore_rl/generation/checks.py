@@ -55,7 +55,8 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
     """The load-time check of ``generation.backend=megatron``: :func:`megatron_layout_errors`
     of ``policy.megatron``; it decodes in the policy's processes, so neither
     ``generation.num_workers`` nor streaming (``grpo.streaming``, ``ppo.streaming``);
-    ``generation.compile_decode`` only for dense local/torch-spec layers at TP=1."""
+    ``generation.compile_decode`` only for dense local/torch-spec layers at TP=1;
+    ``generation.cuda_graphs_tp`` only with ``generation.cuda_graphs``."""
     errors = megatron_layout_errors(cfg.policy.megatron)
     if cfg.generation.num_workers:
         errors.append(f"generation.backend=megatron decodes in the policy's processes: "
@@ -73,6 +74,10 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
                       "spec at policy.megatron.tensor_model_parallel_size=1 (got TP="
                       f"{m.tensor_model_parallel_size}, layer_spec={m.layer_spec}, "
                       f"model.arch.num_experts={cfg.model.arch.num_experts})")
+    if cfg.generation.cuda_graphs_tp and not cfg.generation.cuda_graphs:
+        errors.append("generation.cuda_graphs_tp=true captures the decode steps' tensor-parallel "
+                      "collectives in the CUDA graphs of generation.cuda_graphs, which is false; "
+                      "set both true, or cuda_graphs_tp=false to decode eagerly")
     return errors
 
 

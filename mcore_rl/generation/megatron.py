@@ -53,8 +53,35 @@ dynamic engine asserts flash-attn >= 2.7.3 at its first forward; the GPU image h
 The graphs here are ``torch.cuda.CUDAGraph`` over Megatron's own modules, so they run the
 ``torch`` and ``local`` layer specs on megatron-core 0.16.1 (CPU, eager) to 0.19.x (GPU, bf16).
 
-Graphs are used with tensor parallelism 1 only (a graph with TP would capture NCCL collectives,
-not yet checked on GPUs); TP > 1 decodes the same steps eagerly.
+Tensor parallelism > 1 (:func:`decode_graphs`): the steps are graphs only with
+``generation.cuda_graphs_tp`` (opt-in: built and tested on CPU, not run on a GPU yet), eager
+otherwise. A graph then holds the step's TP collectives (the all-reduces of the
+vocabulary-parallel embedding and the row-parallel layers, the all-gather of the logits): NCCL
+calls captured through torch's ``ProcessGroupNCCL``, which hands captured work to no watchdog.
+What Megatron-Core's and vLLM's TP graphs need holds here:
+
+- the TP communicator exists before any capture: a chunk's prefill runs the same collectives
+  eagerly before its first decode step, and each capture's warm-up step runs the step's own on
+  the capture stream, the stream the capture then uses (vLLM saw NCCL 2.28's buffer
+  registration fail when warm-up and capture ran on different streams);
+- every TP rank captures and replays the same graphs in the same order: each decision is a
+  function of what the ranks of a TP group hold alike, the config and layout (graphs or not),
+  the prompts (buckets, spans, buffer growth, which drops the graphs) and the done flags the
+  host reads at sync points (the logits are gathered over TP and the rows' random streams are
+  the same, so every rank samples the same tokens); the one rank-local input, the parameters'
+  addresses (moved: drop the graphs), is or-ed over the TP group once a call
+  (:func:`_tp_any`). A capture's warm-up step runs on every rank at the same step, and
+  ``torch.cuda.graph`` synchronizes the device before capturing, which waits for the warm-up's
+  collectives and so for every rank to get there;
+- no host sync inside a step (at TP=1 already none), and none from the process group: an
+  environment that would add one (``TORCH_NCCL_BLOCKING_WAIT``, ``TORCH_NCCL_NAN_CHECK``), or
+  the allocator's expandable segments without ``NCCL_GRAPH_REGISTER=0`` on Hopper, is refused
+  at the first call (:func:`tp_graph_env_errors`). Captures use ``capture_error_mode=
+  "thread_local"``, so the process group's watchdog thread querying earlier work's events does
+  not invalidate them.
+
+A failed capture raises naming ``generation.cuda_graphs_tp`` (the other TP ranks then wait in
+their next collective until the run stops on the error). Models with experts stay eager.
 """
 
 from __future__ import annotations
@@ -62,10 +89,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 import queue
 import threading
 from concurrent.futures import Future, as_completed
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -85,6 +113,66 @@ def check_layout(megatron: MegatronConfig) -> None:
     errors = megatron_layout_errors(megatron)
     if errors:
         raise NotImplementedError("; ".join(errors))
+
+
+def decode_graphs(cfg: GenerationConfig, device: torch.device, tensor_parallel: int,
+                  moe: bool) -> bool:
+    """Whether :class:`MegatronDecoder` replays its decode steps as CUDA graphs: with
+    ``cfg.cuda_graphs`` on a CUDA ``device`` for a dense model (``moe`` false: MoE layers read
+    their experts' token counts on the host, which a capture forbids), at ``tensor_parallel`` 1,
+    or above it with ``cfg.cuda_graphs_tp`` (the tensor-parallel collectives captured in the
+    graphs). A function of the config and the layout alone, so the ranks of a TP group decide
+    alike."""
+    if not cfg.cuda_graphs or device.type != "cuda" or moe:
+        return False
+    return tensor_parallel == 1 or cfg.cuda_graphs_tp
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return value is not None and value.strip().lower() in ("1", "true", "yes", "y", "on")
+
+
+def tp_graph_env_errors(environ: Mapping[str, str], capability_major: int) -> List[str]:
+    """Settings of a process's environment under which a decode step's tensor-parallel NCCL
+    collectives cannot be captured in a CUDA graph (``generation.cuda_graphs_tp``); one message
+    per reason, each naming its variable; empty when none.
+
+    ``TORCH_NCCL_BLOCKING_WAIT`` (each collective's wait polls its event on the host, which a
+    capture forbids); ``TORCH_NCCL_NAN_CHECK`` (reads a NaN check of each input on the host);
+    on GPUs before Blackwell (``capability_major`` < 10) the caching allocator's
+    ``expandable_segments:True`` (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``) without
+    ``NCCL_GRAPH_REGISTER=0``, a pair Megatron-Core's CUDA graphs refuse (illegal memory
+    accesses once NCCL registers the graphs' buffers)."""
+    errors = []
+    for name, why in (("TORCH_NCCL_BLOCKING_WAIT", "each collective's wait polls on the host"),
+                      ("TORCH_NCCL_NAN_CHECK", "each collective reads a NaN check on the host")):
+        if _truthy(environ.get(name)):
+            errors.append(f"{name}={environ[name]} ({why}, which a CUDA-graph capture forbids)")
+    alloc = ",".join(environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    if (capability_major < 10 and "expandable_segments:true" in alloc.replace(" ", "").lower()
+            and environ.get("NCCL_GRAPH_REGISTER", "") != "0"):
+        errors.append("expandable_segments:True in the CUDA allocator's settings needs "
+                      "NCCL_GRAPH_REGISTER=0 with NCCL collectives in CUDA graphs (illegal memory "
+                      "accesses otherwise, as Megatron-Core's CUDA graphs state)")
+    return errors
+
+
+def _check_tp_graph_env(device: torch.device) -> None:
+    """Raise ``RuntimeError`` naming ``generation.cuda_graphs_tp`` where
+    :func:`tp_graph_env_errors` finds this process's environment unfit."""
+    errors = tp_graph_env_errors(os.environ, torch.cuda.get_device_capability(device)[0])
+    if errors:
+        raise RuntimeError("decode steps with tensor-parallel collectives cannot be captured as "
+                           "CUDA graphs here: " + "; ".join(errors) + "; change that or set "
+                           "generation.cuda_graphs_tp=false to decode eagerly")
+
+
+def _tp_any(flag: bool, group, device: torch.device) -> bool:
+    """``flag`` or-ed over the ranks of the process group ``group`` (a MAX all-reduce of one
+    int32 on ``device``; the host waits for it). Every rank of ``group`` must call it."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 # TransformerConfig switches turned off while decoding: the bias+dropout+add and bias+SwiGLU
@@ -382,7 +470,7 @@ class MegatronDecoder:
                 from its own stream (:func:`~mcore_rl.generation.sampling.row_uniforms`).
             seed, greedy: as in :meth:`GenerationBackend.generate`.
             cfg: ``generation`` config (sampling, ``max_new_tokens``, ``batch_size`` rows per
-                chunk, ``cuda_graphs``).
+                chunk, ``cuda_graphs``, ``cuda_graphs_tp``).
             eos_token_id, pad_token_id, max_total_length: as for the ``hf`` backend;
                 ``eos_token_id`` may be a list of ids, each of which ends a response (the
                 per-call ``stop_token_ids`` of :meth:`GenerationBackend.generate_async`).
@@ -396,18 +484,28 @@ class MegatronDecoder:
             Per prompt: response tokens [R] int64 and logprobs [R] float32 on the CPU,
             truncated flag.
 
+        Raises:
+            RuntimeError: with CUDA graphs at TP > 1 (``cuda_graphs_tp``), an environment
+                :func:`tp_graph_env_errors` refuses, or a failed capture (:meth:`_step_once`).
+
         Collective over the tensor-parallel group (every TP rank calls it with the same prompts;
-        logits are gathered over TP, so every rank samples the same tokens).
+        logits are gathered over TP, so every rank samples the same tokens; with CUDA graphs at
+        TP > 1 the ranks also or their parameters-moved flags once a call, :func:`_tp_any`).
         """
         from mcore_rl.megatron.attention import kv_cache_attention
 
         sampler = Sampler(cfg)
-        # MoE layers read their experts' token counts on the host, which a capture forbids.
-        graphs = (cfg.cuda_graphs and self.device.type == "cuda"
-                  and self.megatron.tensor_model_parallel_size == 1
-                  and self.gpt.config.num_moe_experts is None)
+        tp = self.megatron.tensor_model_parallel_size
+        graphs = decode_graphs(cfg, self.device, tp, self.gpt.config.num_moe_experts is not None)
         weights = tuple(p.data_ptr() for p in self.gpt.parameters())
-        if weights != self._weights:  # moved (offload and restore): the graphs read old addresses
+        moved = weights != self._weights  # (offload and restore): the graphs read old addresses
+        if graphs and tp > 1:
+            _check_tp_graph_env(self.device)
+            # Every TP rank drops its graphs or none: addresses may move on one rank only, and a
+            # rank recapturing (its step eager) while another replays would pair eager NCCL
+            # calls with captured ones.
+            moved = _tp_any(moved, self._tp_group(), self.device)
+        if moved:
             self._graphs, self._weights = {}, weights
         if cfg.compile_decode and self._layers is None:
             from mcore_rl.megatron.decode_layer import DecodeLayers
@@ -451,6 +549,12 @@ class MegatronDecoder:
         from megatron.core import parallel_state
 
         return parallel_state.get_tensor_model_parallel_rank()
+
+    @staticmethod
+    def _tp_group():
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_group()
 
     # ------------------------------------------------------------------ buffers
     def _reserve(self, rows: int, width: int, max_total_length: int) -> None:
@@ -733,7 +837,12 @@ class MegatronDecoder:
     def _step_once(self, bucket: int, span, greedy: bool, sampler: Sampler, eos: int,
                    graphs: bool) -> None:
         """:meth:`_step`, replayed from its CUDA graph with ``graphs`` (captured on first use:
-        that step runs eagerly on the capture stream first, as the warm-up)."""
+        that step runs eagerly on the capture stream first, as the warm-up; at TP > 1 every TP
+        rank captures at the same step, module docstring).
+
+        Raises:
+            RuntimeError: the capture failed; names ``generation.cuda_graphs`` (TP=1) or
+                ``generation.cuda_graphs_tp`` (TP > 1) to turn off."""
         if not graphs:
             return self._step(bucket, span, greedy, sampler, eos)
         key = (bucket, span, greedy, sampler.temperature, sampler.top_p,
@@ -754,8 +863,10 @@ class MegatronDecoder:
                                   capture_error_mode="thread_local"):
                 self._step(bucket, span, greedy, sampler, eos)
         except Exception as e:
+            off = "cuda_graphs_tp" if self.megatron.tensor_model_parallel_size > 1 else \
+                "cuda_graphs"
             raise RuntimeError(f"capturing a decode step as a CUDA graph failed ({e}); "
-                               f"set generation.cuda_graphs=false to decode eagerly") from e
+                               f"set generation.{off}=false to decode eagerly") from e
         self._graphs[key] = graph
 
 
