@@ -103,7 +103,10 @@
 #               loss.prev_logprobs (recompute: a logprob forward of every chunk before it trains),
 #               L8OFF_RECOMPUTE (full) policy.megatron.recompute_granularity (null: none),
 #               L8OFF_SET more overrides
-#   l8meg       the megatron in-place backend at TP=2 x DP=2 (L8MEG_STEPS steps)
+#   l8meg       the megatron in-place backend at TP=2 x DP=2 (L8MEG_STEPS steps, L8MEG_BATCH rows
+#               a chunk); L8MEG_SET: more overrides, the run then named l8_megatron_set (beside
+#               the default run's results), e.g. L8MEG_SET="generation.cuda_graphs_tp=true" for
+#               the decode steps as CUDA graphs with their TP collectives (not run on a GPU yet)
 #   l8prof      l8meg's run for 2 steps under the torch profiler (MCORE_RL_PROFILE_DIR): the
 #               second generate and train call of rank 0, their top kernels (L8PROF_SET: more
 #               overrides, e.g. policy.max_tokens_per_microbatch=8192 to compare)
@@ -532,9 +535,12 @@ stage_l8off() {  # L8OFF_PREV (train_forward or recompute); L8OFF_RECOMPUTE (ful
         ${L8OFF_SET:-}
 }
 
-stage_l8meg() {
-    L8_STEPS=${L8MEG_STEPS:-3} l8run l8_megatron "${L8_TIMEOUT:-900}" generation.backend=megatron \
-        generation.batch_size="${L8MEG_BATCH:-256}"
+stage_l8meg() {  # L8MEG_SET: more overrides (the run then named l8_megatron_set)
+    local name=l8_megatron
+    [ -z "${L8MEG_SET:-}" ] || name=l8_megatron_set
+    # shellcheck disable=SC2086
+    L8_STEPS=${L8MEG_STEPS:-3} l8run "$name" "${L8_TIMEOUT:-900}" generation.backend=megatron \
+        generation.batch_size="${L8MEG_BATCH:-256}" ${L8MEG_SET:-}
 }
 
 stage_l8prof() {  # where the 8B step's time goes: the megatron backend (decode and train) profiled
