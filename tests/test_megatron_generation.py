@@ -789,7 +789,8 @@ def test_tp2_graph_steps_replay_the_eager_steps(monkeypatch):
     monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
     g = torch.Generator().manual_seed(5)
     table = torch.randn(MARKOV_STATES, MARKOV_VOCAB, generator=g) * 2.5
-    prompts = [torch.randint(4, MARKOV_VOCAB, (1 + i % 9,), generator=g).tolist() for i in range(40)]
+    prompts = [torch.randint(4, MARKOV_VOCAB, (1 + i % 9,), generator=g).tolist()
+               for i in range(40)]
     cfg = GenerationConfig(temperature=0.9, max_new_tokens=70, batch_size=40)
     eager = _MarkovDecoder.build(table).generate(prompts, 3, 8, False, cfg, 3, 0, 75)
     on = dataclasses.replace(cfg, cuda_graphs_tp=True)
@@ -853,3 +854,16 @@ def test_tp_agreement_on_moved_weights_is_an_or_over_the_tp_group():
 
     assert run_distributed(_tp_any_on_each_rank, 2, tensor_model_parallel_size=2) == \
         [[True, False, True]] * 2
+
+
+def test_stop_ids_of_a_graph_key_are_read_once_per_tensor():
+    """With several stop ids (or none: generation.ignore_eos) the graph key holds them as a
+    tuple, read from the device once per generate call's tensor, not at every step."""
+    dec = _MarkovDecoder.build(torch.zeros(MARKOV_STATES, MARKOV_VOCAB))
+    assert dec._stops_key(3) == 3
+    stops = torch.tensor([3, 5])
+    assert dec._stops_key(stops) == (3, 5)
+    stops[0] = 7  # not read again: a call's stop tensor does not change
+    assert dec._stops_key(stops) == (3, 5)
+    assert dec._stops_key(torch.tensor([7, 5])) == (7, 5)
+    assert dec._stops_key(torch.tensor([], dtype=torch.long)) == ()

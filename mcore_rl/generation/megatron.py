@@ -435,6 +435,7 @@ class MegatronDecoder:
     """
 
     _layers = None  # DecodeLayers with generation.compile_decode
+    _stops: Optional[Tuple[torch.Tensor, tuple]] = None  # (stop-id tensor, its ids): _stops_key
     _compiler = staticmethod(torch.compile)  # what compiles them (tests: an eager stand-in)
 
     def __init__(self, model: torch.nn.Module, megatron: MegatronConfig, vocab_size: int):
@@ -834,6 +835,16 @@ class MegatronDecoder:
         positions.add_(1).clamp_(max=last)
         steps.add_(1).clamp_(max=last)
 
+    def _stops_key(self, eos):
+        """``eos`` as part of a graph key: the int, or a stop-id tensor's ids as a tuple, read
+        from the device once per tensor (a generate call makes one; reading it at every step
+        would wait for the device each time, as under ``generation.ignore_eos``)."""
+        if isinstance(eos, int):
+            return eos
+        if self._stops is None or self._stops[0] is not eos:
+            self._stops = (eos, tuple(eos.tolist()))
+        return self._stops[1]
+
     def _step_once(self, bucket: int, span, greedy: bool, sampler: Sampler, eos: int,
                    graphs: bool) -> None:
         """:meth:`_step`, replayed from its CUDA graph with ``graphs`` (captured on first use:
@@ -845,8 +856,8 @@ class MegatronDecoder:
                 ``generation.cuda_graphs_tp`` (TP > 1) to turn off."""
         if not graphs:
             return self._step(bucket, span, greedy, sampler, eos)
-        key = (bucket, span, greedy, sampler.temperature, sampler.top_p,
-               eos if isinstance(eos, int) else tuple(eos.tolist()), self._layers is not None)
+        key = (bucket, span, greedy, sampler.temperature, sampler.top_p, self._stops_key(eos),
+               self._layers is not None)
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
