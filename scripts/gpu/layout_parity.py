@@ -146,6 +146,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=256, help="longest sequence (tokens)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--prev-logprobs", choices=("random", "reference"), default="random",
+                   help="the loss's old-policy (and KL reference) logprobs: seeded near "
+                        "-log(vocab), or the reference layout's own logprobs (ratios near 1, as "
+                        "in an RL step; for a pretrained model on random tokens)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--rel-tol", type=float, default=2e-2, help="logprobs and loss")
     p.add_argument("--grad-norm-tol", type=float, default=5e-2)
@@ -244,6 +248,11 @@ def run_layout(args, layout: Layout, batch: B.Batch, loss) -> parity.StepRecord:
     try:
         dp_group = DataParallelGroup(group)
         mbs = args.micro_batch_size
+        if args.prev_logprobs == "reference" and not getattr(args, "prev_set", False):
+            # the first run (the reference) sets them for every run after it
+            own = dp_group.gather_rows(PolicyAPI).get_logprobs(batch, mbs) * batch["token_mask"]
+            batch["prev_logprobs"], batch["reference_logprobs"] = own, own.clone()
+            args.prev_set = True
         record = parity.record_step(dp_group, batch, loss, mbs, mbs)
         for _ in range(args.steps - 1):
             dp_group.train(batch, loss, mbs)

@@ -19,13 +19,13 @@ phase; the largest over the phase's calls and ranks):
    SwiGLU 5632, vocab 32000 untied, 2048 tokens a row): the trainer built, then two train steps
    of 16 full-length rows (padded micro-batches of 4: packing off) and their logprobs (no
    generation: the benchmark has none, so its prediction leaves out the rollout engine).
-
 5. ``long_cp1`` and ``long_cp2`` (two GPUs; only when ``MEMORY_JOBS`` names them; issue 34 item
    4): one training step of two 32,768-token rows (a 256-token prompt, a 32,512-token response;
    ``LONG_SEQ`` sets the length) on a 1.39B Llama shape (the benchmark's, 28 layers), policy on
    two GPUs at CP=1 (DP=2: a 32k-token micro-batch a GPU) and at CP=2 (the ``torch`` spec's
    all-gather CP: 16k tokens a GPU), the hf rollout engine colocated (the megatron decoder
-   does not split sequences), micro-batches of one row, no packing. At 32k ``mcore-rl plan``
+   does not split sequences), micro-batches of one row, no packing, seeded weights drawn on the
+   GPUs (``model.init=normal``: no 1.39B model is initialized on the host). At 32k ``mcore-rl plan``
    predicts 94.6 GiB for CP=1 (does not fit 80) and 66.0 GiB for CP=2; the trainer's own memory
    check is off (``cluster.skip_memory_check``) so the CP=1 step runs and its out-of-memory is
    the measurement: the row then says ``OOM``. ``LONG_SPEC=transformer_engine`` is refused at
@@ -93,7 +93,7 @@ LONG = [o for o in BENCH if not o.startswith(("model.arch.num_layers", "model.ar
     "data.max_prompt_length=256", f"data.max_total_length={LONG_SEQ}",
     f"generation.max_new_tokens={LONG_SEQ - 256}", "generation.backend=hf",
     "generation.batch_size=2", "policy.micro_batch_size=1", "policy.logprob_micro_batch_size=1",
-    "grpo.num_prompts_per_step=1", "cluster.num_workers=2",
+    "grpo.num_prompts_per_step=1", "cluster.num_workers=2", "model.init=normal",
     f"policy.megatron.layer_spec={os.environ.get('LONG_SPEC', 'torch')}",
     "policy.megatron.cp_comm_type=all_gather"]
 
