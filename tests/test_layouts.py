@@ -418,7 +418,8 @@ def test_compare_and_table():
     assert masked["logprobs_mean_abs"] == pytest.approx(0.1)
     columns = parity.DIFF_KEYS + parity.DETAIL_KEYS
     lines = parity.parity_table({"a": masked, "tolerance": {"loss_rel": 0.5}}, columns).splitlines()
-    assert lines[0].split() == ["layout", *columns] and lines[2].split() == ["tolerance", "5.00e-01"]
+    assert lines[0].split() == ["layout", *columns]
+    assert lines[2].split() == ["tolerance", "5.00e-01"]
     with pytest.raises(ValueError, match="weight names differ"):
         parity.compare(parity.StepRecord(got.logprobs, got.metrics, {"b": w["a"]}), ref)
 
@@ -459,16 +460,18 @@ def test_gpu_script_imports_and_parses_layouts():
     args = module.parse_args(["--layouts", "2,1,1", "1,2,1", "--steps", "2"])
     assert args.layouts == [L(2, 1, 1), L(1, 2, 1)] and args.steps == 2
     assert module.parse_args([]).layouts == [L(2, 1, 1), L(1, 2, 1), L(1, 1, 2), L(2, 2, 1)]
-    args = module.parse_args(["--reference", "1,1,1:torch", "--layouts", "1,1,1,2:transformer_engine",
-                              "1,1,1:fp8-tensorwise"])
+    args = module.parse_args(["--reference", "1,1,1:torch", "--layouts",
+                              "1,1,1,2:transformer_engine", "1,1,1:fp8-tensorwise"])
     assert args.reference == L(1, 1, 1, spec="torch")
     assert args.layouts == [L(1, 1, 1, 2, "transformer_engine"),
                             L(1, 1, 1, spec="transformer_engine", fp8_recipe="tensorwise")]
     assert [x.name("local") for x in args.layouts] == ["TP1 PP1 DP1 CP2 transformer_engine",
                                                        "TP1 PP1 DP1 fp8-tensorwise"]
     fp8 = module.worker_kwargs(args, args.layouts[1])["megatron"]
-    assert (fp8.layer_spec, fp8.fp8, fp8.fp8_recipe) == ("transformer_engine", "hybrid", "tensorwise")
-    cp = module.worker_kwargs(module.parse_args(["--layer-spec", "torch"]), L(1, 1, 1, 2))["megatron"]
+    assert (fp8.layer_spec, fp8.fp8, fp8.fp8_recipe) == ("transformer_engine", "hybrid",
+                                                         "tensorwise")
+    torch_args = module.parse_args(["--layer-spec", "torch"])
+    cp = module.worker_kwargs(torch_args, L(1, 1, 1, 2))["megatron"]
     assert (cp.context_parallel_size, cp.cp_comm_type, cp.layer_spec) == (2, "all_gather", "torch")
     for bad in (["--layouts", "2,1"], ["--layouts", "1,1,1:tensorrt"], ["--set", "a=1"]):
         with pytest.raises(SystemExit):
@@ -484,7 +487,8 @@ def test_gpu_script_compares_specs_and_cp_on_cpu(capsys):
                       "--hidden-size", "32", "--ffn-hidden-size", "64", "--heads", "4",
                       "--query-groups", "2", "--vocab-size", "47", "--rows", "4",
                       "--max-length", "16", "--micro-batch-size", "2", "--lr", "1e-3",
-                      "--reference", "1,1,1:torch", "--layouts", "1,1,1:local", "1,1,1,2:torch"])
+                      "--prev-logprobs", "reference", "--reference", "1,1,1:torch",
+                      "--layouts", "1,1,1:local", "1,1,1,2:torch"])
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = {line.split()[3]: line.split() for line in out.splitlines()

@@ -113,6 +113,6 @@ def parity_table(rows: Mapping[str, Mapping[str, float]],
     widths = [max(14, len(c)) for c in columns]
     lines = ["  ".join([f"{'layout':<{width}}", *(f"{c:>{w}}" for c, w in zip(columns, widths))])]
     for name, diffs in rows.items():
-        lines.append("  ".join([f"{name:<{width}}", *(
-            f"{diffs[c]:>{w}.2e}" if c in diffs else " " * w for c, w in zip(columns, widths))]).rstrip())
+        cells = [f"{diffs[c]:>{w}.2e}" if c in diffs else " " * w for c, w in zip(columns, widths)]
+        lines.append("  ".join([f"{name:<{width}}", *cells]).rstrip())
     return "\n".join(lines)

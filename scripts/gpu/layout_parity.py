@@ -289,7 +289,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                        for k, tol in tolerances.items() if not rows[name][k] <= tol]
     ddp = ("distributed optimizer, overlap_grad_reduce, overlap_param_gather"
            if args.device == "cuda" else "gloo, Megatron's DDP without overlap")
-    print(f"{args.precision} on {args.device}, {ddp}; {args.rows} rows up to {args.max_length} tokens, "
+    print(f"{args.precision} on {args.device}, {ddp}; {args.rows} rows up to {args.max_length} "
+          f"tokens, "
           f"{args.steps} step(s), lr {args.lr}; reference: {args.reference.name(args.layer_spec)}"
           f"{f'; weights {args.hf_path}' if args.hf_path else ''}")
     print(parity.parity_table({**rows, "tolerance": tolerances},

@@ -28,7 +28,8 @@ phase; the largest over the phase's calls and ranks):
    GPUs (``model.init=normal``: no 1.39B model is initialized on the host). At 32k ``mcore-rl plan``
    predicts 94.6 GiB for CP=1 (does not fit 80) and 66.0 GiB for CP=2; the trainer's own memory
    check is off (``cluster.skip_memory_check``) so the CP=1 step runs and its out-of-memory is
-   the measurement: the row then says ``OOM``. ``LONG_SPEC=transformer_engine`` is refused at
+   the measurement: the row then says ``OOM``. On 141 GB H200s: ``LONG_SEQ=65536 LONG_GPU_GB=141``
+   (plan 153.6 GiB at CP=1, 103.3 at CP=2). ``LONG_SPEC=transformer_engine`` is refused at
    the trainer's start while TE's CP is unverified (:func:`mcore_rl.megatron.te.runtime_errors`).
 
 Predictions: the plan at ``data.max_total_length`` (what ``mcore-rl plan`` prints: the bound)
@@ -94,6 +95,7 @@ LONG = [o for o in BENCH if not o.startswith(("model.arch.num_layers", "model.ar
     f"generation.max_new_tokens={LONG_SEQ - 256}", "generation.backend=hf",
     "generation.batch_size=2", "policy.micro_batch_size=1", "policy.logprob_micro_batch_size=1",
     "grpo.num_prompts_per_step=1", "cluster.num_workers=2", "model.init=normal",
+    f"cluster.gpu_memory_gb={os.environ.get('LONG_GPU_GB', '80')}",
     f"policy.megatron.layer_spec={os.environ.get('LONG_SPEC', 'torch')}",
     "policy.megatron.cp_comm_type=all_gather"]
 
@@ -138,7 +140,8 @@ class Recorder:
         return wrapped
 
 
-def bench_rollout(vocab: int, rows: int = BENCH_ROWS, seq: int = BENCH_SEQ) -> Dict[str, torch.Tensor]:
+def bench_rollout(vocab: int, rows: int = BENCH_ROWS,
+                  seq: int = BENCH_SEQ) -> Dict[str, torch.Tensor]:
     """bench/train_step.py's rows: a 256-token prompt and a response to the end."""
     g = torch.Generator().manual_seed(0)
     mask = torch.zeros(rows, seq)

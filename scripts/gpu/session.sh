@@ -93,7 +93,8 @@
 #               refuses it, the script builds workers itself) and on the torch spec (all-gather),
 #               bf16, NCCL (CP2_SPECS); then one step of two 32k-token rows of a 1.39B shape at
 #               CP=1 and at CP=2 against `mcore-rl plan` (out of memory predicted at CP=1, a fit at
-#               CP=2: scripts/gpu/memory_check.py's long_cp1/long_cp2; CP2_LONG=0 skips it)
+#               CP=2: scripts/gpu/memory_check.py's long_cp1/long_cp2; 64k-token rows on 141 GB
+#               H200s; CP2_LONG=0 skips it)
 #   decode3     rollout tokens/s of megatron, hf and vLLM on one GPU at 256 x 512 (the 0.5B
 #               Qwen2 shape of scripts/gpu/megatron_generation.py; issue 23)
 #
@@ -618,7 +619,8 @@ stage_te_parity() {  # issue 34 item 1: the TE spec and the local spec against t
             *) echo "te_parity: unknown shape $shape"; status=1; continue ;;
         esac
         # shellcheck disable=SC2086
-        te_env timeout "${TE_PARITY_TIMEOUT:-270}" python3 scripts/gpu/layout_parity.py "${args[@]}" \
+        te_env timeout "${TE_PARITY_TIMEOUT:-270}" python3 scripts/gpu/layout_parity.py \
+            "${args[@]}" \
             --prev-logprobs reference --reference 1,1,1:torch --layouts 1,1,1:transformer_engine \
             1,1,1:local ${TE_PARITY_FP8-1,1,1:fp8-delayed 1,1,1:fp8-tensorwise} \
             > "$RES/te_parity_$shape.log" 2>&1 || status=1
@@ -626,12 +628,12 @@ stage_te_parity() {  # issue 34 item 1: the TE spec and the local spec against t
     done
 }
 
-stage_te_mfu() {  # issue 34 items 1-2: train-phase MFU of the 0.85B benchmark per spec and FP8 recipe
+stage_te_mfu() {  # issue 34 items 1-2: the 0.85B benchmark's train MFU per spec and FP8 recipe
     te_env timeout "${TE_MFU_TIMEOUT:-420}" python3 bench/train_step.py \
         --variants "${TE_MFU_VARIANTS:-torch,te,fp8-delayed,fp8-tensorwise}" \
         > "$RES/te_mfu.log" 2>&1 || status=1
     cp "$OUT/bench_table.json" "$RES/te_mfu_table.json" 2>/dev/null
-    echo "== te_mfu"; quiet < "$RES/te_mfu.log" | sed -n '/^== variants/,/^$/p' | head -n 12
+    echo "== te_mfu"; grep -a -A 8 "^== variants" "$RES/te_mfu.log"
     grep -a -E "failed|Error" "$RES/te_mfu.log" | head -n 4
 }
 
@@ -661,14 +663,22 @@ stage_cp2() {  # issue 34 item 4 on two GPUs: CP=2 parity per spec, then the 32k
         te_env timeout "${CP2_TIMEOUT:-240}" python3 scripts/gpu/layout_parity.py --steps 2 \
             --reference "1,1,1:$spec" --layouts "1,1,1,2:$spec" --rows 16 --max-length 2048 \
             > "$RES/cp2_$spec.log" 2>&1 || status=1
-        echo "== cp2 parity, $spec spec: CP=2 against CP=1"; quiet < "$RES/cp2_$spec.log" | tail -n 8
+        echo "== cp2 parity, $spec spec: CP=2 against CP=1"
+        quiet < "$RES/cp2_$spec.log" | tail -n 8
     done
     [ "${CP2_LONG:-1}" = 0 ] && return
+    # 32k-token rows overflow an 80 GB H100 at CP=1; a 141 GB H200 needs 64k (memory_check.py)
+    local mib
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null)
+    if [ "${mib:-0}" -gt 100000 ]; then
+        export LONG_SEQ=${LONG_SEQ:-65536} LONG_GPU_GB=${LONG_GPU_GB:-141}
+    fi
     MEMORY_JOBS=long_cp1,long_cp2 timeout "${CP2_LONG_TIMEOUT:-300}" python3 \
         scripts/gpu/memory_check.py > "$RES/cp2_long.log" 2>&1 || status=1
     cp "$OUT/memory_check.json" "$RES/cp2_long.json" 2>/dev/null
-    echo "== cp2 long step (32k-token rows)"; grep -a -E "^== long|out of memory" "$RES/cp2_long.log" \
-        | cut -c1-200; tail -n 6 "$RES/cp2_long.log"
+    echo "== cp2 long step (${LONG_SEQ:-32768}-token rows)"
+    grep -a -E "^== long|out of memory" "$RES/cp2_long.log" | cut -c1-200
+    tail -n 6 "$RES/cp2_long.log"
 }
 
 stage_table() {
