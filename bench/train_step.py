@@ -24,6 +24,19 @@ Megatron optimizer with fp32 main params, bf16 params wrapped in ``Float16Module
 - bf16 logprobs of the ``torch`` spec (each SDPA backend), the compiled layers and the
   ``local`` spec against an fp32 reference (the HF model of the same checkpoint in fp32).
 
+``--variants`` (issue 34) replaces all of the above after the matmul peak: the train step of each
+named variant with the product defaults, one worker at a time on the same checkpoint and batch,
+then one table of step time, tokens/s, MFU and peak memory with each variant's speed-up over the
+first. A variant is ``torch``, ``local``, ``te`` (the ``transformer_engine`` spec in bf16) or
+``fp8-RECIPE`` (the TE spec with ``fp8=hybrid``: e4m3 forward, e5m2 gradients; RECIPE
+``delayed``, ``tensorwise`` or ``blockwise``); ``+mbs8`` after a name trains micro-batches of 8.
+MFU keeps the bf16 dense peak as its denominator for FP8 too (what the issue's ">= 1.3x the bf16
+train phase" compares). Transformer Engine must import for ``te`` and ``fp8-*`` (scripts/gpu/
+session.sh's ``te_env``); with TE on the path Megatron's optimizer is TE's FusedAdam for every
+variant, the ``torch`` one included::
+
+    python bench/train_step.py --variants torch,te,fp8-delayed,fp8-tensorwise
+
 Times are medians over ``--steps`` steps after ``--warmup`` warm-up steps, with a device
 synchronize around each. Run ``python bench/train_step.py --help``; ``scripts/gpu/run_bench.sh``
 installs the carried wheels and runs it.
@@ -129,15 +142,45 @@ def make_checkpoint(path: str, seed: int = 0) -> None:
     del model
 
 
+VARIANT_SPECS = {"torch": "torch", "local": "local", "te": "transformer_engine"}
+FP8_VARIANT_RECIPES = ("delayed", "tensorwise", "blockwise")
+
+
+def parse_variant(name: str) -> Dict[str, object]:
+    """``--variants`` entry -> ``{"spec", "fp8", "fp8_recipe", "mbs"}`` (module docstring);
+    raises ``ValueError`` for an unknown name."""
+    base, plus, extra = name.partition("+")
+    if plus and extra != "mbs8":
+        raise ValueError(f"variant {name!r}: the only suffix is +mbs8")
+    mbs = 8 if plus else 4
+    if base in VARIANT_SPECS:
+        return {"spec": VARIANT_SPECS[base], "fp8": None, "fp8_recipe": "delayed", "mbs": mbs}
+    recipe = base[len("fp8-"):] if base.startswith("fp8-") else None
+    if recipe not in FP8_VARIANT_RECIPES:
+        raise ValueError(f"variant {name!r}: one of {', '.join(VARIANT_SPECS)} or fp8-RECIPE with "
+                         f"RECIPE in {', '.join(FP8_VARIANT_RECIPES)} (+mbs8 optional)")
+    return {"spec": "transformer_engine", "fp8": "hybrid", "fp8_recipe": recipe, "mbs": mbs}
+
+
+def variant_megatron(name: str, distributed_optimizer: bool = False) -> MegatronConfig:
+    """The ``policy.megatron`` section of one ``--variants`` entry (bf16)."""
+    v = parse_variant(name)
+    return MegatronConfig(precision="bf16", layer_spec=v["spec"], fp8=v["fp8"],
+                          fp8_recipe=v["fp8_recipe"],
+                          ddp=DDPConfig(use_distributed_optimizer=distributed_optimizer))
+
+
 def build_worker(hf_path: str, spec: str, port: int, gbs: int, distributed_optimizer: bool = False,
-                 use_reference: bool = False, arch: ModelArchConfig = ARCH):
+                 use_reference: bool = False, arch: ModelArchConfig = ARCH,
+                 megatron: MegatronConfig | None = None):
     from mcore_rl.workers.policy import PolicyWorker
 
     return PolicyWorker(
         hf_path=hf_path, hf_config=arch_to_hf_config(arch, arch.vocab_size).to_dict(),
         vocab_size=arch.vocab_size, temperature=1.0, use_reference=use_reference, arch=arch,
-        megatron=MegatronConfig(precision="bf16", layer_spec=spec,
-                                ddp=DDPConfig(use_distributed_optimizer=distributed_optimizer)),
+        megatron=megatron or MegatronConfig(
+            precision="bf16", layer_spec=spec,
+            ddp=DDPConfig(use_distributed_optimizer=distributed_optimizer)),
         optimizer=OptimizerConfig(lr=1e-5, clip_grad=1.0), rank=0, world_size=1,
         master_addr="127.0.0.1", master_port=port, device="cuda", seed=1,
         total_optimizer_steps=100, global_batch_size=gbs)
@@ -238,6 +281,42 @@ class Bench:
         p = param_count(ARCH)
         row("model", "parameters", f"{p['total'] / 1e9:.4f}e9", "", "0.85B shape, untied")
 
+    def variants(self) -> None:
+        """``--variants``: each variant's train step on the same checkpoint and batch, one
+        worker at a time (built, 3 untimed steps, timed, freed), then a table of them all; a
+        variant that fails is a row saying so."""
+        args, results = self.args, []
+        for name in args.variants.split(","):
+            w = None
+            try:
+                mbs = parse_variant(name)["mbs"]
+                w = build_worker(self.hf_path, "", self.port, args.gbs,
+                                 megatron=variant_megatron(name))
+                for _ in range(3):  # allocator, kernels and FP8 scales out of the timings
+                    w.train(self.batch, self.loss, args.gbs, mbs)
+                mfu = self.train_row(w, name, mbs)
+                results.append((name, self.last_step))
+                row("variants", f"{name}: MFU", f"{100 * mfu:.1f}%")
+            except Exception as e:  # a variant that does not run is a result, not a crash
+                row("variants", name, "failed", "", " ".join(repr(e).split())[:160])
+                results.append((name, None))
+            finally:
+                if w is not None:
+                    free(w)
+                self.port += 1  # a fresh rendezvous port for the next worker
+        base = next((r for _, r in results if r), None)
+        print("\n== variants: the train step of the 0.85B shape, "
+              f"{args.gbs}x{SEQ} tokens, optimizer included (bf16 peak {self.peak:.0f} TFLOP/s)")
+        print(f"{'variant':22s} {'step ms':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} "
+              f"{'peak GiB':>8s} {'speed-up':>8s}")
+        for name, r in results:
+            if r is None:
+                print(f"{name:22s} failed")
+                continue
+            up = base["seconds"] / r["seconds"]
+            print(f"{name:22s} {1e3 * r['seconds']:9.1f} {r['tokens']:10.0f} {r['tflops']:8.1f} "
+                  f"{100 * r['tflops'] / self.peak:5.1f}% {r['mem']:8.1f} {up:7.2f}x")
+
     def train_row(self, worker, label: str, mbs: int) -> float:
         gbs = self.args.gbs
         torch.cuda.reset_peak_memory_stats()
@@ -247,6 +326,7 @@ class Bench:
         tflops = tokens * flops_per_token(ARCH, SEQ) / 1e12
         strict = tokens * flops_per_token(ARCH, SEQ, with_embedding=False) / 1e12
         mem = torch.cuda.max_memory_allocated() / 2**30
+        self.last_step = {"seconds": seconds, "tokens": tokens, "tflops": tflops, "mem": mem}
         row("train", f"{label}: step", seconds * 1e3, "ms",
             f"{gbs}x{SEQ} tokens, mbs {mbs}, optimizer incl.")
         row("train", f"{label}: tokens/s", tokens, "tok/s")
@@ -459,14 +539,26 @@ def main() -> None:
     parser.add_argument("--sections", default="refit,offload,local",
                         help="comma list of refit (and generation), offload, local")
     parser.add_argument("--profile", action="store_true", help="kernel-kind breakdown of a step")
+    parser.add_argument("--variants", default="",
+                        help="comma list of torch, local, te, fp8-delayed, fp8-tensorwise, "
+                             "fp8-blockwise (+mbs8): only their train steps and one table "
+                             "(module docstring)")
     parser.add_argument("--logprob-rows", type=int, default=32)
     parser.add_argument("--gen-rows", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args()
+    for name in filter(None, args.variants.split(",")):
+        try:
+            parse_variant(name)
+        except ValueError as e:
+            parser.error(str(e))
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_step.py needs a CUDA GPU")
     bench = Bench(args)
-    bench.spec_and_levers()
+    if args.variants:
+        bench.variants()
+    else:
+        bench.spec_and_levers()
     header = f"{'section':10s} | {'what':46s} | {'value':>14s} | {'unit':8s} | note"
     print("\n" + header + "\n" + "-" * len(header))
     for r in ROWS:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -404,9 +405,21 @@ def test_compare_and_table():
                             {"a": torch.full((2, 3), 3e-6)})
     diffs = parity.compare(got, ref)
     assert diffs == pytest.approx({"logprobs_rel": 1e-3, "loss_rel": 1e-3, "grad_norm_rel": 0.0,
-                                   "params_max_abs": 3e-6}, rel=1e-4, abs=1e-12)
+                                   "params_max_abs": 3e-6, "logprobs_max_abs": 2e-3,
+                                   "logprobs_mean_abs": 2e-3, "params_mean_abs": 3e-6},
+                                  rel=1e-4, abs=1e-12)
     table = parity.parity_table({"tp2": diffs})
     assert table.splitlines()[1].split() == ["tp2", "1.00e-03", "1.00e-03", "0.00e+00", "3.00e-06"]
+    # the mean over a mask's positions only; a row without a column's key leaves it blank
+    uneven = parity.StepRecord(torch.tensor([[-2.0, -2.1, -5.0]]), got.metrics, got.weights)
+    masked = parity.compare(uneven, parity.StepRecord(torch.full((1, 3), -2.0), ref.metrics, w),
+                            mask=torch.tensor([[False, True, False]]))
+    assert masked["logprobs_max_abs"] == pytest.approx(0.1)
+    assert masked["logprobs_mean_abs"] == pytest.approx(0.1)
+    columns = parity.DIFF_KEYS + parity.DETAIL_KEYS
+    lines = parity.parity_table({"a": masked, "tolerance": {"loss_rel": 0.5}}, columns).splitlines()
+    assert lines[0].split() == ["layout", *columns]
+    assert lines[2].split() == ["tolerance", "5.00e-01"]
     with pytest.raises(ValueError, match="weight names differ"):
         parity.compare(parity.StepRecord(got.logprobs, got.metrics, {"b": w["a"]}), ref)
 
@@ -432,13 +445,57 @@ def test_token_budget_config_accepts_one_sequence():
                                        "policy.megatron.sequence_parallel=true"])
 
 
-def test_gpu_script_imports_and_parses_layouts():
+def _load_gpu_script():
     path = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "layout_parity.py"
     spec = importlib.util.spec_from_file_location("layout_parity", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("layout_parity", module)  # its dataclass looks its module up there
     spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_script_imports_and_parses_layouts():
+    module = _load_gpu_script()
+    L = module.Layout
     args = module.parse_args(["--layouts", "2,1,1", "1,2,1", "--steps", "2"])
-    assert args.layouts == [(2, 1, 1), (1, 2, 1)] and args.steps == 2
-    assert module.parse_args([]).layouts == [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
-    with pytest.raises(SystemExit):
-        module.parse_args(["--layouts", "2,1"])
+    assert args.layouts == [L(2, 1, 1), L(1, 2, 1)] and args.steps == 2
+    assert module.parse_args([]).layouts == [L(2, 1, 1), L(1, 2, 1), L(1, 1, 2), L(2, 2, 1)]
+    args = module.parse_args(["--reference", "1,1,1:torch", "--layouts",
+                              "1,1,1,2:transformer_engine", "1,1,1:fp8-tensorwise"])
+    assert args.reference == L(1, 1, 1, spec="torch")
+    assert args.layouts == [L(1, 1, 1, 2, "transformer_engine"),
+                            L(1, 1, 1, spec="transformer_engine", fp8_recipe="tensorwise")]
+    assert [x.name("local") for x in args.layouts] == ["TP1 PP1 DP1 CP2 transformer_engine",
+                                                       "TP1 PP1 DP1 fp8-tensorwise"]
+    fp8 = module.worker_kwargs(args, args.layouts[1])["megatron"]
+    assert (fp8.layer_spec, fp8.fp8, fp8.fp8_recipe) == ("transformer_engine", "hybrid",
+                                                         "tensorwise")
+    torch_args = module.parse_args(["--layer-spec", "torch"])
+    cp = module.worker_kwargs(torch_args, L(1, 1, 1, 2))["megatron"]
+    assert (cp.context_parallel_size, cp.cp_comm_type, cp.layer_spec) == (2, "all_gather", "torch")
+    for bad in (["--layouts", "2,1"], ["--layouts", "1,1,1:tensorrt"], ["--set", "a=1"]):
+        with pytest.raises(SystemExit):
+            module.parse_args(bad)
+
+
+def test_gpu_script_compares_specs_and_cp_on_cpu(capsys):
+    """scripts/gpu/layout_parity.py's code path on CPU (gloo, fp32): the local spec and the
+    torch spec at CP=2 against the torch spec in one process, on a tiny shape (the GPU run
+    compares transformer_engine with torch and local the same way: session.sh te_parity)."""
+    module = _load_gpu_script()
+    rc = module.main(["--device", "cpu", "--precision", "fp32", "--num-layers", "2",
+                      "--hidden-size", "32", "--ffn-hidden-size", "64", "--heads", "4",
+                      "--query-groups", "2", "--vocab-size", "47", "--rows", "4",
+                      "--max-length", "16", "--micro-batch-size", "2", "--lr", "1e-3",
+                      "--prev-logprobs", "reference", "--reference", "1,1,1:torch",
+                      "--layouts", "1,1,1:local", "1,1,1,2:torch"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {line.split()[3]: line.split() for line in out.splitlines()
+            if line.startswith("TP1 PP1 DP1 ") and "loss" not in line}
+    assert set(rows) == {"local", "CP2"}, out
+    for cells in rows.values():  # fp32: the specs and CP agree far inside the bf16 tolerances
+        numbers = [float(c) for c in cells if "e" in c and c[0].isdigit()]
+        assert len(numbers) == 7 and max(numbers) < 1e-4, out
+    assert any(line.startswith("reference ") and " loss " in line for line in out.splitlines())
+    assert "FAIL" not in out

@@ -634,3 +634,30 @@ def test_llama8b_recorder_takes_the_streamed_steps_train_peak():
     assert "finish" not in rec.windows and len(rec.windows["reward"]) == 2  # inside train's window
     (start, end), (refit_start, _) = rec.windows["train"][1], rec.windows["refit"][1]
     assert start <= rec.windows["reward"][1][0] and end <= refit_start
+
+
+def test_memory_check_long_cp_jobs_plan_out_of_memory_at_cp1_and_a_fit_at_cp2():
+    """scripts/gpu/memory_check.py's long_cp1 / long_cp2 (session.sh cp2, issue 34 item 4): the
+    configs load (the torch spec's all-gather CP, hf engine, two GPUs), and at 32k tokens a row
+    the planner puts CP=1's train phase over 80 GiB and CP=2's under it: the GPU run then shows
+    an out-of-memory and a fit, or that the planner is wrong."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "memory_check.py"
+    spec = importlib.util.spec_from_file_location("memory_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    peaks = {}
+    for cp in (1, 2):
+        cfg = load_config("grpo_synthetic_gpu", module.COMMON + module.LONG + [
+            f"policy.megatron.context_parallel_size={cp}"])
+        assert (cfg.data.max_total_length, cfg.cluster.num_workers) == (module.LONG_SEQ, 2)
+        plan = memory.plan_memory(cfg, cfg.model.arch, cfg.model.arch.vocab_size,
+                                  seq=module.LONG_SEQ, train_rows=module.LONG_ROWS)
+        peaks[cp] = plan.phases["train"] / 2**30
+        assert plan.gpu_bytes == 80 * 2**30  # LONG_GPU_GB unset
+    assert peaks[1] > 85 and peaks[2] < 72, peaks  # a margin each way for the planner's error
+    assert module.is_out_of_memory(RuntimeError("worker 0: torch.OutOfMemoryError: CUDA out of "
+                                                "memory. Tried to allocate 2.00 GiB"))
+    assert not module.is_out_of_memory(RuntimeError("NCCL error"))

@@ -364,3 +364,30 @@ def test_cp_groups_on_gloo():
     out = run_distributed(_cp_groups, 2)
     assert [(o["cp"], o["dp"], o["dp_cp"]) for o in out] == [(2, 1, 2)] * 2
     assert [o["cp_rank"] for o in out] == [0, 1] and [o["cp_ranks"] for o in out] == [[0, 1]] * 2
+
+
+def _bench_train_step():
+    path = importlib.util.spec_from_file_location(
+        "bench_train_step", __file__.rsplit("/tests/", 1)[0] + "/bench/train_step.py")
+    module = importlib.util.module_from_spec(path)
+    path.loader.exec_module(module)
+    return module
+
+
+def test_train_step_benchmark_variants():
+    """bench/train_step.py --variants (session.sh te_mfu): each name's policy.megatron section,
+    and the 0.85B shape passes the FP8 shape rules (every FP8 GEMM input a multiple of 16)."""
+    bench = _bench_train_step()
+    assert bench.parse_variant("torch") == {"spec": "torch", "fp8": None, "fp8_recipe": "delayed",
+                                            "mbs": 4}
+    assert bench.parse_variant("te+mbs8")["spec"] == "transformer_engine"
+    assert bench.parse_variant("te+mbs8")["mbs"] == 8
+    for recipe in ("delayed", "tensorwise", "blockwise"):
+        mg = bench.variant_megatron(f"fp8-{recipe}")
+        assert (mg.layer_spec, mg.fp8, mg.fp8_recipe, mg.precision) == (
+            "transformer_engine", "hybrid", recipe, "bf16")
+        assert transformer_engine_shape_errors(bench.ARCH, mg, "policy.megatron") == []
+        assert te.fp8_capability_error(mg, "policy.megatron", (9, 0)) is None  # an H100
+    for bad in ("fp8-mxfp8", "te+mbs16", "tensorrt"):
+        with pytest.raises(ValueError, match="variant"):
+            bench.parse_variant(bad)

@@ -11,7 +11,7 @@ prints them. The CPU tests (``tests/test_layouts.py``, fp32, gloo) and the GPU c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Mapping, Sequence
+from typing import Dict, Mapping, Optional, Sequence
 
 import torch
 
@@ -19,8 +19,11 @@ from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import DataParallelGroup
 from mcore_rl.workers.interfaces import PolicyAPI
 
-# compare()'s keys, in table order.
+# compare()'s keys, in table order: the relative and largest differences that tolerances hold,
+# then the absolute ones of DETAIL_KEYS (largest and mean logprob difference, mean weight
+# difference: how far apart two layer specs are, beside how far the worst token is).
 DIFF_KEYS = ("logprobs_rel", "loss_rel", "grad_norm_rel", "params_max_abs")
+DETAIL_KEYS = ("logprobs_max_abs", "logprobs_mean_abs", "params_mean_abs")
 
 
 @dataclass
@@ -68,35 +71,48 @@ def relative_diff(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def compare(record: StepRecord, reference: StepRecord) -> Dict[str, float]:
-    """Differences of ``record`` from ``reference`` (:data:`DIFF_KEYS`): ``logprobs_rel``,
-    ``loss_rel`` and ``grad_norm_rel`` by :func:`relative_diff`; ``params_max_abs`` the
-    largest absolute difference of any weight after the step.
+def compare(record: StepRecord, reference: StepRecord,
+            mask: Optional[torch.Tensor] = None) -> Dict[str, float]:
+    """Differences of ``record`` from ``reference`` (:data:`DIFF_KEYS`, then
+    :data:`DETAIL_KEYS`): ``logprobs_rel``, ``loss_rel`` and ``grad_norm_rel`` by
+    :func:`relative_diff`; ``params_max_abs`` the largest absolute difference of any weight
+    after the step; ``logprobs_max_abs`` and ``logprobs_mean_abs`` over the positions of
+    ``mask`` (``[B, S]`` bool; default every position); ``params_mean_abs`` over every weight
+    element.
 
     Raises ``ValueError`` when the two records have different weight names or shapes.
     """
     if record.weights.keys() != reference.weights.keys():
         raise ValueError(f"weight names differ: {sorted(record.weights.keys() ^ reference.weights.keys())}")
-    params = 0.0
+    params, total, count = 0.0, 0.0, 0
     for name, ref in reference.weights.items():
         got = record.weights[name]
         if got.shape != ref.shape:
             raise ValueError(f"{name}: shape {tuple(got.shape)} vs reference {tuple(ref.shape)}")
-        params = max(params, (got.double() - ref.double()).abs().max().item())
+        diff = (got.double() - ref.double()).abs()
+        params = max(params, diff.max().item())
+        total, count = total + diff.sum().item(), count + diff.numel()
+    lp = (record.logprobs.double() - reference.logprobs.double()).abs()
+    lp = lp[mask.bool()] if mask is not None else lp.flatten()
     return {
         "logprobs_rel": relative_diff(record.logprobs, reference.logprobs),
         "loss_rel": relative_diff(record.metrics["loss"], reference.metrics["loss"]),
         "grad_norm_rel": relative_diff(record.metrics["grad_norm"], reference.metrics["grad_norm"]),
         "params_max_abs": params,
+        "logprobs_max_abs": lp.max().item() if lp.numel() else 0.0,
+        "logprobs_mean_abs": lp.mean().item() if lp.numel() else 0.0,
+        "params_mean_abs": total / count if count else 0.0,
     }
 
 
 def parity_table(rows: Mapping[str, Mapping[str, float]],
                  columns: Sequence[str] = DIFF_KEYS) -> str:
     """A plain-text table, one row per layout name: ``columns`` of each row's
-    :func:`compare` result in ``%.2e``."""
+    :func:`compare` result in ``%.2e`` (blank where a row lacks the key, e.g. a tolerance row)."""
     width = max([len("layout"), *map(len, rows)])
-    lines = ["  ".join([f"{'layout':<{width}}", *(f"{c:>14}" for c in columns)])]
+    widths = [max(14, len(c)) for c in columns]
+    lines = ["  ".join([f"{'layout':<{width}}", *(f"{c:>{w}}" for c, w in zip(columns, widths))])]
     for name, diffs in rows.items():
-        lines.append("  ".join([f"{name:<{width}}", *(f"{diffs[c]:>14.2e}" for c in columns)]))
+        cells = [f"{diffs[c]:>{w}.2e}" if c in diffs else " " * w for c, w in zip(columns, widths)]
+        lines.append("  ".join([f"{name:<{width}}", *cells]).rstrip())
     return "\n".join(lines)

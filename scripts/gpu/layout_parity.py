@@ -24,12 +24,38 @@ the Llama-3.1-8B shape (untied, vocabulary 128256) with ``--init normal`` (each 
 the GPU from its own seed, ``model.init=normal``: no 8B model is built on the host) and, since
 one GPU cannot train it, a reference layout of several GPUs (``--reference 2,1,2``).
 
+Layer specs and context parallelism (issue 34): a layout is ``TP,PP,DP[,CP][:SPEC]`` (CP default
+1; SPEC default ``--layer-spec``), so one run compares specs on the same weights and batch
+(``--reference 1,1,1:torch --layouts 1,1,1:transformer_engine 1,1,1:local``) or CP against one
+GPU (``--reference 1,1,1:torch --layouts 1,1,1,2:torch``; the ``torch`` spec's CP all-gathers
+keys and values, ``cp_comm_type=all_gather``; the ``transformer_engine`` spec's runs TE's
+``p2p`` ring). SPEC ``fp8-RECIPE`` (``fp8-delayed``, ``fp8-tensorwise``, ``fp8-blockwise``) is
+the ``transformer_engine`` spec with ``fp8=hybrid`` and that recipe: reported in the table, not
+held to the bf16 tolerances. ``--config NAME [--set key=value ...]`` takes the model shape (and,
+with ``model.hf_path``, the weights) from a training config, e.g. SmolLM2-135M-Instruct:
+``--config grpo_smollm2_arith --set model.hf_path=/tmp/models/SmolLM2-135M-Instruct``, or the
+0.36B shape of ``--config grpo_synthetic_gpu`` (seeded random weights). Besides the relative
+differences the table has the largest and the mean absolute logprob difference (over the
+positions 1 .. length - 1 of each row) and the mean absolute weight difference; the reference's
+and every row's loss and grad norm follow it.
+
+``--device cpu`` (gloo, ``--precision fp32``, no distributed optimizer or overlap) runs the same
+code with the ``torch`` and ``local`` specs: ``tests/test_layouts.py`` runs it on a tiny shape.
+
 Usage (repository installed, ``pip install -e .``), on a machine with 4 GPUs::
 
     python scripts/gpu/layout_parity.py
     python scripts/gpu/layout_parity.py --layouts 2,1,1 2,2,1 --steps 2
     python scripts/gpu/layout_parity.py --preset llama8b --reference 2,1,2 --layouts 4,1,1 \
         --layer-spec torch --rows 16 --max-length 1024
+    python scripts/gpu/layout_parity.py --config grpo_smollm2_arith \
+        --set model.hf_path=/tmp/models/SmolLM2-135M-Instruct --reference 1,1,1:torch \
+        --layouts 1,1,1:transformer_engine 1,1,1:local 1,1,1:fp8-delayed --lr 5e-6
+    python scripts/gpu/layout_parity.py --reference 1,1,1:transformer_engine \
+        --layouts 1,1,1,2:transformer_engine --steps 2          # 2 GPUs
+    python scripts/gpu/layout_parity.py --device cpu --precision fp32 --num-layers 2 \
+        --hidden-size 32 --ffn-hidden-size 64 --heads 4 --query-groups 2 --vocab-size 47 \
+        --rows 8 --max-length 16 --reference 1,1,1:torch --layouts 1,1,1:local 1,1,1,2:torch
 """
 
 from __future__ import annotations
@@ -37,12 +63,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 
 from mcore_rl.algorithms.losses import ClippedPGLoss
-from mcore_rl.config.schema import DDPConfig, LossConfig, MegatronConfig, ModelArchConfig, OptimizerConfig
+from mcore_rl.config.schema import (DDPConfig, FP8_RECIPES, LAYER_SPECS, LossConfig, MegatronConfig,
+                                    ModelArchConfig, OptimizerConfig)
 from mcore_rl.controller import parity
 from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import DataParallelGroup, ProcessWorkerGroup
@@ -50,25 +78,64 @@ from mcore_rl.megatron.conversion import arch_to_hf_config
 from mcore_rl.workers.interfaces import PolicyAPI
 from mcore_rl.workers.policy import PolicyWorker
 
-DEFAULT_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
+@dataclass(frozen=True)
+class Layout:
+    """One run: TP x PP x DP x CP processes of one layer spec (None: ``--layer-spec``); with
+    ``fp8_recipe`` the ``transformer_engine`` spec in FP8 (``fp8=hybrid``)."""
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int = 1
+    spec: Optional[str] = None
+    fp8_recipe: Optional[str] = None
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    def name(self, default_spec: str) -> str:
+        cp = f" CP{self.cp}" if self.cp > 1 else ""
+        spec = f"fp8-{self.fp8_recipe}" if self.fp8_recipe else (self.spec or default_spec)
+        return f"TP{self.tp} PP{self.pp} DP{self.dp}{cp} {spec}"
 
 
-def parse_layout(text: str) -> Tuple[int, int, int]:
-    """``"TP,PP,DP"`` -> ``(tp, pp, dp)``; raises ``argparse.ArgumentTypeError`` otherwise."""
-    parts = text.split(",")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise argparse.ArgumentTypeError(f"a layout is TP,PP,DP with positive integers, got {text!r}")
-    return tuple(int(p) for p in parts)
+DEFAULT_LAYOUTS = [Layout(2, 1, 1), Layout(1, 2, 1), Layout(1, 1, 2), Layout(2, 2, 1)]
+SPEC_CHOICES = LAYER_SPECS + tuple(f"fp8-{r}" for r in FP8_RECIPES)
+
+
+def parse_layout(text: str) -> Layout:
+    """``"TP,PP,DP[,CP][:SPEC]"`` -> :class:`Layout` (SPEC a layer spec or ``fp8-RECIPE``);
+    raises ``argparse.ArgumentTypeError`` otherwise."""
+    sizes, _, spec = text.partition(":")
+    parts = sizes.split(",")
+    if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"a layout is TP,PP,DP[,CP][:SPEC] with positive integers, got {text!r}")
+    if spec and spec not in SPEC_CHOICES:
+        raise argparse.ArgumentTypeError(f"{text!r}: SPEC is one of {', '.join(SPEC_CHOICES)}")
+    fp8 = spec[len("fp8-"):] if spec.startswith("fp8-") else None
+    return Layout(*(int(p) for p in parts), spec="transformer_engine" if fp8 else (spec or None),
+                  fp8_recipe=fp8)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", nargs="+", type=parse_layout, default=DEFAULT_LAYOUTS,
-                   metavar="TP,PP,DP", help="layouts to check (default: 2,1,1 1,2,1 1,1,2 2,2,1)")
+                   metavar="TP,PP,DP[,CP][:SPEC]",
+                   help="layouts to check (default: 2,1,1 1,2,1 1,1,2 2,2,1)")
     p.add_argument("--steps", type=int, default=1, help="optimizer steps before the weights are compared")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--layer-spec", default="local", choices=("local", "torch"))
+    p.add_argument("--layer-spec", default="local", choices=LAYER_SPECS,
+                   help="the spec of a layout that names none")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: gloo, no distributed optimizer or overlap (a dry run of the code)")
+    p.add_argument("--config", default=None,
+                   help="take the model shape from this training config (weights too with "
+                        "model.hf_path); the size options are then ignored")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides of --config (e.g. model.hf_path=DIR)")
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--ffn-hidden-size", type=int, default=1408)
@@ -79,6 +146,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=256, help="longest sequence (tokens)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--prev-logprobs", choices=("random", "reference"), default="random",
+                   help="the loss's old-policy (and KL reference) logprobs: seeded near "
+                        "-log(vocab), or the reference layout's own logprobs (ratios near 1, as "
+                        "in an RL step; for a pretrained model on random tokens)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--rel-tol", type=float, default=2e-2, help="logprobs and loss")
     p.add_argument("--grad-norm-tol", type=float, default=5e-2)
@@ -86,9 +157,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="a model shape replacing the size options (module docstring)")
     p.add_argument("--init", choices=("transformers", "normal"), default="transformers",
                    help="the seeded random start (model.init)")
-    p.add_argument("--reference", type=parse_layout, default=(1, 1, 1), metavar="TP,PP,DP",
+    p.add_argument("--reference", type=parse_layout, default=Layout(1, 1, 1),
+                   metavar="TP,PP,DP[,CP][:SPEC]",
                    help="the layout the others are compared with (default 1,1,1: one GPU)")
     args = p.parse_args(argv)
+    args.hf_path = None
+    if args.config:
+        from mcore_rl.config.loader import load_config
+        from mcore_rl.planning import resolve_arch
+
+        cfg = load_config(args.config, args.set)
+        args.arch, args.vocab_size = resolve_arch(cfg)
+        args.hf_path = cfg.model.hf_path
+        args.max_length = min(args.max_length, args.arch.max_position_embeddings)
+    elif args.set:
+        p.error("--set needs --config")
     if args.preset == "llama8b":
         args.num_layers, args.hidden_size, args.ffn_hidden_size = 32, 4096, 14336
         args.heads, args.query_groups, args.vocab_size = 32, 8, 128256
@@ -97,6 +180,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def _arch(args) -> ModelArchConfig:
+    if getattr(args, "arch", None) is not None:  # --config
+        return args.arch
     if args.preset == "llama8b":
         return ModelArchConfig(family="llama", num_layers=32, hidden_size=4096,
                                num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
@@ -110,19 +195,26 @@ def _arch(args) -> ModelArchConfig:
                            tie_word_embeddings=True, vocab_size=args.vocab_size)
 
 
-def worker_kwargs(args, tp: int, pp: int) -> dict:
+def worker_kwargs(args, layout: Layout) -> dict:
     """PolicyWorker arguments of one layout (the DP size follows from the world size)."""
     arch = _arch(args)
+    spec = layout.spec or args.layer_spec
+    gpu = args.device == "cuda"
     megatron = MegatronConfig(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        precision=args.precision, layer_spec=args.layer_spec,
-        ddp=DDPConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True,
-                      use_distributed_optimizer=True, overlap_param_gather=True))
-    return dict(hf_path=None, hf_config=arch_to_hf_config(arch, args.vocab_size).to_dict(),
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        # the torch spec's CP all-gathers keys and values; TE's ring (p2p) is the default
+        cp_comm_type="all_gather" if spec == "torch" else "p2p",
+        precision=args.precision, layer_spec=spec,
+        fp8="hybrid" if layout.fp8_recipe else None, fp8_recipe=layout.fp8_recipe or "delayed",
+        ddp=DDPConfig(overlap_grad_reduce=gpu, grad_reduce_in_fp32=True,
+                      use_distributed_optimizer=gpu, overlap_param_gather=gpu))
+    return dict(hf_path=args.hf_path,
+                hf_config=arch_to_hf_config(arch, args.vocab_size).to_dict(),
                 vocab_size=args.vocab_size, temperature=1.0, use_reference=False, init=args.init,
                 arch=arch,
                 megatron=megatron, optimizer=OptimizerConfig(lr=args.lr, clip_grad=1.0),
-                device="cuda", seed=args.seed, total_optimizer_steps=args.steps,
+                device=args.device, seed=args.seed, total_optimizer_steps=args.steps,
                 global_batch_size=args.rows)
 
 
@@ -143,13 +235,24 @@ def make_batch(args) -> B.Batch:
             "prev_logprobs": near[0] * mask, "reference_logprobs": near[1] * mask}
 
 
-def run_layout(args, tp: int, pp: int, dp: int, batch: B.Batch, loss) -> parity.StepRecord:
-    """``args.steps`` steps on ``tp x pp x dp`` GPUs; the record of the first step's logprobs
+def valid_positions(batch: B.Batch) -> torch.Tensor:
+    """``[B, S]`` bool: positions 1 .. length - 1 of each row (those with a logprob)."""
+    cols = torch.arange(batch["input_ids"].shape[1])[None, :]
+    return (cols >= 1) & (cols < batch["input_lengths"][:, None])
+
+
+def run_layout(args, layout: Layout, batch: B.Batch, loss) -> parity.StepRecord:
+    """``args.steps`` steps on the layout's processes; the record of the first step's logprobs
     and metrics with the weights after the last step."""
-    group = ProcessWorkerGroup(PolicyWorker, tp * pp * dp, worker_kwargs(args, tp, pp))
+    group = ProcessWorkerGroup(PolicyWorker, layout.world, worker_kwargs(args, layout))
     try:
         dp_group = DataParallelGroup(group)
         mbs = args.micro_batch_size
+        if args.prev_logprobs == "reference" and not getattr(args, "prev_set", False):
+            # the first run (the reference) sets them for every run after it
+            own = dp_group.gather_rows(PolicyAPI).get_logprobs(batch, mbs) * batch["token_mask"]
+            batch["prev_logprobs"], batch["reference_logprobs"] = own, own.clone()
+            args.prev_set = True
         record = parity.record_step(dp_group, batch, loss, mbs, mbs)
         for _ in range(args.steps - 1):
             dp_group.train(batch, loss, mbs)
@@ -161,30 +264,40 @@ def run_layout(args, tp: int, pp: int, dp: int, batch: B.Batch, loss) -> parity.
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run the reference and every layout, print the table; 0 when all are within tolerance."""
+    """Run the reference and every layout, print the table; 0 when all are within tolerance
+    (FP8 rows are reported only)."""
     args = parse_args(argv)
-    need = max(tp * pp * dp for tp, pp, dp in args.layouts + [args.reference])
-    if torch.cuda.device_count() < need:
+    need = max(layout.world for layout in args.layouts + [args.reference])
+    if args.device == "cuda" and torch.cuda.device_count() < need:
         print(f"needs {need} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     batch, loss = make_batch(args), ClippedPGLoss(LossConfig(kl_coef=0.05))
-    reference = run_layout(args, *args.reference, batch, loss)
+    mask = valid_positions(batch)
+    reference = run_layout(args, args.reference, batch, loss)
     largest = max(w.abs().max().item() for w in reference.weights.values())
     params_tol = 2 * args.lr * args.steps + 2.0 ** -8 * largest
     tolerances = {"logprobs_rel": args.rel_tol, "loss_rel": args.rel_tol,
                   "grad_norm_rel": args.grad_norm_tol, "params_max_abs": params_tol}
-    rows, failed = {}, []
-    for tp, pp, dp in args.layouts:
-        name = f"TP{tp} PP{pp} DP{dp}"
-        rows[name] = parity.compare(run_layout(args, tp, pp, dp, batch, loss), reference)
-        failed += [f"{name}: {k} = {rows[name][k]:.2e} > {tol:.2e}"
-                   for k, tol in tolerances.items() if not rows[name][k] <= tol]
-    print(f"{args.precision}, distributed optimizer, overlap_grad_reduce, overlap_param_gather; "
-          f"{args.rows} rows up to {args.max_length} tokens, {args.steps} step(s), lr {args.lr}; "
-          f"reference: TP{args.reference[0]} PP{args.reference[1]} DP{args.reference[2]} "
-          f"(loss {reference.metrics['loss']:.5f}, grad norm "
-          f"{reference.metrics['grad_norm']:.5f})")
-    print(parity.parity_table({**rows, "tolerance": tolerances}))
+    rows, metrics, failed = {}, {}, []
+    for layout in args.layouts:
+        name = layout.name(args.layer_spec)
+        record = run_layout(args, layout, batch, loss)
+        rows[name] = parity.compare(record, reference, mask)
+        metrics[name] = record.metrics
+        if layout.fp8_recipe is None:
+            failed += [f"{name}: {k} = {rows[name][k]:.2e} > {tol:.2e}"
+                       for k, tol in tolerances.items() if not rows[name][k] <= tol]
+    ddp = ("distributed optimizer, overlap_grad_reduce, overlap_param_gather"
+           if args.device == "cuda" else "gloo, Megatron's DDP without overlap")
+    print(f"{args.precision} on {args.device}, {ddp}; {args.rows} rows up to {args.max_length} "
+          f"tokens, "
+          f"{args.steps} step(s), lr {args.lr}; reference: {args.reference.name(args.layer_spec)}"
+          f"{f'; weights {args.hf_path}' if args.hf_path else ''}")
+    print(parity.parity_table({**rows, "tolerance": tolerances},
+                              parity.DIFF_KEYS + parity.DETAIL_KEYS))
+    width = max(len(n) for n in [*rows, "reference"])
+    for name, m in [("reference", reference.metrics), *metrics.items()]:
+        print(f"{name:<{width}}  loss {m['loss']:.6f}  grad norm {m['grad_norm']:.6f}")
     for line in failed:
         print("FAIL", line)
     return 1 if failed else 0

@@ -19,6 +19,18 @@ phase; the largest over the phase's calls and ranks):
    SwiGLU 5632, vocab 32000 untied, 2048 tokens a row): the trainer built, then two train steps
    of 16 full-length rows (padded micro-batches of 4: packing off) and their logprobs (no
    generation: the benchmark has none, so its prediction leaves out the rollout engine).
+5. ``long_cp1`` and ``long_cp2`` (two GPUs; only when ``MEMORY_JOBS`` names them; issue 34 item
+   4): one training step of two 32,768-token rows (a 256-token prompt, a 32,512-token response;
+   ``LONG_SEQ`` sets the length) on a 1.39B Llama shape (the benchmark's, 28 layers), policy on
+   two GPUs at CP=1 (DP=2: a 32k-token micro-batch a GPU) and at CP=2 (the ``torch`` spec's
+   all-gather CP: 16k tokens a GPU), the hf rollout engine colocated (the megatron decoder
+   does not split sequences), micro-batches of one row, no packing, seeded weights drawn on the
+   GPUs (``model.init=normal``: no 1.39B model is initialized on the host). At 32k ``mcore-rl plan``
+   predicts 94.6 GiB for CP=1 (does not fit 80) and 66.0 GiB for CP=2; the trainer's own memory
+   check is off (``cluster.skip_memory_check``) so the CP=1 step runs and its out-of-memory is
+   the measurement: the row then says ``OOM``. On 141 GB H200s: ``LONG_SEQ=65536 LONG_GPU_GB=141``
+   (plan 153.6 GiB at CP=1, 103.3 at CP=2). ``LONG_SPEC=transformer_engine`` is refused at
+   the trainer's start while TE's CP is unverified (:func:`mcore_rl.megatron.te.runtime_errors`).
 
 Predictions: the plan at ``data.max_total_length`` (what ``mcore-rl plan`` prints: the bound)
 and at the longest row and prompt the run saw (the planner's arithmetic with the true lengths:
@@ -70,6 +82,22 @@ BENCH = ["model.arch.family=llama", "model.arch.num_layers=16", "model.arch.hidd
          "grpo.val_at_start=false", "grpo.val_every=0", "generation.logprob_budget=null",
          "policy.sequence_packing=false", "policy.max_tokens_per_microbatch=null"]
 BENCH_ROWS, BENCH_SEQ = 16, 2048
+LONG_SEQ = int(os.environ.get("LONG_SEQ", "32768"))
+LONG_ROWS = 2
+# The benchmark's shape at 28 layers (1.39B): at 32k tokens a row it fits two 80 GB GPUs at CP=2
+# and not at CP=1 (module docstring); the overrides of both long_cp jobs but CP.
+LONG = [o for o in BENCH if not o.startswith(("model.arch.num_layers", "model.arch.max_position",
+                                               "data.max_total_length", "policy.micro_batch_size",
+                                               "policy.logprob_micro_batch_size",
+                                               "grpo.num_prompts_per_step"))] + [
+    "model.arch.num_layers=28", f"model.arch.max_position_embeddings={LONG_SEQ}",
+    "data.max_prompt_length=256", f"data.max_total_length={LONG_SEQ}",
+    f"generation.max_new_tokens={LONG_SEQ - 256}", "generation.backend=hf",
+    "generation.batch_size=2", "policy.micro_batch_size=1", "policy.logprob_micro_batch_size=1",
+    "grpo.num_prompts_per_step=1", "cluster.num_workers=2", "model.init=normal",
+    f"cluster.gpu_memory_gb={os.environ.get('LONG_GPU_GB', '80')}",
+    f"policy.megatron.layer_spec={os.environ.get('LONG_SPEC', 'torch')}",
+    "policy.megatron.cp_comm_type=all_gather"]
 
 
 class Recorder:
@@ -112,61 +140,89 @@ class Recorder:
         return wrapped
 
 
-def bench_rollout(vocab: int) -> Dict[str, torch.Tensor]:
+def bench_rollout(vocab: int, rows: int = BENCH_ROWS,
+                  seq: int = BENCH_SEQ) -> Dict[str, torch.Tensor]:
     """bench/train_step.py's rows: a 256-token prompt and a response to the end."""
     g = torch.Generator().manual_seed(0)
-    mask = torch.zeros(BENCH_ROWS, BENCH_SEQ)
+    mask = torch.zeros(rows, seq)
     mask[:, 256:] = 1
-    return {"input_ids": torch.randint(1, vocab, (BENCH_ROWS, BENCH_SEQ), generator=g),
-            "input_lengths": torch.full((BENCH_ROWS,), BENCH_SEQ),
-            "prompt_lengths": torch.full((BENCH_ROWS,), 256), "token_mask": mask,
-            "sample_mask": torch.ones(BENCH_ROWS),
-            "advantages": torch.randn(BENCH_ROWS, 1, generator=g) * mask,
-            "prev_logprobs": torch.zeros(BENCH_ROWS, BENCH_SEQ),
-            "generation_logprobs": torch.zeros(BENCH_ROWS, BENCH_SEQ)}
+    return {"input_ids": torch.randint(1, vocab, (rows, seq), generator=g),
+            "input_lengths": torch.full((rows,), seq),
+            "prompt_lengths": torch.full((rows,), 256), "token_mask": mask,
+            "sample_mask": torch.ones(rows),
+            "advantages": torch.randn(rows, 1, generator=g) * mask,
+            "prev_logprobs": torch.zeros(rows, seq),
+            "generation_logprobs": torch.zeros(rows, seq)}
 
 
-def measure(name: str, config: str, overrides: List[str], bench: bool = False) -> List[Dict]:
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` (raised here or a worker's error passed on) is CUDA's out-of-memory."""
+    text = f"{type(error).__name__}: {error}"
+    return "OutOfMemoryError" in text or "CUDA out of memory" in text
+
+
+def measure(name: str, config: str, overrides: List[str], bench: bool = False,
+            rows: int = BENCH_ROWS, seq: int = BENCH_SEQ, steps: int = 2) -> List[Dict]:
     run_dir = tempfile.mkdtemp(prefix=f"memcheck_{name}_")
     cfg = load_config(config, COMMON + overrides + [f"run.output_dir={run_dir}/run"])
     arch, vocab = resolve_arch(cfg)
     start = time.perf_counter()
     loop = build(cfg)
     trainer = loop.trainer
+    oom = None
     try:
         rec = Recorder(trainer)
         if bench:
-            batch = bench_rollout(vocab)
-            for _ in range(2):
+            batch = bench_rollout(vocab, rows, seq)
+            rec.longest = seq  # the planner's seq also when the first call runs out of memory
+            for _ in range(steps):
                 trainer.policy_logprobs(batch)
                 trainer.train_policy(batch, ClippedPGLoss(LossConfig(kl_coef=0.0)))
         else:
             loop.fit()
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        oom = " ".join(str(e).split())[-300:]
+        print(f"\n== {name}: out of memory: {oom}", flush=True)
     finally:
         loop.close()
     seconds = time.perf_counter() - start
     bound = memory.plan_memory(cfg, arch, vocab)
     seen = memory.plan_memory(cfg, arch, vocab, seq=rec.longest or None,
-                              train_rows=BENCH_ROWS if bench else None,
+                              train_rows=rows if bench else None,
                               prompt=rec.longest_prompt or None)
     print(f"\n== {name}: {memory.model_parameters(arch, vocab) / 1e6:.1f}M parameters, longest "
           f"row {rec.longest} tokens, longest prompt {rec.longest_prompt}, {seconds:.0f} s\n"
           f"{memory.format_plan(seen)}", flush=True)
-    rows = []
+    table = []
+    gpu = seen.gpu_bytes / GIB
     for phase in PHASES:
+        if oom and phase in seen.phases and phase in ("logprobs", "train") \
+                and rec.peaks.get(phase, {}).get("max_allocated", 0) == 0:
+            planned = (seen.phases[phase] - (sum(seen.engine.values()) if bench else 0)) / GIB
+            table.append({"config": name, "phase": phase, "measured_alloc_gib": float("nan"),
+                          "measured_reserved_gib": float("nan"), "plan_max_len_gib": planned,
+                          "plan_seen_len_gib": planned, "error_pct": float("nan"),
+                          "longest": rec.longest, "oom": True,
+                          "plan_fits": seen.phases[phase] <= seen.gpu_bytes})
+            continue
         if phase not in rec.peaks or phase not in seen.phases:  # not run (seen.not_run)
             continue
         engine = sum(seen.engine.values()) if bench else 0  # the benchmark decodes nothing
         predicted = seen.phases[phase] - engine
         measured = rec.peaks[phase]["max_allocated"]
-        rows.append({"config": name, "phase": phase,
+        table.append({"config": name, "phase": phase,
                      "measured_alloc_gib": measured / GIB,
                      "measured_reserved_gib": rec.peaks[phase]["max_reserved"] / GIB,
                      "plan_max_len_gib": (bound.phases[phase] - (sum(bound.engine.values()) if bench else 0)) / GIB,
                      "plan_seen_len_gib": predicted / GIB,
                      "error_pct": 100.0 * (predicted - measured) / measured if measured else float("nan"),
-                     "longest": rec.longest})
-    return rows
+                     "longest": rec.longest, "oom": False,
+                     "plan_fits": seen.phases[phase] <= seen.gpu_bytes})
+    print(f"== {name}: plan {'fits' if all(r['plan_fits'] for r in table) else 'DOES NOT FIT'} "
+          f"{gpu:.0f} GiB; measured {'OUT OF MEMORY' if oom else 'ran'}", flush=True)
+    return table
 
 
 def main() -> int:
@@ -190,12 +246,16 @@ def main() -> int:
         print("MODEL_DIR unset: smollm2_135m and smollm2_gsm8k skipped", flush=True)
     jobs.append(("bench_0.85B", "grpo_synthetic_gpu", BENCH, True))
     wanted = [j for j in os.environ.get("MEMORY_JOBS", "").split(",") if j]
+    long_jobs = [(f"long_cp{cp}", "grpo_synthetic_gpu",
+                  LONG + [f"policy.megatron.context_parallel_size={cp}"], True) for cp in (1, 2)]
     if wanted:  # a subset by name (MEMORY_JOBS=synthetic_0.36B,bench_0.85B), in the order above
-        jobs = [j for j in jobs if j[0] in wanted]
+        jobs = [j for j in jobs + long_jobs if j[0] in wanted]
     table, status = [], 0
     for name, config, overrides, bench in jobs:
+        long = name.startswith("long_cp")
         try:
-            table += measure(name, config, overrides, bench)
+            table += measure(name, config, overrides, bench,
+                             **(dict(rows=LONG_ROWS, seq=LONG_SEQ, steps=1) if long else {}))
         except Exception:  # the other configurations still run
             traceback.print_exc()
             status = 1
@@ -205,11 +265,14 @@ def main() -> int:
           f"max_memory_allocated / max_memory_reserved); plan at data.max_total_length and at "
           f"the longest row seen; error = plan(seen) vs allocated")
     print(f"{'config':16s} {'phase':11s} {'alloc':>7s} {'reserved':>8s} {'plan@max':>8s} "
-          f"{'plan@seen':>9s} {'error':>7s} {'longest':>7s}")
+          f"{'plan@seen':>9s} {'error':>7s} {'longest':>7s}  plan")
     for r in table:
-        print(f"{r['config']:16s} {r['phase']:11s} {r['measured_alloc_gib']:7.2f} "
-              f"{r['measured_reserved_gib']:8.2f} {r['plan_max_len_gib']:8.2f} "
-              f"{r['plan_seen_len_gib']:9.2f} {r['error_pct']:+6.1f}% {r['longest']:7d}")
+        alloc = "OOM" if r["oom"] else f"{r['measured_alloc_gib']:.2f}"
+        reserved = "-" if r["oom"] else f"{r['measured_reserved_gib']:.2f}"
+        print(f"{r['config']:16s} {r['phase']:11s} {alloc:>7s} {reserved:>8s} "
+              f"{r['plan_max_len_gib']:8.2f} {r['plan_seen_len_gib']:9.2f} "
+              f"{r['error_pct']:+6.1f}% {r['longest']:7d}  "
+              f"{'fits' if r['plan_fits'] else 'does not fit'}")
     return status
 
 

@@ -45,6 +45,24 @@
 #               scripts/gpu/te_smoke.py (issue 34). Later stages see TE only through te_env.
 #   bridge      megatron-bridge against mcore-rl's own conversion on SmolLM2: load, logits, export
 #               (scripts/gpu/bridge_parity.py; after te and model)
+#   te_parity   issue 34 item 1 (after te, model): one training step on the same weights and batch
+#               with the transformer_engine spec and the local spec against the torch spec, and
+#               FP8 (TE_PARITY_FP8: fp8-delayed fp8-tensorwise; reported, not held to bf16
+#               tolerances): logprobs, loss, grad norm, weights after the step, max and mean
+#               differences (scripts/gpu/layout_parity.py), for TE_PARITY_SHAPES of smollm2
+#               (SmolLM2-135M-Instruct's weights) and synthetic (grpo_synthetic_gpu's 0.36B shape,
+#               seeded weights)
+#   te_mfu      issue 34 items 1-2: the 0.85B benchmark's train step (bench/train_step.py
+#               --variants TE_MFU_VARIANTS: torch te fp8-delayed fp8-tensorwise), step time and MFU
+#               per variant in one table (after te)
+#   learn34     issue 34 items 1-2 (after te, model): grpo_smollm2_arith, LEARN34_STEPS (40) steps,
+#               held-out every 20, LEARN34_RUNS side by side on the GPU (as learn and tools run:
+#               seconds per step are not comparable between them) of torch (the config: bf16,
+#               torch spec), te (transformer_engine spec), fp8 (TE, FP8 delayed: the megatron
+#               decoder runs the same FP8 model), fp8hf (TE FP8 training, bf16 rollouts from the hf
+#               engine: the logprob budget against bf16 rollouts), tehf (TE bf16 with the hf
+#               engine: fp8hf's baseline), fp8t (tensorwise); held-out accuracy and
+#               token_mult_prob_error per run in the table
 #   rm_pairs    issue 36: preference pairs from SmolLM2's own sampled answers to training prompts
 #               of the arithmetic chat task, right (math verifier) chosen over wrong
 #               (scripts/gpu/preference_pairs.py) -> /tmp/rm_pairs; RM_PROMPTS prompts (4000)
@@ -70,6 +88,13 @@
 #               colocated vLLM engine at TP=2, RAYTP2_STEPS (3) steps, RAYTP2_TIMEOUT (360) s, after
 #               vllm and ray; RAYTP2_SET: more overrides. Each step's timing/* and refit/* from its
 #               metrics.jsonl, then `== raytp2 PASS` or FAIL ($RES/raytp2.log)
+#   cp2         issue 34 item 4 (after te): logprobs, loss, grad norm and weights after 2 steps at
+#               CP=2 against CP=1 on the transformer_engine spec (TE's p2p ring; the trainer still
+#               refuses it, the script builds workers itself) and on the torch spec (all-gather),
+#               bf16, NCCL (CP2_SPECS); then one step of two 32k-token rows of a 1.39B shape at
+#               CP=1 and at CP=2 against `mcore-rl plan` (out of memory predicted at CP=1, a fit at
+#               CP=2: scripts/gpu/memory_check.py's long_cp1/long_cp2; 64k-token rows on 141 GB
+#               H200s; CP2_LONG=0 skips it)
 #   decode3     rollout tokens/s of megatron, hf and vLLM on one GPU at 256 x 512 (the 0.5B
 #               Qwen2 shape of scripts/gpu/megatron_generation.py; issue 23)
 #
@@ -589,12 +614,85 @@ stage_bridge() {  # issue 34: megatron-bridge vs mcore-rl's conversion on SmolLM
     echo "== bridge"; quiet < "$RES/bridge.log" | tail -n 12
 }
 
+stage_te_parity() {  # issue 34 item 1: the TE spec and the local spec against the torch spec
+    local shape args
+    for shape in ${TE_PARITY_SHAPES:-smollm2 synthetic}; do
+        case $shape in
+            smollm2) args=(--config grpo_smollm2_arith --set model.hf_path="$MODEL" --lr 5e-6
+                           --max-length 128 --rows 64 --micro-batch-size 16) ;;
+            synthetic) args=(--config grpo_synthetic_gpu --lr 1e-5 --rows 64
+                             --micro-batch-size 16) ;;
+            *) echo "te_parity: unknown shape $shape"; status=1; continue ;;
+        esac
+        # shellcheck disable=SC2086
+        te_env timeout "${TE_PARITY_TIMEOUT:-270}" python3 scripts/gpu/layout_parity.py \
+            "${args[@]}" \
+            --prev-logprobs reference --reference 1,1,1:torch --layouts 1,1,1:transformer_engine \
+            1,1,1:local ${TE_PARITY_FP8-1,1,1:fp8-delayed 1,1,1:fp8-tensorwise} \
+            > "$RES/te_parity_$shape.log" 2>&1 || status=1
+        echo "== te_parity $shape"; quiet < "$RES/te_parity_$shape.log" | tail -n 13
+    done
+}
+
+stage_te_mfu() {  # issue 34 items 1-2: the 0.85B benchmark's train MFU per spec and FP8 recipe
+    te_env timeout "${TE_MFU_TIMEOUT:-420}" python3 bench/train_step.py \
+        --variants "${TE_MFU_VARIANTS:-torch,te,fp8-delayed,fp8-tensorwise}" \
+        > "$RES/te_mfu.log" 2>&1 || status=1
+    cp "$OUT/bench_table.json" "$RES/te_mfu_table.json" 2>/dev/null
+    echo "== te_mfu"; grep -a -A 8 "^== variants" "$RES/te_mfu.log"
+    grep -a -E "failed|Error" "$RES/te_mfu.log" | head -n 4
+}
+
+stage_learn34() {  # issue 34 items 1-2: LEARN34_RUNS side by side (timings not comparable)
+    local pids=() run names=()
+    local te=policy.megatron.layer_spec=transformer_engine hf=generation.backend=hf
+    local fp8="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=delayed"
+    declare -A run_args=([torch]="" [te]="$te" [fp8]="$fp8" [fp8hf]="$fp8 $hf" [tehf]="$te $hf"
+        [fp8t]="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=tensorwise")
+    for run in ${LEARN34_RUNS:-torch te fp8 fp8hf}; do
+        [ -n "${run_args[$run]+set}" ] || { echo "learn34: unknown run $run"; status=1; continue; }
+        rm -rf "/tmp/runs/arith34_$run"
+        # shellcheck disable=SC2086
+        te_env timeout "${LEARN34_TIMEOUT:-500}" python3 -m mcore_rl train \
+            --config-name grpo_smollm2_arith "${common[@]}" model.hf_path="$MODEL" \
+            run.output_dir="/tmp/runs/arith34_$run" grpo.max_steps="${LEARN34_STEPS:-40}" \
+            grpo.val_every=20 ${run_args[$run]} > "$RES/arith34_$run.log" 2>&1 &
+        pids+=($!) names+=("arith34_$run")
+    done
+    wait "${pids[@]}" || true
+    keep_metrics "${names[@]}"
+}
+
+stage_cp2() {  # issue 34 item 4 on two GPUs: CP=2 parity per spec, then the 32k-token step
+    local spec
+    for spec in ${CP2_SPECS:-transformer_engine torch}; do
+        te_env timeout "${CP2_TIMEOUT:-240}" python3 scripts/gpu/layout_parity.py --steps 2 \
+            --reference "1,1,1:$spec" --layouts "1,1,1,2:$spec" --rows 16 --max-length 2048 \
+            > "$RES/cp2_$spec.log" 2>&1 || status=1
+        echo "== cp2 parity, $spec spec: CP=2 against CP=1"
+        quiet < "$RES/cp2_$spec.log" | tail -n 8
+    done
+    [ "${CP2_LONG:-1}" = 0 ] && return
+    # 32k-token rows overflow an 80 GB H100 at CP=1; a 141 GB H200 needs 64k (memory_check.py)
+    local mib
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null)
+    if [ "${mib:-0}" -gt 100000 ]; then
+        export LONG_SEQ=${LONG_SEQ:-65536} LONG_GPU_GB=${LONG_GPU_GB:-141}
+    fi
+    MEMORY_JOBS=long_cp1,long_cp2 timeout "${CP2_LONG_TIMEOUT:-300}" python3 \
+        scripts/gpu/memory_check.py > "$RES/cp2_long.log" 2>&1 || status=1
+    cp "$OUT/memory_check.json" "$RES/cp2_long.json" 2>/dev/null
+    echo "== cp2 long step (${LONG_SEQ:-32768}-token rows)"
+    grep -a -E "^== long|out of memory" "$RES/cp2_long.log" | cut -c1-200
+    tail -n 6 "$RES/cp2_long.log"
+}
+
 stage_table() {
     echo "== seconds per RL step and phase (median over the steps after the first ${WARMUP:-2})"
     python3 bench/peers/summarize.py phases "$RES"/*.json 2>/dev/null
     echo "== peers"
     python3 bench/peers/summarize.py table "$RES"/gsm8k_*.json "$RES"/trl_grpo_*.json 2>/dev/null
-    for f in "$RES"/arith_*.metrics.jsonl; do
+    for f in "$RES"/arith_*.metrics.jsonl "$RES"/arith34_*.metrics.jsonl; do
         [ -f "$f" ] || continue
         echo "== $(basename "$f" .metrics.jsonl): held-out accuracy by step"
         python3 - "$f" <<'PY'
