@@ -14,9 +14,6 @@ arithmetic and its bits, stay as they were."""
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Worker processes the tests stop skip the interpreter's final garbage collections (~3 s a
-# process; mcore_rl.distributed.worker_group.SKIP_EXIT_GC_ENV).
-os.environ.setdefault("MCORE_RL_SKIP_EXIT_GC", "1")
 
 from mcore_rl.megatron import cpu_backend  # noqa: E402 -- after the OpenMP setting
 

@@ -11,9 +11,7 @@ pickles them by name.
 
 from __future__ import annotations
 
-import gc
 import io
-import os
 import queue
 import socket
 import time
@@ -21,8 +19,6 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
-
-from mcore_rl.distributed.worker_group import SKIP_EXIT_GC_ENV
 
 _WORLD: dict = {}
 
@@ -69,8 +65,6 @@ def _worker(rank, world_size, port, fn, args, results, layout):
         results.put((rank, False, traceback.format_exc()))
     finally:
         parallel.destroy()
-        if os.environ.get(SKIP_EXIT_GC_ENV) == "1":  # as a stopped worker process does
-            gc.freeze()
 
 
 def run_distributed(fn, world_size: int, *args, tensor_model_parallel_size=1,

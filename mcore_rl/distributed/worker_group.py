@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import faulthandler
 import functools
-import gc
 import logging
 import os
 import queue
@@ -492,17 +491,6 @@ def _process_main(conn, worker_cls, kwargs, env, dump_file=None):
             conn.send(("ok", host.call(method, args, kw)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
-    if os.environ.get(SKIP_EXIT_GC_ENV) == "1":
-        gc.freeze()  # the interpreter's last collections then pass over every object made so far
-
-
-# Set to "1" (the test suite does, tests/conftest.py): a worker process that was asked to stop
-# leaves its objects to the operating system instead of the interpreter's final garbage
-# collections, which take ~3 s per process with Megatron, torch.compile and Triton loaded
-# (measured: a group of 4 CPU ranks stopped in 3.5 s, 0.5 s with it). atexit handlers still
-# run (multiprocessing still ends a worker's own children); objects in reference cycles are
-# not finalized, and Triton's nanobind module prints its "leaked instances" notice at exit.
-SKIP_EXIT_GC_ENV = "MCORE_RL_SKIP_EXIT_GC"
 
 
 class ProcessWorkerGroup(_Group):
