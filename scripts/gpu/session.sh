@@ -45,6 +45,7 @@
 #               scripts/gpu/te_smoke.py (issue 34). Later stages see TE only through te_env.
 #   bridge      megatron-bridge against mcore-rl's own conversion on SmolLM2: load, logits, export
 #               (scripts/gpu/bridge_parity.py; after te and model)
+#   te_e2e      grpo_synthetic_gpu on the transformer_engine spec, TE_E2E_STEPS (4) steps (after te)
 #   te_parity   issue 34 item 1 (after te, model): one training step on the same weights and batch
 #               with the transformer_engine spec and the local spec against the torch spec, and
 #               FP8 (TE_PARITY_FP8: fp8-delayed fp8-tensorwise; reported, not held to bf16
@@ -612,6 +613,12 @@ stage_bridge() {  # issue 34: megatron-bridge vs mcore-rl's conversion on SmolLM
     PYTHONPATH=$BRIDGE_SITE:$TE_SITE:$PYTHONPATH timeout 420 python3 scripts/gpu/bridge_parity.py \
         --model "$MODEL" > "$RES/bridge.log" 2>&1 || status=1
     echo "== bridge"; quiet < "$RES/bridge.log" | tail -n 12
+}
+
+stage_te_e2e() {  # issue 34: the GPU job end to end on the TE spec (the first run failed on host cu_seqlens)
+    STEPS=${TE_E2E_STEPS:-4} STEP_TIMEOUT=${TE_E2E_TIMEOUT:-240} te_env steps te_e2e \
+        grpo_synthetic_gpu te_e2e sft.steps=0 policy.megatron.layer_spec=transformer_engine
+    echo "== te_e2e"; quiet < "$RES/te_e2e.log" | grep -a -E "step|Error|error" | tail -n 6
 }
 
 stage_te_parity() {  # issue 34 item 1: the TE spec and the local spec against the torch spec
