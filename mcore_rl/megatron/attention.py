@@ -511,20 +511,31 @@ class KVCache:
 
     def step(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Tuple:
         """In a decode mode: write layer ``layer``'s key and value ``[B, ng, d]`` of this step
-        at each row's position (response index with shared prompts), and return what the
-        attention reads (:func:`cache_attention`): ``(keys, values, mask, prompt_keys,
-        prompt_values)``, the rows' keys and values ``[B, ng, span, d]`` (views of the buffers),
-        the key mask, and the groups' prompt keys and values ``[B / G, ng, prompt span, d]``
-        (None without shared prompts)."""
+        at each row's position (response index with shared prompts; :func:`write_kv` at
+        :meth:`target`), and return what the attention reads (:meth:`read`)."""
         b = key.shape[0]
-        keys, values = self.keys[layer][:b], self.values[layer][:b]
-        shared = self._response_index is not None
-        at = self._response_index if shared else self._positions
-        rows = self._index[:b]
-        keys[rows, :, at] = key
-        values[rows, :, at] = value
-        keys, values = keys[:, :, :self._span], values[:, :, :self._span]
-        if not shared:
+        write_kv(self.keys[layer], self.values[layer], *self.target(b), key, value)
+        return self.read(layer, b)
+
+    def target(self, b: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """In a decode mode: where rows ``0 .. b-1`` write this step's keys and values,
+        ``(cache rows, slots)``, ``[b]`` int64 each on the cache's device (``arange(b)`` and
+        the rows' positions, or response indices with shared prompts): the indices of
+        :func:`write_kv` (a compiled caller fuses the write into the kernel that computes the
+        key: :mod:`mcore_rl.megatron.decode_layer`)."""
+        at = self._response_index if self._response_index is not None else self._positions
+        return self._index[:b], at
+
+    def read(self, layer: int, b: int) -> Tuple:
+        """In a decode mode, after this step's write: what the attention of rows ``0 .. b-1``
+        reads (:func:`cache_attention`): ``(keys, values, mask, prompt_keys, prompt_values)``,
+        the rows' keys and values ``[b, ng, span, d]`` (views of the buffers), the key mask
+        ``[b, span]`` (``[b, prompt span + span]`` with shared prompts; True: masked), and the
+        groups' prompt keys and values ``[b / G, ng, prompt span, d]`` (None without shared
+        prompts)."""
+        keys = self.keys[layer][:b, :, :self._span]
+        values = self.values[layer][:b, :, :self._span]
+        if self._response_index is None:
             return keys, values, self._after, None, None
         groups, span = b // self._group, self._prompt_span
         return (keys, values, self._after, self.prompt_keys[layer][:groups, :, :span],
@@ -538,6 +549,19 @@ class KVCache:
                         else (self.keys, self.values)):
             for t in buffers.values():
                 t[:m] = t[index]
+
+
+def write_kv(keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, at: torch.Tensor,
+             key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write one decode step's ``key`` and ``value`` ``[B, ng, d]`` into a layer's cache
+    buffers ``keys`` / ``values`` ``[R, ng, S, d]``: row ``i``'s at ``[rows[i], :, at[i]]``
+    (``rows``, ``at``: ``[B]`` int64, in range; the indices of :meth:`KVCache.target`). One
+    indexed write each (``index_put_``); a write copies values, so any form of it is bit for
+    bit the same cache. Inside ``torch.compile`` (:mod:`mcore_rl.megatron.decode_layer`)
+    Inductor lowers both writes into the kernel that computes the key's RoPE (one
+    scatter-store loop over ``[B, ng, d]``, in place: no copy of the buffers)."""
+    keys[rows, :, at] = key
+    values[rows, :, at] = value
 
 
 class CachedAttention(torch.nn.Module):

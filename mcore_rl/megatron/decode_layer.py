@@ -9,9 +9,10 @@ specializes, so it would compile once per layer (30 for SmolLM2-135M, over its r
 limit), and again per row bucket and attended span. Here a layer is
 
 - :func:`attention_in`: input RMSNorm, the QKV projection (+ bias), the split into query / key /
-  value heads, the query and key RMSNorms (``qk_layernorm``), RoPE;
-- the KV-cache write (eager: two index writes, :meth:`~mcore_rl.megatron.attention.KVCache.
-  step`);
+  value heads, the query and key RMSNorms (``qk_layernorm``), RoPE, and the KV-cache write
+  (:func:`~mcore_rl.megatron.attention.write_kv` into the layer's buffers, passed in: Inductor
+  stores the rotated key and the value at their cache slots from the kernel that computes
+  them, in place, where the eager write was two ``index_put`` kernels a layer after it);
 - :func:`attention_out`: the decode attention over the cache
   (:func:`~mcore_rl.megatron.attention.cache_attention`), the output projection (+ bias), the
   residual add, the pre-MLP RMSNorm, the SwiGLU MLP (+ biases), the residual add;
@@ -169,22 +170,29 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor])
 
 
 def attention_in(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
-                 signed_sin: torch.Tensor, *, shape: LayerShape
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 signed_sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 rows: torch.Tensor, at: torch.Tensor, *, shape: LayerShape) -> torch.Tensor:
     """The attention's inputs of one decode step (the one-token sequence dimension of
-    Megatron's ``[1, B, ...]`` tensors dropped: the same products).
+    Megatron's ``[1, B, ...]`` tensors dropped: the same products), the key and value written
+    into the layer's KV cache (:func:`~mcore_rl.megatron.attention.write_kv`; compiled, the
+    write is part of the kernel that computes the key's RoPE instead of two indexed writes
+    after it).
 
     Args:
         hidden: ``[B, h]`` the layer's input (the residual stream).
         w: the layer's weights.
         cos, signed_sin: ``[B, 1, d_rot]`` in ``hidden``'s dtype, each row's RoPE cosine and
             sine with its first half negated (:func:`mcore_rl.megatron.rope.cos_sin`).
+        keys, values: the layer's cache buffers ``[R, ng, S, d]`` (written in place).
+        rows, at: ``[B]`` int64, where each row's key and value go
+            (:meth:`~mcore_rl.megatron.attention.KVCache.target`).
         shape: the layer's constants.
 
     Returns:
-        ``(query [B, np, d], key [B, ng, d], value [B, ng, d])``, RoPE applied to the query
-        and key.
+        ``query [B, np, d]``, RoPE applied (the key too, before its write).
     """
+    from mcore_rl.megatron.attention import write_kv
+
     x = F.rms_norm(hidden, (hidden.shape[-1],), w.ln1, shape.eps)
     mixed = _linear(x, w.qkv, w.qkv_bias)
     per_group = shape.heads // shape.groups
@@ -195,7 +203,8 @@ def attention_in(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
     if w.q_ln is not None:
         query = F.rms_norm(query, (d,), w.q_ln, shape.qk_eps)
         key = F.rms_norm(key, (d,), w.k_ln, shape.qk_eps)
-    return _rope(query, cos, signed_sin), _rope(key, cos, signed_sin), value
+    write_kv(keys, values, rows, at, _rope(key, cos, signed_sin), value)
+    return _rope(query, cos, signed_sin)
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -216,7 +225,7 @@ def attention_out(hidden: torch.Tensor, query: torch.Tensor, kv: Tuple, w: Layer
         hidden: ``[B, h]`` the layer's input (the residual).
         query: ``[B, np, d]`` from :func:`attention_in`.
         kv: the cache's buffers and mask of this step (:meth:`~mcore_rl.megatron.attention.
-            KVCache.step`), for :func:`~mcore_rl.megatron.attention.cache_attention`.
+            KVCache.read`), for :func:`~mcore_rl.megatron.attention.cache_attention`.
         w, shape: the layer's weights and constants.
 
     Returns:
@@ -265,12 +274,14 @@ class DecodeLayers:
         decode mode)."""
         # [B, ...] tensors, contiguous: their strides are the same at every layer and bucket
         hidden, cos, signed_sin = hidden[0].contiguous(), cos[0], signed_sin[0]
-        for t in (cos, signed_sin):
+        rows, at = cache.target(hidden.shape[0])  # the same for every layer of the step
+        for t in (cos, signed_sin, rows, at):
             _dynamic(t, 0)
         for number, w in zip(self.numbers, self.weights):
             _dynamic(hidden, 0)
-            query, key, value = self._in(hidden, w, cos, signed_sin, shape=self.shape)
-            kv = cache.step(number, key, value)
+            query = self._in(hidden, w, cos, signed_sin, cache.keys[number],
+                             cache.values[number], rows, at, shape=self.shape)
+            kv = cache.read(number, rows.shape[0])
             _dynamic(query, 0)
             for t in kv:  # rows (or groups) and span of the cache views and the mask
                 _dynamic(t, *(() if t is None else (0, 1) if t.dim() == 2 else (0, 2)))
