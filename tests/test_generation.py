@@ -15,7 +15,8 @@ from mcore_rl.distributed.worker_group import typed
 from mcore_rl.generation.base import BackendContext, assemble_rollout
 from mcore_rl.generation.hf import HFGenerationBackend
 from mcore_rl.generation.registry import backend_class, backend_names, build_backend
-from mcore_rl.generation.sampling import Sampler, last_with_mass, row_uniforms
+from mcore_rl.generation.sampling import (Sampler, block_inverse, last_with_mass, row_uniforms,
+                                          scan_inverse)
 
 VOCAB = 50
 PAD = 0
@@ -253,14 +254,16 @@ def test_row_uniforms_are_per_row_streams():
         row_uniforms(3, [-1], 2)
 
 
+@pytest.mark.parametrize("blocks", [False, True])
 @pytest.mark.parametrize("top_p", [1.0, 0.6])
-def test_sampler_draws_by_inversion_with_unfiltered_logprobs(top_p):
+def test_sampler_draws_by_inversion_with_unfiltered_logprobs(top_p, blocks):
     """N evenly spaced uniforms draw each token about N x its probability (temperature-scaled,
     renormalized over the nucleus), so the inversion is checked against softmax computed
     directly; logprobs are always those before the top-p filter."""
     logits = torch.tensor([2.0, -1.0, 0.5, 1.5, -3.0, 0.0])
     temperature, n = 0.8, 4000
-    sampler = Sampler(GenerationConfig(temperature=temperature, top_p=top_p))
+    sampler = Sampler(GenerationConfig(temperature=temperature, top_p=top_p,
+                                       block_sampling=blocks))
     uniforms = (torch.arange(n, dtype=torch.float32) + 0.5) / n
     tokens, logprobs = sampler(logits.expand(n, -1), uniforms)
     probs = torch.softmax(logits.double() / temperature, -1)
@@ -317,6 +320,45 @@ def test_sampler_draws_the_reference_tokens(temperature, top_p):
         expected, expected_lp = _reference_sample(x, uniforms, temperature, top_p)
         assert torch.equal(tokens, expected) and torch.equal(logprobs, expected_lp)
     assert ((logits.softmax(-1) == 0).sum(-1) > 0).float().mean() > 0.4  # zero-mass tokens
+
+
+@pytest.mark.parametrize("vocab,block", [(300, 256), (1000, 64), (97, 7), (49, 256)])
+def test_block_inversion_differs_from_the_scan_only_at_rounding_boundaries(vocab, block):
+    """generation.block_sampling: the two-level inversion against the whole-vocabulary scan
+    (:func:`scan_inverse`, the sampler before it) on 20,000 rows (logit spreads from flat to
+    peaked enough that tokens underflow to 0, -inf heads and tails, uniforms from 0 to the
+    largest float32 below 1; blocks that divide the vocabulary and a short last block): every
+    token has mass, and a token differs only where the target lies within 1e-6 of the scan's
+    cdf boundary between the two tokens (float32 rounding of the sums; measured <= 1.2e-7,
+    and only for uniforms at the ends of [0, 1): targets within rounding of the total).
+    Through :class:`Sampler` (which takes the probabilities as exp of the logprobs there) the
+    logprobs of equal tokens are the scan's bit for bit."""
+    g = torch.Generator().manual_seed(vocab)
+    n = 20000
+    scale = torch.tensor([0.1, 1.0, 4.0, 30.0, 200.0]).repeat(n // 5)[:, None]
+    logits = torch.randn(n, vocab, generator=g) * scale
+    logits[::3, -5:] = float("-inf")
+    logits[1::7, :4] = float("-inf")
+    uniforms = torch.rand(n, generator=g)
+    ends = torch.zeros(n, dtype=torch.bool)
+    ends[::11] = ends[1::13] = True
+    uniforms[::11] = 1 - 2.0 ** -24  # targets within rounding of the total: differ most
+    uniforms[1::13] = 0.0
+    probs = torch.softmax(logits, -1)
+    scan, got = scan_inverse(probs, uniforms), block_inverse(probs, uniforms, block)
+    assert (probs.gather(1, got[:, None]) > 0).all()
+    differ = (scan != got).nonzero().squeeze(-1)
+    assert int((~ends[differ]).sum()) <= n // 5000  # random uniforms: 0 measured
+    cdf = probs.cumsum(-1)
+    target = uniforms * cdf[:, -1]
+    low = torch.minimum(scan, got)[differ]
+    gap = (cdf[differ, low] - target[differ]).abs()
+    assert gap.numel() == 0 or float(gap.max()) < 1e-6, gap.max()
+    base = Sampler(GenerationConfig(temperature=0.7))
+    fast = Sampler(GenerationConfig(temperature=0.7, block_sampling=True))
+    (t0, lp0), (t1, lp1) = base(logits, uniforms), fast(logits, uniforms)
+    same = t0 == t1
+    assert int((~same & ~ends).sum()) <= n // 5000 and torch.equal(lp0[same], lp1[same])
 
 
 def test_last_with_mass_is_the_int_cumsum_argmax():

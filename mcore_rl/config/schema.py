@@ -406,6 +406,13 @@ class GenerationConfig:
     # within 5e-5 of the eager decoder in fp32 on CPU (tests; 7.9e-6 measured); bf16 on the
     # GPU: scripts/gpu/decode_step_profile.py (rows and logprobs against the eager decoder).
     compile_decode: bool = False
+    # Sampling (backends hf and megatron, mcore_rl/generation/sampling.py): draw each token by
+    # the same inverse transform in two levels, the vocabulary in blocks of 256 (block sums,
+    # then a scan of the chosen block) with the probabilities taken from the logprobs, instead
+    # of a softmax and a scan over the whole vocabulary: fewer passes over [rows, vocab] a
+    # decode step. Not bit for bit: a token differs only where its uniform lies within float32
+    # rounding (~1e-7) of an interval's boundary (tests); logprobs of the same tokens equal.
+    block_sampling: bool = False
     # Logprob contract (docs/logprob-contract.md): the largest train/token_mult_prob_error (mean
     # over response tokens of exp(|trainer logprob - rollout logprob|), NeMo RL's definition)
     # the run accepts, checked on a start-up canary batch and every RL step; null: unchecked.
