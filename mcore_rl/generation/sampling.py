@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from transformers import TopPLogitsWarper
 
 from mcore_rl.config.checks import check
@@ -164,20 +165,22 @@ def scan_inverse(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(tokens, last_with_mass(probs))
 
 
-# Tokens per block of block_inverse: 192 blocks of the 49,152-token SmolLM2 vocabulary.
+# Most tokens per block of block_inverse: 192 blocks of the 49,152-token SmolLM2 vocabulary.
 _BLOCK = 256
 
 
 def block_inverse(probs: torch.Tensor, uniforms: torch.Tensor, block: int = _BLOCK
                   ) -> torch.Tensor:
     """:func:`scan_inverse` in two levels (``generation.block_sampling``): the vocabulary in
-    blocks of ``block`` tokens (the last one shorter when ``block`` does not divide ``V``); one
-    sum per block and a scan over the ``ceil(V / block)`` block sums pick the block whose
+    blocks of ``b`` tokens (``b``: ``block`` halved while it does not divide ``V``, down to 32;
+    below that the probabilities are padded with zeros to a multiple of ``block``, one copy);
+    one sum per block and a scan over the ``ceil(V / block)`` block sums pick the block whose
     cumulative interval holds ``uniforms[r] * total``, and a scan of that block's ``block``
     probabilities picks the token inside it. The same inversion (the cdf at token ``i`` is the
     blocks before it plus the tokens before it in its block), without the scan, the second
     softmax and the max over the whole ``[n, V]`` tensor of :func:`scan_inverse`: its full
-    passes are one sum (and, from :class:`Sampler`, one ``exp``).
+    passes are one sum (and, from :class:`Sampler`, one ``exp``); the rest are ``[n, V / b]``
+    and ``[n, b]`` tensors.
 
     Not bit for bit :func:`scan_inverse`: the cumulative sums are rounded in another order, so
     a token differs only where the target lies within that rounding of an interval's boundary
@@ -190,21 +193,22 @@ def block_inverse(probs: torch.Tensor, uniforms: torch.Tensor, block: int = _BLO
     """
     n, vocab = probs.shape
     block = min(block, vocab)
-    full = vocab // block
-    sums = probs[:, :full * block].view(n, full, block).sum(-1)  # [n, blocks]
-    if full * block < vocab:  # the short last block
-        sums = torch.cat((sums, probs[:, full * block:].sum(-1, keepdim=True)), dim=1)
+    while block > 32 and vocab % block:
+        block //= 2
+    count = -(-vocab // block)
+    if count * block != vocab:  # zero mass past the vocabulary: never drawn
+        probs = F.pad(probs, (0, count * block - vocab))
+    blocks = probs.view(n, count, block)
+    sums = blocks.sum(-1)  # [n, count]
     cdf = sums.cumsum(dim=-1)
     target = (uniforms * cdf[:, -1]).unsqueeze(-1)  # [n, 1]
     # the first block whose cumulative sum exceeds the target; rounding can put the target
     # past the last block with mass: that block then
     chosen = torch.minimum(torch.searchsorted(cdf, target, right=True),
-                           last_with_mass(sums)[:, None].long())  # [n, 1]
-    before = torch.where(chosen > 0, cdf.gather(1, (chosen - 1).clamp_(min=0)), 0.0)
-    columns = chosen * block + torch.arange(block, device=probs.device)  # [n, block]
-    inside = probs.gather(1, columns.clamp(max=vocab - 1))
-    inside = torch.where(columns < vocab, inside, 0.0)
+                           last_with_mass(sums)[:, None])  # [n, 1] int64
+    before = F.pad(cdf, (1, 0)).gather(1, chosen)  # the mass of the blocks before it
+    inside = blocks.gather(1, chosen[:, :, None].expand(n, 1, block))[:, 0]  # [n, block]
     # target - before >= 0: the chosen block's predecessors sum to at most the target
     offset = torch.searchsorted(inside.cumsum(dim=-1), target - before, right=True)
-    offset = torch.minimum(offset, last_with_mass(inside)[:, None].long())
-    return (columns[:, :1] + offset).squeeze(-1)
+    offset = torch.minimum(offset, last_with_mass(inside)[:, None])
+    return (chosen * block + offset).squeeze(-1)
