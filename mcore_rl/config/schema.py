@@ -411,7 +411,8 @@ class GenerationConfig:
     # then a scan of the chosen block) with the probabilities taken from the logprobs, instead
     # of a softmax and a scan over the whole vocabulary: fewer passes over [rows, vocab] a
     # decode step. Not bit for bit: a token differs only where its uniform lies within float32
-    # rounding (~1e-7) of an interval's boundary (tests); logprobs of the same tokens equal.
+    # rounding (~1e-7) of an interval's boundary (tests; rare for peaked distributions, up to
+    # ~vocab x 1e-7 a draw for flat ones); logprobs of the same tokens equal. vllm: ignored.
     block_sampling: bool = False
     # Logprob contract (docs/logprob-contract.md): the largest train/token_mult_prob_error (mean
     # over response tokens of exp(|trainer logprob - rollout logprob|), NeMo RL's definition)

@@ -186,8 +186,12 @@ def block_inverse(probs: torch.Tensor, uniforms: torch.Tensor, block: int = _BLO
     a token differs only where the target lies within that rounding of an interval's boundary
     (a few float32 ulps of the total: <= 1.2e-7 measured over the differing draws of 20,000
     rows a vocabulary, ``tests/test_generation.py``; there only uniforms at the ends of
-    ``[0, 1)`` drew other tokens), the probability of which is about that distance per draw.
-    A token with probability 0 is never drawn.
+    ``[0, 1)`` drew other tokens). Per draw that is about ``sum_i min(p_i, rounding at
+    token i)``: negligible for peaked distributions, up to ~``V x 1e-7`` for near-flat ones
+    over ``V`` tokens (random weights over SmolLM2's 49,152: 1 row of 16 left the scan's
+    tokens within 15 steps, ``SMOKE=1 scripts/gpu/decode_step_profile.py``); from there the
+    row's rollout is another sample of the same distribution. A token with probability 0 is
+    never drawn.
 
     Args / Returns: as :func:`scan_inverse`; ``block`` >= 1.
     """

@@ -8,8 +8,9 @@ adjacent), 256 new tokens with ``generation.ignore_eos`` (every row runs all 255
 the same work in every variant), temperature 0.7, one chunk of 256 rows.
 
 Variants (``--variants``, comma-separated): ``base`` (the decoder as before issue 37),
-``compile`` (``generation.compile_decode``), ``shared`` (``generation.shared_prompt_kv``),
-``compile+shared``. Per variant: a warm-up call (compiles, captures every graph), then
+``compile`` (``generation.compile_decode``; since the dec37 branch its KV-cache write is part of
+the compiled RoPE kernel), ``shared`` (``generation.shared_prompt_kv``), ``compile+shared``,
+``blocks`` (``generation.block_sampling``: the two-level inverse transform), ``compile+blocks``. Per variant: a warm-up call (compiles, captures every graph), then
 ``--repeats`` timed calls (median wall seconds; ms per decode step = wall / 255, prefill
 included), then one call under the torch profiler: kernels and device milliseconds per decode
 step (the call's kernels / 255, prefill's few included) and the top 10 kernels by device time.
@@ -19,7 +20,7 @@ token (the bound of a variant that is not bit for bit).
 
 Prints one table, the top kernels per variant, and last a ``RESULT {...}`` JSON line.
 
-    python3 scripts/gpu/decode_step_profile.py [--variants base,compile,shared,compile+shared]
+    python3 scripts/gpu/decode_step_profile.py [--variants base,compile,blocks,compile+blocks]
     SMOKE=1 python3 scripts/gpu/decode_step_profile.py   # CPU: 2 layers, 16 rows, fp32, no profile
 """
 
@@ -52,7 +53,9 @@ SMOLLM2 = ModelArchConfig(family="llama", num_layers=2 if SMOKE else 30, hidden_
                           tie_word_embeddings=True, vocab_size=VOCAB)
 VARIANTS = {"base": {}, "compile": {"compile_decode": True},
             "shared": {"shared_prompt_kv": True},
-            "compile+shared": {"compile_decode": True, "shared_prompt_kv": True}}
+            "compile+shared": {"compile_decode": True, "shared_prompt_kv": True},
+            "blocks": {"block_sampling": True},
+            "compile+blocks": {"compile_decode": True, "block_sampling": True}}
 
 
 def _worker(model_dir):

@@ -103,8 +103,9 @@
 #   prof37      kernels and ms per decode step of the megatron decoder at the GSM8K shape
 #               (SmolLM2-135M's, random weights: no model needed), variants base, compile
 #               (generation.compile_decode), shared (generation.shared_prompt_kv),
-#               compile+shared, each against base's rollout, top 10 kernels
-#               (scripts/gpu/decode_step_profile.py)
+#               compile+shared, blocks (generation.block_sampling), compile+blocks, each
+#               against base's rollout, top 10 kernels (scripts/gpu/decode_step_profile.py;
+#               PROF37_VARIANTS picks)
 #   gsm8k       with GSM8K_VARIANTS="b37 a37": before (today's best, reward scored after
 #               generation) and after (rewards scored while decoding, compile_decode,
 #               shared_prompt_kv); s37, c37, k37: each change alone on top of b37
@@ -330,7 +331,7 @@ AFTER37="generation.compile_decode=true generation.shared_prompt_kv=true"
 
 stage_prof37() {
     timeout "${PROF37_TIMEOUT:-540}" python3 scripts/gpu/decode_step_profile.py \
-        --variants "${PROF37_VARIANTS:-base,compile,shared,compile+shared}" \
+        --variants "${PROF37_VARIANTS:-base,compile,shared,compile+shared,blocks,compile+blocks}" \
         > "$RES/prof37.log" 2>&1 || status=1
     echo "== prof37"; quiet < "$RES/prof37.log" | grep -v "^RESULT" | tail -n 60
 }
