@@ -76,6 +76,7 @@ import torch
 from mcore_rl.config.schema import GenerationConfig, TrainConfig
 from mcore_rl.generation.base import (BackendContext, FinishedGroup, GroupAssembler, Push, Response,
                                       StreamingBackend, check_lengths, response_budgets, stop_ids)
+from mcore_rl.generation.checks import fp8_capability_error
 from mcore_rl.generation.sampling import check_sampling, row_seed
 from mcore_rl.generation.vllm_worker import bucket_layout, nccl_group, pack_bucket
 from mcore_rl.megatron import cpu_backend
@@ -235,6 +236,11 @@ class VLLMEngine:
         backend = executor_backend(vllm.tensor_parallel_size,
                                    None if ray_executor is None else ray_executor[rank])
         try:
+            if vllm.quantization == "fp8" and device == "cuda":  # this engine's GPUs
+                problem = fp8_capability_error([torch.cuda.get_device_capability(i)
+                                                for i in range(torch.cuda.device_count())])
+                if problem:
+                    raise ValueError(problem)
             from vllm import LLM
 
             self.llm = LLM(
@@ -248,7 +254,7 @@ class VLLMEngine:
                 kv_cache_memory_bytes=None if kv_gb is None else int(kv_gb * 2**30),
                 enable_sleep_mode=device == "cuda" and colocated,
                 logprobs_mode=logprobs_mode(sampling), generation_config="vllm",
-                worker_extension_cls=_EXTENSION)
+                quantization=vllm.quantization, worker_extension_cls=_EXTENSION)
         except Exception as e:  # vLLM's reason, without the traceback of its internals
             raise RuntimeError(f"vLLM engine failed to start: {type(e).__name__}: "
                                f"{_last_line(str(e))} (vLLM's log: {self.log_path})") from None
@@ -326,6 +332,12 @@ class VLLMEngine:
     def device_uuids(self) -> List[str]:
         """The GPU of each of this engine's workers, in TP rank order."""
         return self.llm.collective_rpc("mcore_rl_device_uuid")
+
+    def linear_weights(self, prefix: str) -> Dict[str, torch.Tensor]:
+        """TP rank 0's linear layers under ``prefix`` as its kernels apply them
+        (:meth:`~mcore_rl.generation.vllm_worker.RefitWorkerExtension.mcore_rl_linear_weights`:
+        FP8 layers dequantized), for checks."""
+        return self.llm.collective_rpc("mcore_rl_linear_weights", args=(prefix,))[0]
 
     # ------------------------------------------------------------------ sleep mode
     def sleep(self) -> None:
