@@ -6,7 +6,8 @@ through vLLM's own layerwise reload (``initialize_layerwise_reload`` ...
 runs) on layers whose quantization method is a stand-in with vLLM's online-FP8 shape: the
 weight loaded in bf16 ``[out, in]``, then quantized per tensor to ``float8_e4m3fn`` (stored
 transposed, as vLLM's ``Fp8PerTensorOnlineLinearMethod`` stores it) with a ``weight_scale``
-parameter the checkpoint does not have. On GPUs: scripts/gpu/vllm_fp8.py (vLLM's own kernels)."""
+parameter the checkpoint does not have. Also each engine's own check of its GPUs at start. On
+GPUs: scripts/gpu/vllm_fp8.py (vLLM's own kernels and quantization)."""
 
 from __future__ import annotations
 
@@ -153,3 +154,28 @@ def test_fp8_config_checked_at_load_time(monkeypatch):
     assert load_config("grpo_synthetic", gpu).generation.vllm.quantization == "fp8"
     assert fp8_capability_error([]) is None and fp8_capability_error([(10, 0)]) is None
     assert "got 7.5, 8.6" in fp8_capability_error([(7, 5), (8, 6), (9, 0)])
+
+
+def test_an_fp8_engine_checks_its_own_gpus_before_vllm_starts(monkeypatch, tmp_path):
+    """The controller may see no GPU (the config loader then checks nothing): each engine
+    checks the GPUs it sees through vLLM's platform (NVML: CUDA stays uninitialised)."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from mcore_rl.config.schema import GenerationConfig, VLLMConfig
+    from mcore_rl.generation import vllm as vllm_backend
+
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER"):
+        monkeypatch.setenv(key, "0")  # set by the engine: restored after the test
+    monkeypatch.setattr(vllm_backend, "_redirect_output", lambda path: None)
+    monkeypatch.setattr(current_platform, "device_count", lambda: 2, raising=False)
+    monkeypatch.setattr(current_platform, "get_device_capability",
+                        lambda i=0: DeviceCapability(9, 0) if i == 0 else DeviceCapability(8, 6),
+                        raising=False)
+    gen = GenerationConfig(vllm=VLLMConfig(quantization="fp8"))
+    with pytest.raises(RuntimeError, match=re.escape(
+            "vLLM engine failed to start: ValueError: generation.vllm.quantization=fp8 needs GPUs "
+            "of compute capability >= 8.9 (Ada, Hopper or newer: FP8 matrix multiplies), got 8.6")):
+        vllm_backend.VLLMEngine(rank=0, model_dir=str(tmp_path), vllm=gen.vllm, sampling=gen,
+                                max_model_len=16, dtype="bfloat16", device="cuda", seed=0,
+                                log_dir=str(tmp_path), colocated=True)

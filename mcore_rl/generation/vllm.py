@@ -205,7 +205,9 @@ class VLLMEngine:
             processes (:func:`executor_backend`).
 
     Raises:
-        RuntimeError: "vLLM engine failed to start: ..." with vLLM's reason.
+        RuntimeError: "vLLM engine failed to start: ..." with vLLM's reason, or with
+            ``generation.vllm.quantization=fp8`` on a GPU of this engine's below compute
+            capability 8.9 (:func:`~mcore_rl.generation.checks.fp8_capability_error`).
     """
 
     def __init__(self, *, rank: int, model_dir: str, vllm, sampling: GenerationConfig,
@@ -236,9 +238,14 @@ class VLLMEngine:
         backend = executor_backend(vllm.tensor_parallel_size,
                                    None if ray_executor is None else ray_executor[rank])
         try:
-            if vllm.quantization == "fp8" and device == "cuda":  # this engine's GPUs
-                problem = fp8_capability_error([torch.cuda.get_device_capability(i)
-                                                for i in range(torch.cuda.device_count())])
+            if vllm.quantization == "fp8" and device == "cuda":
+                # the GPUs this engine sees, through NVML (vLLM's platform): CUDA stays
+                # uninitialised here, as vLLM's mp executor wants before it starts TP workers
+                from vllm.platforms import current_platform
+
+                caps = [current_platform.get_device_capability(i)
+                        for i in range(current_platform.device_count())]
+                problem = fp8_capability_error([tuple(c) for c in caps if c is not None])
                 if problem:
                     raise ValueError(problem)
             from vllm import LLM

@@ -71,10 +71,10 @@
 #               at 256 x 256 and the mismatch against get_logprobs (FP8VLLM_DECODE=0 skips it);
 #               then grpo_smollm2_arith with generation.backend=vllm (colocated) for FP8VLLM_RUNS
 #               (bf16 fp8; fp8tis: fp8 with loss.importance_ratio_cap=2), one after the other
-#               (one call may not hold both: FP8VLLM_RUNS=bf16, then fp8), FP8VLLM_STEPS (40),
-#               held-out every 20, generation.logprob_budget=null in every run (the mismatch is
-#               measured, not enforced); generation tokens/s, token_mult_prob_error and the
-#               held-out curve per run in the table (arith_fp8vllm_<run>)
+#               (one call may not hold both: FP8VLLM_RUNS=bf16, then fp8; FP8VLLM_RUNS= runs
+#               none), FP8VLLM_STEPS (40), held-out every 20, generation.logprob_budget=null in
+#               every run (the mismatch is measured, not enforced); generation tokens/s,
+#               token_mult_prob_error and the held-out curve per run (arith_fp8vllm_<run>)
 #   rm_pairs    issue 36: preference pairs from SmolLM2's own sampled answers to training prompts
 #               of the arithmetic chat task, right (math verifier) chosen over wrong
 #               (scripts/gpu/preference_pairs.py) -> /tmp/rm_pairs; RM_PROMPTS prompts (4000)
@@ -462,7 +462,7 @@ stage_fp8vllm() {  # issue 34 item 3: FP8 rollouts in vLLM against bf16 (after v
     local run name v=(generation.backend=vllm cluster.colocate_generation=true)
     declare -A run_args=([bf16]="" [fp8]="generation.vllm.quantization=fp8"
         [fp8tis]="generation.vllm.quantization=fp8 loss.importance_ratio_cap=2")
-    for run in ${FP8VLLM_RUNS:-bf16 fp8}; do
+    for run in ${FP8VLLM_RUNS-bf16 fp8}; do  # set but empty: none
         [ -n "${run_args[$run]+set}" ] || { echo "fp8vllm: unknown run $run"; status=1; continue; }
         name=arith_fp8vllm_$run
         rm -rf "/tmp/runs/$name"

@@ -51,6 +51,8 @@ SHAPES = {  # Qwen2-0.5B's and Qwen2-1.5B's
                      ffn_hidden_size=4864, tie_word_embeddings=True),
     "qwen1.5b": dict(num_layers=28, hidden_size=1536, num_attention_heads=12, num_query_groups=2,
                      ffn_hidden_size=8960, tie_word_embeddings=True),
+    "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=2, num_query_groups=2,
+                 ffn_hidden_size=64, tie_word_embeddings=True),  # the CPU smoke run's
 }
 EOS, PAD = VOCAB - 1, 0
 FAILURES = []
@@ -80,8 +82,7 @@ def weights_check(engine, weights, layers, quantization) -> dict:
     worst, ok = 0.0, True
     for layer in layers:
         reference = fused_reference(weights, layer)
-        applied = engine.engines.call(VLLMEngineAPI, ranks=[0]).linear_weights(
-            f"model.layers.{layer}.")[0]
+        applied = engine.engines.call(VLLMEngineAPI).linear_weights(f"model.layers.{layer}.")[0]
         for name, ref in reference.items():
             got = applied.get(name)
             if got is None or got.shape != ref.shape:
@@ -111,15 +112,21 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--kv-cache-gb", type=float, default=8.0, help="generation.vllm.kv_cache_gb")
     p.add_argument("--enforce-eager", action="store_true", help="generation.vllm.enforce_eager")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a smoke run of the script (fp32, --quantization none, --shape tiny)")
     args = p.parse_args()
+    cuda = args.device == "cuda"
+    precision = "bf16" if cuda else "fp32"
     arch = ModelArchConfig(family="qwen2", max_position_embeddings=32768, rope_theta=1000000.0,
                            qkv_bias=True, vocab_size=VOCAB, **SHAPES[args.shape])
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()} (capability "
-          f"{'.'.join(map(str, torch.cuda.get_device_capability()))}), shape {args.shape}", flush=True)
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    if cuda:
+        device += f" (capability {'.'.join(map(str, torch.cuda.get_device_capability()))})"
+    print(f"torch {torch.__version__}, {device}, shape {args.shape}", flush=True)
     group = DataParallelGroup(ProcessWorkerGroup(PolicyWorker, 1, dict(
         hf_path=None, hf_config=arch_to_hf_config(arch, VOCAB).to_dict(), vocab_size=VOCAB,
-        temperature=1.0, arch=arch, megatron=MegatronConfig(precision="bf16", layer_spec="torch"),
-        optimizer=OptimizerConfig(), device="cuda", seed=1, total_optimizer_steps=10,
+        temperature=1.0, arch=arch, megatron=MegatronConfig(precision=precision, layer_spec="torch"),
+        optimizer=OptimizerConfig(), device=args.device, seed=1, total_optimizer_steps=10,
         global_batch_size=args.rollouts)))
     results = {}
     try:
@@ -140,14 +147,16 @@ def main() -> int:
             engine = VLLMGenerationBackend(arch_to_hf_config(arch, VOCAB), gen, eos_token_id=EOS,
                                            pad_token_id=PAD, max_total_length=hi + args.max_new_tokens,
                                            run_dir=tempfile.mkdtemp(prefix=f"vllm_{quant}_"),
-                                           device="cuda", dtype="bfloat16", colocated=True)
+                                           device=args.device, colocated=cuda,
+                                           dtype="bfloat16" if cuda else "float32")
             try:
                 start = time.perf_counter()
                 engine.refit(group)
                 out = {"refit_s": round(time.perf_counter() - start, 3)}
                 out.update(weights_check(engine, weights, [0, arch.num_layers - 1], q))
                 engine.generate(prompts[:8], seed=0)  # warm-up
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
                 start = time.perf_counter()
                 batch = engine.generate(prompts, seed=1)
                 seconds = time.perf_counter() - start
@@ -172,7 +181,7 @@ def main() -> int:
     if "none" in results and "fp8" in results:
         print(f"fp8 / bf16 tokens/s: {results['fp8']['tokens_per_s'] / results['none']['tokens_per_s']:.2f}")
     record = dict(shape=args.shape, rollouts=args.rollouts, max_new_tokens=args.max_new_tokens,
-                  device=torch.cuda.get_device_name(), engines=results, failures=FAILURES)
+                  device=device, engines=results, failures=FAILURES)
     print("RESULT " + json.dumps(record), flush=True)
     return len(FAILURES)
 
