@@ -55,6 +55,8 @@ wait until every engine has decoded the calls it held before the refit). Colocat
 while the policy computes logprobs and trains, and wake for the refit (they cannot stream: the
 config loader refuses ``grpo.streaming`` with ``cluster.colocate_generation``). The GPU paths
 ran on H100s (CUDA IPC on one GPU, NCCL on two; bench/RESULTS.md), not in the tests (CPU).
+FP8 engines (``generation.vllm.quantization=fp8``, vLLM's online FP8) take the same bf16
+refit and quantize it as they load it (:mod:`~mcore_rl.generation.vllm_worker`; docs/design.md).
 """
 
 from __future__ import annotations

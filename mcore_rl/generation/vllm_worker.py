@@ -17,7 +17,10 @@ Every worker loads the full tensors through the model's own ``load_weights`` (vL
 shards them: q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, TP slices), inside vLLM's
 layerwise reload (``initialize_layerwise_reload`` ... ``finalize_layerwise_reload``), which
 re-runs each layer's post-load processing (on CPU the weights are repacked for the CPU kernels;
-plain ``load_weights`` after start-up would leave the packed copies stale). The GPU transports
+plain ``load_weights`` after start-up would leave the packed copies stale; an FP8 engine,
+``generation.vllm.quantization=fp8``, quantizes each layer's bf16 weights again with vLLM's own
+op) and copies the result into the storage the engine already had (captured CUDA graphs stay
+valid). The GPU transports
 ran on H100s (bench/RESULTS.md) and are not run in this repository's tests (CPU).
 """
 
