@@ -111,6 +111,19 @@ def test_seeded_rollouts_and_greedy_equals_hf(groups, engine, eos):
     greedy = engine.generate(PROMPTS, seed=0, greedy=True)
     assert torch.equal(greedy["input_ids"], expected["input_ids"])
     assert (greedy["generation_logprobs"] - expected["generation_logprobs"]).abs().max() < 1e-4
+    # the weights the engines' linear kernels apply are the refit's, fused as vLLM fuses them
+    # (scripts/gpu/vllm_fp8.py holds an FP8 engine's to the same, within FP8 rounding)
+    hf = {n.removesuffix(".weight"): t for n, t in weights.items()}
+    at = "model.layers.1."
+    fused = {f"{at}self_attn.qkv_proj": [f"{at}self_attn.{p}_proj" for p in "qkv"],
+             f"{at}self_attn.o_proj": [f"{at}self_attn.o_proj"],
+             f"{at}mlp.gate_up_proj": [f"{at}mlp.gate_proj", f"{at}mlp.up_proj"],
+             f"{at}mlp.down_proj": [f"{at}mlp.down_proj"]}
+    for applied in engine.engines.call(VLLMEngineAPI).linear_weights(at):
+        assert applied.keys() == fused.keys()
+        for name, parts in fused.items():
+            torch.testing.assert_close(applied[name], torch.cat([hf[p] for p in parts]),
+                                       rtol=0, atol=1e-6)
     first, again, other = (engine.generate(PROMPTS, seed=s) for s in (3, 3, 4))
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert first["input_ids"].shape != other["input_ids"].shape or \

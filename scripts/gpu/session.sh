@@ -64,6 +64,17 @@
 #               engine: the logprob budget against bf16 rollouts), tehf (TE bf16 with the hf
 #               engine: fp8hf's baseline), fp8t (tensorwise); held-out accuracy and
 #               token_mult_prob_error per run in the table
+#   fp8vllm     issue 34 item 3 (after vllm, model): FP8 rollouts in vLLM against bf16. First
+#               scripts/gpu/vllm_fp8.py (FP8VLLM_SHAPE, default qwen1.5b, random weights): one
+#               colocated engine per precision refit from the same policy over CUDA IPC, its
+#               linear weights against the policy's (FP8 within e4m3 rounding), decode tokens/s
+#               at 256 x 256 and the mismatch against get_logprobs (FP8VLLM_DECODE=0 skips it);
+#               then grpo_smollm2_arith with generation.backend=vllm (colocated) for FP8VLLM_RUNS
+#               (bf16 fp8; fp8tis: fp8 with loss.importance_ratio_cap=2), one after the other
+#               (one call may not hold both: FP8VLLM_RUNS=bf16, then fp8; FP8VLLM_RUNS= runs
+#               none), FP8VLLM_STEPS (40), held-out every 20, generation.logprob_budget=null in
+#               every run (the mismatch is measured, not enforced); generation tokens/s,
+#               token_mult_prob_error and the held-out curve per run (arith_fp8vllm_<run>)
 #   rm_pairs    issue 36: preference pairs from SmolLM2's own sampled answers to training prompts
 #               of the arithmetic chat task, right (math verifier) chosen over wrong
 #               (scripts/gpu/preference_pairs.py) -> /tmp/rm_pairs; RM_PROMPTS prompts (4000)
@@ -84,7 +95,9 @@
 #   ppo2        PPO on SmolLM2 (ppo_smollm2_arith): PPO2_PLACEMENTS of colocated (policy and
 #               critic on one GPU) and separate (a GPU each): seconds per step, held-out curve
 #   refit2      the NCCL refit to a vLLM engine on a GPU of its own: speed, parity, a killed
-#               engine (scripts/gpu/vllm_refit.py)
+#               engine (scripts/gpu/vllm_refit.py); REFIT2_SET: more overrides, e.g.
+#               "generation.vllm.quantization=fp8 generation.logprob_budget=null" (the NCCL refit
+#               into an FP8 engine, issue 34 item 3)
 #   raytp2      grpo_synthetic_gpu on Ray actors (cluster.use_ray=true, num_workers=2) with a
 #               colocated vLLM engine at TP=2, RAYTP2_STEPS (3) steps, RAYTP2_TIMEOUT (360) s, after
 #               vllm and ray; RAYTP2_SET: more overrides. Each step's timing/* and refit/* from its
@@ -441,6 +454,43 @@ stage_vllm_runs() {  # learning with vLLM rollouts on the real model, and the de
     STEPS=6 steps syn_vllm grpo_synthetic_gpu "syn vllm" sft.steps=20 "${v[@]}"
 }
 
+stage_fp8vllm() {  # issue 34 item 3: FP8 rollouts in vLLM against bf16 (after vllm, model)
+    if [ "${FP8VLLM_DECODE:-1}" = 1 ]; then
+        timeout "${FP8VLLM_DECODE_TIMEOUT:-300}" python3 scripts/gpu/vllm_fp8.py \
+            --shape "${FP8VLLM_SHAPE:-qwen1.5b}" > "$RES/fp8vllm_decode.log" 2>&1 || status=1
+        echo "== fp8vllm decode (scripts/gpu/vllm_fp8.py)"
+        grep -a -E "^(PASS|FAIL)|tokens/s|^(engine|none|fp8) |Error|failed" "$RES/fp8vllm_decode.log" \
+            | tail -n 14
+    fi
+    local run name v=(generation.backend=vllm cluster.colocate_generation=true)
+    declare -A run_args=([bf16]="" [fp8]="generation.vllm.quantization=fp8"
+        [fp8tis]="generation.vllm.quantization=fp8 loss.importance_ratio_cap=2")
+    for run in ${FP8VLLM_RUNS-bf16 fp8}; do  # set but empty: none
+        [ -n "${run_args[$run]+set}" ] || { echo "fp8vllm: unknown run $run"; status=1; continue; }
+        name=arith_fp8vllm_$run
+        rm -rf "/tmp/runs/$name"
+        # shellcheck disable=SC2086
+        timeout "${FP8VLLM_TIMEOUT:-420}" python3 -m mcore_rl train --config-name grpo_smollm2_arith \
+            "${common[@]}" model.hf_path="$MODEL" run.output_dir="/tmp/runs/$name" \
+            grpo.max_steps="${FP8VLLM_STEPS:-40}" grpo.val_every=20 generation.logprob_budget=null \
+            "${v[@]}" ${run_args[$run]} > "$RES/$name.log" 2>&1 || status=1
+        keep_metrics "$name"
+        cp "/tmp/runs/$name/vllm_engine_0.log" "$RES/${name}_engine.log" 2>/dev/null
+        # arith_*.metrics.jsonl: the table prints its held-out curve; here the rollout figures
+        python3 - "$RES/$name.metrics.jsonl" "$run" <<'PY' || true
+import json, statistics, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "generation/tokens_per_s" in r]
+def med(key):
+    seen = [r[key] for r in rows[2:] or rows if key in r]
+    return statistics.median(seen) if seen else float("nan")
+print(f"== fp8vllm {sys.argv[2]}: {len(rows)} steps, generation {med('generation/tokens_per_s'):,.0f} "
+      f"tokens/s, timing/generation_s {med('timing/generation_s'):.2f}, token_mult_prob_error "
+      f"median {med('train/token_mult_prob_error'):.4f} (last {rows[-1].get('train/token_mult_prob_error', float('nan')):.4f}), "
+      f"step {med('timing/step_s'):.2f} s (medians after step 2)")
+PY
+    done
+}
+
 stage_parity2() {  # issue 27: layout parity on two GPUs, bf16, against one GPU
     local spec
     for spec in local torch; do
@@ -480,9 +530,11 @@ stage_ppo2() {  # issue 27: PPO2_PLACEMENTS of colocated separate, one after the
     done
 }
 
-stage_refit2() {  # issue 27: NCCL refit to a vLLM engine on GPU 1
+stage_refit2() {  # issue 27: NCCL refit to a vLLM engine on GPU 1; REFIT2_SET: more overrides
+    # shellcheck disable=SC2086
     timeout 420 python3 scripts/gpu/vllm_refit.py --config grpo_smollm2_arith \
-        --set model.hf_path="$MODEL" cluster.device=cuda > "$RES/refit2.log" 2>&1 || status=1
+        --set model.hf_path="$MODEL" cluster.device=cuda ${REFIT2_SET:-} > "$RES/refit2.log" 2>&1 \
+        || status=1
     echo "== refit2"; quiet < "$RES/refit2.log" | tail -n 14
 }
 
