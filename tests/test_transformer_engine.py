@@ -281,11 +281,9 @@ def test_runtime_errors_where_the_gpu_is(monkeypatch):
     assert te.runtime_errors(fp8, key, "cuda", capability=(9, 0)) == [
         te.fp8_capability_error(fp8, key, (9, 0))]
     assert te.runtime_errors(fp8, key, "cuda", capability=(10, 0)) == []
+    # TE's context-parallel attention ran against CP=1 on GPUs (issue 34): no longer refused
     cp = MegatronConfig(layer_spec="transformer_engine", context_parallel_size=2)
-    assert te.runtime_errors(cp, key, "cuda") == [
-        "policy.megatron.context_parallel_size=2 with layer_spec=transformer_engine: Transformer "
-        "Engine's context-parallel attention is not verified yet (issue 34); use layer_spec=torch "
-        "(its attention all-gathers keys and values) or context_parallel_size=1"]
+    assert te.runtime_errors(cp, key, "cuda") == []
 
 
 def test_te_import_error_is_one_line():

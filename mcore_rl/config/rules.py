@@ -208,8 +208,8 @@ def context_parallel_errors(cfg: TrainConfig, section: str) -> List[str]:
     """Why ``<section>.megatron.context_parallel_size`` CP > 1 cannot run, one message each;
     empty for CP = 1. CP needs the ``torch`` layer spec (its attention all-gathers keys and
     values: :mod:`mcore_rl.megatron.context_parallel`, so ``cp_comm_type=all_gather``) or the
-    ``transformer_engine`` one (TE's attention; refused at the run's start until verified:
-    :func:`mcore_rl.megatron.te.runtime_errors`); not the ``local`` one. Packed sequences run
+    ``transformer_engine`` one (TE's attention, ``cp_comm_type`` p2p, a2a or all_gather; CP=2
+    against CP=1 on GPUs: bench/RESULTS.md, issue 34); not the ``local`` one. Packed sequences run
     on the ``torch`` spec (each padded to 2 CP: :mod:`mcore_rl.data.packing`), not on the TE
     one. Not built yet: mixture-of-experts models (the router's padding mask and losses are
     not split), and the sections other than ``policy`` and ``value`` (a reward model's or a

@@ -224,8 +224,8 @@ class MegatronConfig:
     sequence_parallel: bool = False
     # CP size: ranks each sequence is split over (context parallelism: two chunks of 1/(2 CP) of
     # the micro-batch width per rank, attention passing keys and values between them); needs
-    # layer_spec=torch with cp_comm_type=all_gather, or layer_spec=transformer_engine (refused at
-    # a run's start until TE's CP attention is verified, issue 34); TP x CP x PP divides
+    # layer_spec=torch with cp_comm_type=all_gather, or layer_spec=transformer_engine (TE's
+    # attention; CP=2 matched CP=1 on GPUs, issue 34); TP x CP x PP divides
     # cluster.num_workers; policy and value only, no MoE; with sequence_packing (torch spec only)
     # every packed sequence is padded to a multiple of 2 CP and split the same way.
     context_parallel_size: int = bounded(1, ge=1)

@@ -1,7 +1,6 @@
 """Transformer Engine at run time: what the config loader cannot know (it imports neither torch
 nor TE, :func:`mcore_rl.config.rules.transformer_engine_errors`) checked where the GPU is: does
-TE's PyTorch side import, does this GPU run the FP8 recipe, and is the run asking for TE's
-context-parallel attention, not verified yet. The trainer calls :func:`runtime_errors` before any
+TE's PyTorch side import, and does this GPU run the FP8 recipe. The trainer calls :func:`runtime_errors` before any
 worker starts and turns each message into a one-line ``ConfigError``; the model builder raises
 the same messages as ``ValueError`` for callers that build a model themselves.
 
@@ -61,10 +60,11 @@ def runtime_errors(megatron: MegatronConfig, key: str, device: str,
 
     Checked: TE's PyTorch side imports (:func:`te_import_error`; TE runs on GPUs only, so on
     ``"cpu"`` that is the message); the GPU runs the FP8 recipe (``capability``, default the
-    current CUDA device's: :func:`fp8_capability_error`); ``context_parallel_size`` is 1 with
-    the TE spec: the passes split sequences over CP ranks (:mod:`mcore_rl.megatron.
-    context_parallel`) and the ``torch`` spec's attention is tested against CP = 1 on CPU, but
-    TE's CP attention on those chunks has not been run on a GPU yet.
+    current CUDA device's: :func:`fp8_capability_error`). Context parallelism on the TE spec
+    (TE's p2p ring attention over the load-balanced chunks of :mod:`mcore_rl.megatron.
+    context_parallel`) is not refused here: CP=2 against CP=1 on two H200s gave logprobs within
+    1.3e-3 relative, grad norm 1.5e-3 (bench/RESULTS.md, issue 34); packed sequences with TE's CP
+    stay refused at load (:func:`mcore_rl.config.rules.context_parallel_errors`).
     """
     if not uses_transformer_engine(megatron):
         return []
@@ -86,9 +86,4 @@ def runtime_errors(megatron: MegatronConfig, key: str, device: str,
             problem = fp8_capability_error(megatron, key, capability)
             if problem:
                 errors.append(problem)
-    if megatron.context_parallel_size > 1:
-        errors.append(f"{key}.context_parallel_size={megatron.context_parallel_size} with "
-                      f"layer_spec=transformer_engine: Transformer Engine's context-parallel "
-                      f"attention is not verified yet (issue 34); use layer_spec=torch (its "
-                      f"attention all-gathers keys and values) or context_parallel_size=1")
     return errors
