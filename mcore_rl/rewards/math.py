@@ -77,6 +77,9 @@ WARM_UP_RESPONSES = (
     "The sides are (1, 2) and [3, 4], {5, 6}, 3 < y < 5",
     "It costs $5.50 at 3:45 pm, 1e5 grams, -7 degrees, 10 days",
     "The answer is: \U0001f3ad\U0001f3af \u2248 3 \u2234 \u221a4 = 2, \u00bd",
+    "E = 2 \u00d7 38% = 38 \u00d7 0.38 = 13.8 and the $$$$ATIVE=$$",
+    "$$x = \\dfrac{5}{2} \\cdot 4 = 10$$ so \\(\\text{cost} = \\$12\\) and 30\\% at 90^\\circ",
+    "\\[ \\left( 3 + 4 \\right) \\div 7 = 1 \\]",
     "Natalia sold clips to 48 friends in April and then she sold half as many in May so we need "
     "to find the number of clips 2, 3, 4, 6, 8, 12, 16 and so the total is 4 * 2 = 8 A. But we",
     "I am not sure what to do here.",
