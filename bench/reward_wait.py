@@ -13,6 +13,10 @@ list of ``{"answer": GSM8K answer column, "response": text, "truncated": bool}``
    nothing else), ``warm`` after :func:`mcore_rl.rewards.math.warm_up` (what each pool process
    now runs when it starts). Median, 90th percentile and max milliseconds per kind; a code path
    of math-verify or SymPy used for the first time costs its first row 20-400 ms.
+   Then **one pool process over a run's first steps**: ``--process-rows`` rows a step (the
+   H100 run's 256 rows over 14 processes: 18), ``--process-steps`` steps, fresh rows each, in a
+   fresh process per seed (3); the slowest row of each step (cold / warm), the floor of that
+   step's wait when the row is among the last.
 2. **The pool's round trip** (:class:`~mcore_rl.rewards.pool.RewardScorer`, ``--workers``
    processes): wall milliseconds per row of a trivial reward (``exact``: the pool's own cost per
    row) and of the math verifier over the rows, against its busy time.
@@ -27,6 +31,7 @@ list of ``{"answer": GSM8K answer column, "response": text, "truncated": bool}``
 Example::
 
     python bench/reward_wait.py --rows 256 --workers 2 --steps 5
+    python bench/reward_wait.py --tables 3 --rows 36 --steps 8   # 18 rows a process a step
 """
 
 from __future__ import annotations
@@ -145,12 +150,14 @@ def real_rows(path: str, n: int, seed: int) -> List[Tuple[str, str, Example, boo
              bool(r["truncated"])) for r in picked]
 
 
-def rows_of(args, seed: int):
+def rows_of(args, seed: int, n: int = 0):
+    """``n`` rows (default ``--rows``) of ``--responses``, else :func:`make_rows` of
+    ``--data``."""
     if args.responses:
-        return real_rows(args.responses, args.rows, seed)
+        return real_rows(args.responses, n or args.rows, seed)
     from mcore_rl.data.gsm8k import load_gsm8k
 
-    return make_rows(load_gsm8k(args.data), args.rows, seed)
+    return make_rows(load_gsm8k(args.data), n or args.rows, seed)
 
 
 # ---------------------------------------------------------------------- 1. per row, by kind
@@ -162,27 +169,46 @@ def per_row(args) -> None:
 
     imported = time.perf_counter() - start
     rows = rows_of(args, seed=1)
-    random.Random(2).shuffle(rows)
+    random.Random(2 + args.seed).shuffle(rows)
     start = time.perf_counter()
     if args.per_row == "warm":
         math_module.warm_up()
     warm = time.perf_counter() - start
     times: Dict[str, List[float]] = {}
+    steps: List[float] = []  # one pool process's steps: the slowest row of each
+    if args.seed:  # the steps, first thing in the process
+        rows = []
     for kind, text, example, _ in rows:
         start = time.perf_counter()
         math_module.math_reward(text, example)
         times.setdefault(kind, []).append(1e3 * (time.perf_counter() - start))
-    print(json.dumps({"import_ms": 1e3 * imported, "warm_up_ms": 1e3 * warm, "times": times}))
+    for step in range(args.process_steps if args.seed else 0):
+        slowest = 0.0
+        for _, text, example, _ in rows_of(args, seed=1000 * args.seed + step,
+                                           n=args.process_rows):
+            start = time.perf_counter()
+            math_module.math_reward(text, example)
+            slowest = max(slowest, 1e3 * (time.perf_counter() - start))
+        steps.append(slowest)
+    print(json.dumps({"import_ms": 1e3 * imported, "warm_up_ms": 1e3 * warm, "times": times,
+                      "steps": steps}))
 
 
 def table_per_row(args) -> None:
-    results = {}
-    for mode in ("cold", "warm"):
-        cmd = [sys.executable, os.path.abspath(__file__), "--per-row", mode, "--rows",
-               str(args.rows), "--data", args.data] + (
-            ["--responses", args.responses] if args.responses else [])
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        results[mode] = json.loads(out.strip().splitlines()[-1])
+    results, steps = {}, {"cold": [], "warm": []}
+    for seed in range(4):  # 0: the rows by kind; 1-3: a process's steps
+        for mode in ("cold", "warm"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--per-row", mode, "--rows",
+                   str(args.rows), "--data", args.data, "--seed", str(seed),
+                   "--process-rows", str(args.process_rows),
+                   "--process-steps", str(args.process_steps)] + (
+                ["--responses", args.responses] if args.responses else [])
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            if seed:
+                steps[mode].append(result["steps"])
+            else:
+                results[mode] = result
     print(f"\n1. math_reward per row, one fresh process each (import "
           f"{results['cold']['import_ms']:.0f} ms; warm_up {results['warm']['warm_up_ms']:.0f} ms)")
     print("| kind | rows | cold median / p90 / max ms | warm median / p90 / max ms |")
@@ -201,6 +227,13 @@ def table_per_row(args) -> None:
     for mode in ("cold", "warm"):
         total = sum(sum(v) for v in results[mode]["times"].values())
         print(f"{mode}: all rows {total:.0f} ms")
+    print(f"\nOne pool process, {args.process_rows} rows a step: the slowest row of each step, ms "
+          f"(cold / warm), one line per fresh process")
+    print("| process | " + " | ".join(f"step {k + 1}" for k in range(args.process_steps)) + " |")
+    print("| --- |" + " ---: |" * args.process_steps)
+    for seed, (cold, warm) in enumerate(zip(steps["cold"], steps["warm"])):
+        print(f"| {seed + 1} | " + " | ".join(f"{c:.0f} / {w:.0f}" for c, w in zip(cold, warm))
+              + " |")
 
 
 # ---------------------------------------------------------------------- 2. round trip
@@ -300,6 +333,9 @@ def main() -> None:
     parser.add_argument("--data", default=str(GSM8K_SAMPLE_DIR / "train.jsonl"))
     parser.add_argument("--responses", default=None)
     parser.add_argument("--tables", default="1,2,3")
+    parser.add_argument("--process-rows", type=int, default=18)
+    parser.add_argument("--process-steps", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--per-row", choices=["cold", "warm"], default=None,
                         help=argparse.SUPPRESS)  # table 1's fresh processes
     args = parser.parse_args()
