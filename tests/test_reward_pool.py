@@ -33,13 +33,56 @@ def _ex(answer: str) -> Example:
     return Example(prompt="q", answer=answer, solution=answer, source=f"t.jsonl:{answer}")
 
 
+_WARMED = False  # set in a pool process by _warm (its warm_up)
+
+
+def _warm() -> None:
+    global _WARMED
+    _WARMED = True
+
+
+def warmed(response: str, example: Example) -> float:
+    """A reward (module level) that scores 1 in a process whose ``warm_up`` ran, else 0."""
+    return float(_WARMED)
+
+
+warmed.warm_up = _warm
+
+
+def _raise() -> None:
+    raise RuntimeError("warm-up bug")
+
+
+def exact_badly_warmed(response: str, example: Example) -> float:
+    """:func:`exact_reward` with a ``warm_up`` that raises."""
+    return exact_reward(response, example)
+
+
+exact_badly_warmed.warm_up = _raise
+
+# A 135M model's GSM8K responses (bench/reward_wait.py has more): a 256-token ramble cut off
+# mid-sentence with numbers and no answer, LaTeX fragments, a percentage, emoji, symbols.
+MODEL_LIKE = [
+    "Natalia sold 48 clips in April. In May she sold half, 48/2 = 24. So 48 + 24 = 7",
+    "To find 2, 3, 4, 6, 8, 12, 16, 2, 4, 8, leave (n) to 8.\nLet's find 1-8. We will use 4.\n"
+    "Let's put 1-4 in 8. So 6 + 4 = 10. So we have",
+    "Or 1.5% to   Multiple simpler switch and some different approach.",
+    "The answer is: \U0001f3ad\U0001f3af\nNo, buttons. It is",
+    "We want to find An * 8.\nAn = 2*8 = 16.\nAn = 4A.\nBut we need 16 + An = 4A.",
+    "So the total is $\\frac{48}{2} + 48 = \\boxed{72}$",
+    "In April she sold 710 CLIPS as a fraction + 170/333 = 72%.",
+    "x = 5 \u2234 \u221a25 \u2248 5",
+]
+
+
 def test_pool_rewards_equal_serial_rewards_on_gsm8k_answers():
     examples = [ex for split in ("train", "test")
                 for ex in load_gsm8k(GSM8K_SAMPLE_DIR / f"{split}.jsonl")]
-    # Right, wrong (the next example's solution), and free-form answers.
+    # Right, wrong (the next example's solution), free-form and model-like answers; the pool's
+    # processes warmed up (math_reward.warm_up), the serial scoring not.
     responses = ([ex.solution for ex in examples] + [b.solution for b in examples[1:]]
-                 + [f"The answer is {ex.answer}." for ex in examples])
-    targets = examples + examples[:-1] + examples
+                 + [f"The answer is {ex.answer}." for ex in examples] + MODEL_LIKE)
+    targets = examples + examples[:-1] + examples + examples[:len(MODEL_LIKE)]
     serial, serial_errors = score_responses(math_reward, responses, targets)
     scorer = RewardScorer(math_reward, num_workers=2, timeout_seconds=60)
     try:
@@ -52,6 +95,29 @@ def test_pool_rewards_equal_serial_rewards_on_gsm8k_answers():
     assert errors == serial_errors == 0 and busy > 0
     assert 0 < float(rewards.mean()) < 1  # both right and wrong answers in the set
     assert torch.equal(again, serial[:3]) and scorer.pools_made == 1
+
+
+def test_pool_processes_run_the_rewards_warm_up(capfd):
+    """Each pool process runs each plain reward's warm_up before its first sample; one that
+    raises is reported and skipped (the pool scores as without it); without warm_workers none
+    runs."""
+    from mcore_rl.rewards import RewardComponent
+    from mcore_rl.rewards.pool import _start_worker
+
+    components = [RewardComponent("warmed", warmed, 1.0, "reward/warmed"),
+                  RewardComponent("exact", exact_badly_warmed, 1.0, "reward/exact")]
+    scorer = RewardScorer(components, num_workers=2, timeout_seconds=60)
+    examples = [_ex(str(i)) for i in range(6)]
+    try:
+        pending = scorer.submit([str(i) for i in range(5)] + ["9"], examples)
+        rewards, errors, _ = pending.result()
+    finally:
+        scorer.close()
+    assert pending.components()["reward/warmed"].tolist() == [1.0] * 6
+    assert rewards.tolist() == [2.0] * 5 + [1.0] and errors == 0 and scorer.pools_made == 1
+    assert "exact_badly_warmed.warm_up raised RuntimeError('warm-up bug')" in capfd.readouterr().err
+    _start_worker((warmed,), False)  # here: warm_workers=False calls no warm_up
+    assert not _WARMED
 
 
 def test_hung_verification_scores_zero_and_counts_an_error():

@@ -92,6 +92,22 @@ def test_math_verifier_keeps_the_parsed_ground_truth(monkeypatch):
     assert 0.3 < sum(rewards) / len(rewards) < 0.7  # both outcomes, in numbers
 
 
+def test_math_warm_up_runs_and_leaves_the_rewards_alone(caplog):
+    """math_reward.warm_up (each reward-pool process calls it at start) raises nothing, times
+    out nothing, and the rewards after it are those before it."""
+    from mcore_rl.rewards import math as math_module
+
+    examples = load_gsm8k(GSM8K_SAMPLE_DIR / "train.jsonl")[:4]
+    cases = [(r, ex) for ex in examples for r in (*_typical_responses(ex, "7"),
+                                                   *math_module.WARM_UP_RESPONSES)]
+    before = [math_module.math_reward(r, ex) for r, ex in cases]
+    assert math_module.math_reward.warm_up is math_module.warm_up
+    with caplog.at_level(logging.WARNING):
+        math_module.warm_up()
+    assert "Timeout" not in caplog.text
+    assert [math_module.math_reward(r, ex) for r, ex in cases] == before
+
+
 @pytest.mark.parametrize("response,reward", [
     ("68", 1.0), (" 68\n1+2=", 1.0), ("068", 1.0),
     ("67", 0.0), ("68 1", 0.0), ("+68", 0.0), ("68.0", 0.0), ("sixty-eight", 0.0), ("", 0.0),

@@ -4,7 +4,11 @@ A reward function scores one response: ``(response_text, example) -> float``, wi
 set's extra columns in ``example.fields``. Two other styles serve remote scorers and models:
 an ``async def`` function (its calls of a step awaited together, :data:`ASYNC_CONCURRENCY` at a
 time, each within ``reward.timeout_seconds``), and a batched one, marked ``batched = True``
-(:func:`batched`), that takes a step's ``(responses, examples)`` and returns their floats.
+(:func:`batched`), that takes a step's ``(responses, examples)`` and returns their floats. A
+plain function may carry a ``warm_up`` attribute, a function of no arguments that each process
+of the reward pool calls once when it starts (:mod:`mcore_rl.rewards.pool`): what the reward
+builds on first use is then built before the first step (``"math"``'s:
+:func:`mcore_rl.rewards.math.warm_up`).
 
 Built in (chosen by name from the ``VERIFIERS`` table of :mod:`mcore_rl.config.registry`):
 ``"exact"`` (:func:`~mcore_rl.rewards.exact.exact_reward`, the synthetic task) and ``"math"``

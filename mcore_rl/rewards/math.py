@@ -57,3 +57,49 @@ def math_reward(response: str, example: Example) -> float:
     candidate = after.split("\n", 1)[0] if sep else response
     prediction = parse(candidate, parsing_timeout=timeout)
     return float(verify(gold, prediction, timeout_seconds=timeout))
+
+
+# Responses of the kinds a small model writes on GSM8K (a "####" line, "The answer is", a last
+# number, decimals, percentages, fractions, LaTeX, symbols and equations, sets, units, other
+# scripts and emoji, text with no number), each reaching parts of math-verify and SymPy that are
+# built or imported on first use. Scored against each of WARM_UP_ANSWERS by warm_up().
+WARM_UP_RESPONSES = (
+    "48/2 = 24 clips in May.\n#### 72",
+    "#### $1,080 dollars",
+    "The answer is 71.",
+    "So she has 1,000 apples left. The answer is: 1000",
+    "She earns 1.5% more, that is 0.25 dollars an hour, 96.2 in all",
+    "1.5*(1/100) of it, =40%",
+    "So 3/4 of 12 is 9, and 2/3 + 1/6 = 5/6",
+    "The final answer is $\\boxed{18}$ and \\(\\frac{1}{2}\\)",
+    "$\\frac{3}{4} \\times 12 = 9$ and $\\sqrt{16} = 4$, $2^{3}$",
+    "Let x = 4x + 2, so 2*8 = 16 and 4A = An; x^2 + 3 = 7 so x = 2",
+    "The sides are (1, 2) and [3, 4], {5, 6}, 3 < y < 5",
+    "It costs $5.50 at 3:45 pm, 1e5 grams, -7 degrees, 10 days",
+    "The answer is: \U0001f3ad\U0001f3af \u2248 3 \u2234 \u221a4 = 2, \u00bd",
+    "E = 2 \u00d7 38% = 38 \u00d7 0.38 = 13.8 and the $$$$ATIVE=$$",
+    "$$x = \\dfrac{5}{2} \\cdot 4 = 10$$ so \\(\\text{cost} = \\$12\\) and 30\\% at 90^\\circ",
+    "\\[ \\left( 3 + 4 \\right) \\div 7 = 1 \\]",
+    "Natalia sold clips to 48 friends in April and then she sold half as many in May so we need "
+    "to find the number of clips 2, 3, 4, 6, 8, 12, 16 and so the total is 4 * 2 = 8 A. But we",
+    "I am not sure what to do here.",
+    "",
+)
+WARM_UP_ANSWERS = ("72", "0.5", "1/2")
+
+
+def warm_up() -> None:
+    """Score :data:`WARM_UP_RESPONSES` against each of :data:`WARM_UP_ANSWERS` once, for
+    nothing but the side effect: the reward pool's processes call it when they start
+    (:mod:`mcore_rl.rewards.pool`), so the parts of math-verify and SymPy built on first use
+    (the LaTeX parser, percentages, numeric and symbolic comparison: 20-400 ms each on first
+    use, then under 10 ms a response, bench/reward_wait.py) are built before the first step
+    rather than on some response of a later step, in each process. Rewards are pure functions
+    of their texts, so they are the same after it (tests/test_reward_pool.py)."""
+    for answer in WARM_UP_ANSWERS:
+        example = Example(prompt="", answer=answer, solution=answer, source="math.warm_up")
+        for response in WARM_UP_RESPONSES:
+            math_reward(response, example)
+
+
+math_reward.warm_up = warm_up

@@ -13,6 +13,15 @@ A rollout can also be scored while it is decoded (:meth:`RewardScorer.open`, a
 :class:`StreamingRewards`): rows go to the pool as the rollout backend finishes them, so after
 generation only the last rows are left to score (``reward.score_while_decoding``).
 
+Each process of the pool imports the rewards and runs their ``warm_up`` (a plain reward's
+optional attribute: a function of no arguments, :func:`mcore_rl.rewards.math.warm_up`) when it
+starts, before it takes a sample, then freezes the garbage collector's view of what it holds
+(:func:`gc.freeze`). A verifier's first use of a code path (math-verify's LaTeX parser, SymPy's
+numeric comparison: 20-400 ms each, against under 10 ms a response after it) would otherwise
+land on some sample of a later step, in each process, and that sample's scoring is the wait
+after generation (bench/reward_wait.py); a full collection over the imported modules (~150 ms)
+would be another such pause, frozen it scans none of them.
+
 Each sample runs in a worker's main thread, so math-verify's own ``signal.alarm`` timeouts
 work there. On top of that every sample has a hard deadline (``timeout_seconds`` after it was
 handed to an idle worker; at most ``num_workers`` samples are in flight at once, so handing over
@@ -27,8 +36,10 @@ a second break. Nothing of this stops the run.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import gc
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -61,8 +72,30 @@ def default_num_workers(rewards: Union[str, Sequence[RewardComponent]]) -> int:
     return min(8, os.cpu_count() or 1)
 
 
+def _start_worker(fns: Tuple[Callable, ...], warm: bool) -> None:
+    """Pool initializer (each process, once, before its first task): ``fns`` are imported by
+    unpickling them; with ``warm`` each one's ``warm_up`` attribute (when it has one) is called,
+    and then what the process holds is frozen out of the garbage collector's full collections
+    (:func:`gc.freeze`). A ``warm_up`` that raises is reported on stderr and skipped: the
+    process scores as without it (an initializer that raised would break the pool)."""
+    if not warm:
+        return
+    for fn in fns:
+        warm_up = getattr(fn, "warm_up", None)
+        if warm_up is None:
+            continue
+        try:
+            warm_up()
+        except Exception as e:  # noqa: BLE001 (an optimisation only)
+            print(f"mcore_rl reward pool: {getattr(fn, '__qualname__', fn)}.warm_up raised "
+                  f"{e!r}; scoring without it", file=sys.stderr, flush=True)
+    gc.collect()
+    gc.freeze()
+
+
 def _ready() -> int:
-    """Pool task that does nothing: the worker has spawned and imported the verifiers."""
+    """Pool task that does nothing: a worker has spawned, imported the rewards and warmed them
+    up (:func:`_start_worker`)."""
     return os.getpid()
 
 
@@ -140,6 +173,9 @@ class RewardScorer:
             in the calling process (no deadline beyond the verifier's own).
         timeout_seconds: hard per-sample deadline in the pool, and of each async call
             (``reward.timeout_seconds``).
+        warm_workers: each pool process runs the plain rewards' ``warm_up`` when it starts
+            (module docstring); False: they are imported, not warmed up (to measure without
+            it: bench/reward_wait.py).
 
     A sample's reward is the weighted sum of its rewards' scores
     (:func:`~mcore_rl.rewards.weighted_total`); each reward's own scores come with it
@@ -150,7 +186,7 @@ class RewardScorer:
     """
 
     def __init__(self, rewards: Union[RewardFn, Sequence[RewardComponent]], num_workers: int = 0,
-                 timeout_seconds: float = 10.0):
+                 timeout_seconds: float = 10.0, warm_workers: bool = True):
         self.components: List[RewardComponent] = (
             list(rewards) if isinstance(rewards, (list, tuple))
             else [RewardComponent("reward", rewards, 1.0, "reward/reward")])
@@ -163,6 +199,7 @@ class RewardScorer:
         if timeout_seconds <= 0:
             raise ValueError(f"reward.timeout_seconds={timeout_seconds}: expected > 0")
         self.timeout_seconds = float(timeout_seconds)
+        self.warm_workers = warm_workers
         self._pool: Optional[cf.ProcessPoolExecutor] = None
         self._lock = threading.Lock()  # one scoring job drives the pool at a time
         self.pools_made = 0  # pools created so far (1 + restarts after a hang or a dead worker)
@@ -170,10 +207,15 @@ class RewardScorer:
     # ------------------------------------------------------------------ pool
     def _new_pool(self) -> cf.ProcessPoolExecutor:
         self._kill_pool()
+        fns = tuple(self.components[k].fn for k in self.pooled)
         self._pool = cf.ProcessPoolExecutor(self.num_workers,
-                                            mp_context=multiprocessing.get_context("spawn"))
+                                            mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_start_worker,
+                                            initargs=(fns, self.warm_workers))
         self.pools_made += 1
-        # Spawning and importing (torch, sympy) takes seconds: done before any deadline runs.
+        # Spawning, importing (torch, sympy) and warming up take seconds: done before any
+        # deadline runs (num_workers tasks at once spawn every process; a process takes tasks
+        # only once warm, so the pool's first answers come from warm processes).
         cf.wait([self._pool.submit(_ready) for _ in range(self.num_workers)])
         return self._pool
 
