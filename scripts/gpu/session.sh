@@ -122,7 +122,8 @@
 #   gsm8k       with GSM8K_VARIANTS="b37 a37": before (today's best, reward scored after
 #               generation) and after (rewards scored while decoding, compile_decode,
 #               shared_prompt_kv); s37, c37, k37: each change alone on top of b37; d37: b37 +
-#               compile_decode + block_sampling (the dec37 branch)
+#               compile_decode + block_sampling (the dec37 branch); e37: b37 + compile_decode with rewards scored while
+#               decoding (the recipes' settings since 2026-11-28)
 #   arith37     grpo_smollm2_arith, ARITH37_STEPS (40) steps, held-out every 20: ARITH37_RUNS of
 #               before and after (as b37 / a37): seconds per step and the held-out curve
 #   decode37    256 x 512 rollouts (groups of 8): megatron before and after, vLLM as mcore-rl
@@ -322,7 +323,8 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
         [c37]="$BEST37 reward.score_while_decoding=false generation.compile_decode=true"
         [k37]="$BEST37 reward.score_while_decoding=false generation.shared_prompt_kv=true"
         [a37]="$BEST37 $AFTER37"
-        [d37]="$BEST37 reward.score_while_decoding=false generation.compile_decode=true generation.block_sampling=true")
+        [d37]="$BEST37 reward.score_while_decoding=false generation.compile_decode=true generation.block_sampling=true"
+        [e37]="$BEST37 generation.compile_decode=true")
     # base<variant>: the variant on the code in .base/ (a carried `git archive` of an earlier
     # commit's mcore_rl/ bench/ configs/), run from there: before and after on the same machine.
     local name dir
