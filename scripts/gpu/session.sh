@@ -122,8 +122,8 @@
 #   gsm8k       with GSM8K_VARIANTS="b37 a37": before (today's best, reward scored after
 #               generation) and after (rewards scored while decoding, compile_decode,
 #               shared_prompt_kv); s37, c37, k37: each change alone on top of b37; d37: b37 +
-#               compile_decode + block_sampling (the dec37 branch); e37: b37 + compile_decode with rewards scored while
-#               decoding (the recipes' settings since 2026-11-28)
+#               compile_decode + block_sampling (the dec37 branch); e37: b37 + compile_decode
+#               with rewards scored while decoding (the recipes' settings since 2026-11-28)
 #   arith37     grpo_smollm2_arith, ARITH37_STEPS (40) steps, held-out every 20: ARITH37_RUNS of
 #               before and after (as b37 / a37): seconds per step and the held-out curve
 #   decode37    256 x 512 rollouts (groups of 8): megatron before and after, vLLM as mcore-rl
