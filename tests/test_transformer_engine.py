@@ -391,3 +391,24 @@ def test_train_step_benchmark_variants():
     for bad in ("fp8-mxfp8", "te+mbs16", "tensorrt"):
         with pytest.raises(ValueError, match="variant"):
             bench.parse_variant(bad)
+
+
+def test_bridge_provider_is_built_without_apex_fusions():
+    """scripts/gpu/bridge_parity.py: megatron-bridge 0.6.2 turns gradient_accumulation_fusion on
+    whenever TE imports, and Megatron-Core's output layer then asks for APEX (the first GPU run
+    stopped there); the provider's overrides turn it and APEX's other fusions off, only
+    attributes the provider has (apply_overrides_and_finalize refuses others)."""
+    import types
+
+    path = importlib.util.spec_from_file_location(
+        "bridge_parity", __file__.rsplit("/tests/", 1)[0] + "/scripts/gpu/bridge_parity.py")
+    module = importlib.util.module_from_spec(path)
+    path.loader.exec_module(module)  # megatron.bridge is imported in main() only
+    provider = types.SimpleNamespace(gradient_accumulation_fusion=True, masked_softmax_fusion=True,
+                                     persist_layer_norm=True, apply_rope_fusion=True)
+    assert module.apex_free_overrides(provider, "cuda") == {
+        "gradient_accumulation_fusion": False, "masked_softmax_fusion": False,
+        "persist_layer_norm": False}
+    assert module.apex_free_overrides(provider, "cpu")["apply_rope_fusion"] is False
+    del provider.persist_layer_norm
+    assert "persist_layer_norm" not in module.apex_free_overrides(provider, "cuda")
