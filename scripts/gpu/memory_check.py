@@ -340,7 +340,8 @@ def measure(name: str, config: str, overrides: List[str], bench: bool = False,
 
 def format_row(r: Dict) -> str:
     """One row of the final table (``main``)."""
-    alloc = "OOM" if r["oom"] else "NO ANSWER" if r.get("hung") else f"{r['measured_alloc_gib']:.2f}"
+    alloc = ("OOM" if r["oom"] else "NO ANSWER" if r.get("hung")
+             else f"{r['measured_alloc_gib']:.2f}")
     reserved = "-" if r["oom"] or r.get("hung") else f"{r['measured_reserved_gib']:.2f}"
     return (f"{r['config']:16s} {r['phase']:11s} {alloc:>7s} {reserved:>8s} "
             f"{r['plan_max_len_gib']:8.2f} {r['plan_seen_len_gib']:9.2f} "
