@@ -27,7 +27,10 @@ Megatron optimizer with fp32 main params, bf16 params wrapped in ``Float16Module
 ``--variants`` (issue 34) replaces all of the above after the matmul peak: the train step of each
 named variant with the product defaults, one worker at a time on the same checkpoint and batch,
 then one table of step time, tokens/s, MFU and peak memory with each variant's speed-up over the
-first. A variant is ``torch``, ``local``, ``te`` (the ``transformer_engine`` spec in bf16) or
+first. ``--shape`` picks the model (``SHAPES``): ``0.85b`` (above), or ``llama8b-4l`` /
+``llama8b-8l``, Llama-3.1-8B's width at 4 or 8 layers (the width where NeMo RL reports FP8's
+gain; FP8 did not pay at the 0.85B shape's: 0.92x delayed, 0.79x tensorwise on an H200). A
+variant is ``torch``, ``local``, ``te`` (the ``transformer_engine`` spec in bf16) or
 ``fp8-RECIPE`` (the TE spec with ``fp8=hybrid``: e4m3 forward, e5m2 gradients; RECIPE
 ``delayed``, ``tensorwise`` or ``blockwise``); ``+mbs8`` after a name trains micro-batches of 8.
 MFU keeps the bf16 dense peak as its denominator for FP8 too (what the issue's ">= 1.3x the bf16
@@ -35,7 +38,8 @@ train phase" compares). Transformer Engine must import for ``te`` and ``fp8-*`` 
 session.sh's ``te_env``); with TE on the path Megatron's optimizer is TE's FusedAdam for every
 variant, the ``torch`` one included::
 
-    python bench/train_step.py --variants torch,te,fp8-delayed,fp8-tensorwise
+    python bench/train_step.py --variants torch,te,fp8-delayed,fp8-tensorwise,fp8-blockwise
+    python bench/train_step.py --shape llama8b-4l --variants torch,te,fp8-blockwise
 
 Times are medians over ``--steps`` steps after ``--warmup`` warm-up steps, with a device
 synchronize around each. Run ``python bench/train_step.py --help``; ``scripts/gpu/run_bench.sh``
@@ -64,10 +68,28 @@ from mcore_rl.config.schema import (  # noqa: E402
     DDPConfig, GenerationConfig, LossConfig, MegatronConfig, ModelArchConfig, OptimizerConfig)
 from mcore_rl.megatron.conversion import arch_to_hf_config  # noqa: E402
 
-ARCH = ModelArchConfig(family="llama", num_layers=16, hidden_size=2048, num_attention_heads=16,
-                       num_query_groups=4, ffn_hidden_size=5632, max_position_embeddings=2048,
-                       rope_theta=10000.0, rms_norm_eps=1e-5, qkv_bias=False,
-                       tie_word_embeddings=False, vocab_size=32000)
+# --shape: the model of every measurement. 0.85b: the benchmark's shape. llama8b-<N>l:
+# Llama-3.1-8B's width (hidden 4096, SwiGLU 14336, 32 heads / 8 KV groups, vocab 128256,
+# untied, RoPE theta 500000) at N of its 32 layers, so that one 80 GB GPU holds it with the
+# optimizer (fp32 main params, Adam: about 18 bytes a parameter): 4 layers are 1.92B parameters
+# (34.5 GB of state), 8 layers 2.79B (50 GB: an H200, or an H100 at micro-batch 4 with little
+# room). The FP8 speed-up of a few layers understates the whole model's: the embedding and
+# output layer (the 128256-word vocabulary, 0.53B parameters each) stay in bf16 under every
+# recipe, and they are a larger share of 4 layers' FLOPs than of 32 (the table's note says
+# how large).
+SHAPES = {
+    "0.85b": ModelArchConfig(family="llama", num_layers=16, hidden_size=2048,
+                             num_attention_heads=16, num_query_groups=4, ffn_hidden_size=5632,
+                             max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
+                             qkv_bias=False, tie_word_embeddings=False, vocab_size=32000),
+    **{f"llama8b-{n}l": ModelArchConfig(
+        family="llama", num_layers=n, hidden_size=4096, num_attention_heads=32,
+        num_query_groups=8, ffn_hidden_size=14336, max_position_embeddings=8192,
+        rope_theta=500000.0, rms_norm_eps=1e-5, qkv_bias=False, tie_word_embeddings=False,
+        vocab_size=128256) for n in (4, 8)},
+}
+SHAPE = "0.85b"
+ARCH = SHAPES[SHAPE]  # main() sets both from --shape
 SEQ = 2048
 ROWS: List[Dict[str, str]] = []  # the table
 
@@ -130,6 +152,17 @@ def flops_per_token(arch: ModelArchConfig, seq: int, with_embedding: bool = True
     return 6 * params + 6 * arch.num_layers * arch.hidden_size * seq
 
 
+def bf16_share(arch: ModelArchConfig, seq: int) -> float:
+    """The share of the step's FLOPs that FP8 leaves in bf16: the output layer's GEMMs
+    (Megatron-Core's own linear, not TE's) and attention's score and value products (TE's
+    fused attention is bf16 under these recipes), of :func:`flops_per_token` without the input
+    embedding (a lookup). An upper bound on the FP8 speed-up follows (Amdahl): with the rest
+    twice as fast, ``1 / (share + (1 - share) / 2)``."""
+    output = 6 * arch.vocab_size * arch.hidden_size
+    attention = 6 * arch.num_layers * arch.hidden_size * seq
+    return (output + attention) / flops_per_token(arch, seq, with_embedding=False)
+
+
 def make_checkpoint(path: str, seed: int = 0) -> None:
     """A seeded random HF Llama checkpoint of ``ARCH`` (bf16 safetensors), built on the GPU."""
     from transformers import AutoModelForCausalLM
@@ -171,10 +204,11 @@ def variant_megatron(name: str, distributed_optimizer: bool = False) -> Megatron
 
 
 def build_worker(hf_path: str, spec: str, port: int, gbs: int, distributed_optimizer: bool = False,
-                 use_reference: bool = False, arch: ModelArchConfig = ARCH,
+                 use_reference: bool = False, arch: ModelArchConfig | None = None,
                  megatron: MegatronConfig | None = None):
     from mcore_rl.workers.policy import PolicyWorker
 
+    arch = arch or ARCH
     return PolicyWorker(
         hf_path=hf_path, hf_config=arch_to_hf_config(arch, arch.vocab_size).to_dict(),
         vocab_size=arch.vocab_size, temperature=1.0, use_reference=use_reference, arch=arch,
@@ -279,7 +313,12 @@ class Bench:
         row("machine", "torch / CUDA", f"{torch.__version__} / {torch.version.cuda}")
         row("machine", "bf16 matmul peak (8192^3)", self.peak, "TFLOP/s", "MFU denominator")
         p = param_count(ARCH)
-        row("model", "parameters", f"{p['total'] / 1e9:.4f}e9", "", "0.85B shape, untied")
+        row("model", "parameters", f"{p['total'] / 1e9:.4f}e9", "",
+            f"{SHAPE} shape ({ARCH.num_layers} layers, hidden {ARCH.hidden_size}), untied")
+        share = bf16_share(ARCH, SEQ)
+        row("model", "bf16 share of the FLOPs", f"{100 * share:.1f}%", "",
+            f"output layer + attention products, bf16 under FP8: FP8 at 2x the rest gives at "
+            f"most {1 / (share + (1 - share) / 2):.2f}x")
 
     def variants(self) -> None:
         """``--variants``: each variant's train step on the same checkpoint and batch, one
@@ -305,7 +344,7 @@ class Bench:
                     free(w)
                 self.port += 1  # a fresh rendezvous port for the next worker
         base = next((r for _, r in results if r), None)
-        print("\n== variants: the train step of the 0.85B shape, "
+        print(f"\n== variants: the train step of the {SHAPE} shape, "
               f"{args.gbs}x{SEQ} tokens, optimizer included (bf16 peak {self.peak:.0f} TFLOP/s)")
         print(f"{'variant':22s} {'step ms':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} "
               f"{'peak GiB':>8s} {'speed-up':>8s}")
@@ -530,6 +569,7 @@ class Bench:
 
 
 def main() -> None:
+    global ARCH, SHAPE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gbs", type=int, default=16, help="rows per optimizer step")
     parser.add_argument("--warmup", type=int, default=2)
@@ -543,10 +583,14 @@ def main() -> None:
                         help="comma list of torch, local, te, fp8-delayed, fp8-tensorwise, "
                              "fp8-blockwise (+mbs8): only their train steps and one table "
                              "(module docstring)")
+    parser.add_argument("--shape", default=SHAPE, choices=sorted(SHAPES),
+                        help="the model: 0.85b, or Llama-3.1-8B's width at 4 or 8 layers "
+                             "(SHAPES)")
     parser.add_argument("--logprob-rows", type=int, default=32)
     parser.add_argument("--gen-rows", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args()
+    SHAPE, ARCH = args.shape, SHAPES[args.shape]
     for name in filter(None, args.variants.split(",")):
         try:
             parse_variant(name)

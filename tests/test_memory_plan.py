@@ -661,3 +661,23 @@ def test_memory_check_long_cp_jobs_plan_out_of_memory_at_cp1_and_a_fit_at_cp2():
     assert module.is_out_of_memory(RuntimeError("worker 0: torch.OutOfMemoryError: CUDA out of "
                                                 "memory. Tried to allocate 2.00 GiB"))
     assert not module.is_out_of_memory(RuntimeError("NCCL error"))
+    # the start line's plan, the deadline that stops a job whose ranks do not answer, its row
+    for cp, verdict in ((1, "DOES NOT FIT 80 GiB"), (2, "fits 80 GiB")):
+        cfg = load_config("grpo_synthetic_gpu", module.COMMON + module.LONG + [
+            f"policy.megatron.context_parallel_size={cp}"])
+        plan = memory.plan_memory(cfg, cfg.model.arch, cfg.model.arch.vocab_size,
+                                  seq=module.LONG_SEQ, train_rows=module.LONG_ROWS)
+        assert module.plan_line(plan).endswith(verdict)
+    import threading
+
+    release = threading.Event()
+    assert module.run_with_deadline(release.wait, 0.05) == (False, None)
+    release.set()
+    assert module.run_with_deadline(lambda: None, 5) == (True, None)
+    done, error = module.run_with_deadline(lambda: 1 / 0, 5)
+    assert done and isinstance(error, ZeroDivisionError)
+    row = {"config": "long_cp1", "phase": "train", "measured_alloc_gib": float("nan"),
+           "measured_reserved_gib": float("nan"), "plan_max_len_gib": 94.6,
+           "plan_seen_len_gib": 94.6, "error_pct": float("nan"), "longest": 32768, "oom": False,
+           "hung": True, "plan_fits": False}
+    assert "NO ANSWER" in module.format_row(row) and "does not fit" in module.format_row(row)

@@ -384,8 +384,40 @@ def test_train_step_benchmark_variants():
         mg = bench.variant_megatron(f"fp8-{recipe}")
         assert (mg.layer_spec, mg.fp8, mg.fp8_recipe, mg.precision) == (
             "transformer_engine", "hybrid", recipe, "bf16")
-        assert transformer_engine_shape_errors(bench.ARCH, mg, "policy.megatron") == []
+        for arch in bench.SHAPES.values():  # --shape: 0.85b, llama8b-4l, llama8b-8l
+            assert transformer_engine_shape_errors(arch, mg, "policy.megatron") == []
         assert te.fp8_capability_error(mg, "policy.megatron", (9, 0)) is None  # an H100
+    assert bench.ARCH is bench.SHAPES["0.85b"]
+    # Llama-3.1-8B's width at 4 layers: 1.92B parameters, 18 bytes each with Adam fit 80 GB
+    wide = bench.SHAPES["llama8b-4l"]
+    assert (wide.hidden_size, wide.ffn_hidden_size, wide.num_attention_heads,
+            wide.num_query_groups, wide.vocab_size) == (4096, 14336, 32, 8, 128256)
+    assert 1.9e9 < bench.param_count(wide)["total"] < 1.95e9
+    # the share FP8 leaves in bf16 (output layer, attention products) shrinks with depth
+    shares = [bench.bf16_share(bench.SHAPES[s], bench.SEQ)
+              for s in ("llama8b-4l", "llama8b-8l", "0.85b")]
+    assert 0.38 < shares[0] < 0.40 and 0.24 < shares[1] < 0.26 and 0.15 < shares[2] < 0.17
     for bad in ("fp8-mxfp8", "te+mbs16", "tensorrt"):
         with pytest.raises(ValueError, match="variant"):
             bench.parse_variant(bad)
+
+
+def test_bridge_provider_is_built_without_apex_fusions():
+    """scripts/gpu/bridge_parity.py: megatron-bridge 0.6.2 turns gradient_accumulation_fusion on
+    whenever TE imports, and Megatron-Core's output layer then asks for APEX (the first GPU run
+    stopped there); the provider's overrides turn it and APEX's other fusions off, only
+    attributes the provider has (apply_overrides_and_finalize refuses others)."""
+    import types
+
+    path = importlib.util.spec_from_file_location(
+        "bridge_parity", __file__.rsplit("/tests/", 1)[0] + "/scripts/gpu/bridge_parity.py")
+    module = importlib.util.module_from_spec(path)
+    path.loader.exec_module(module)  # megatron.bridge is imported in main() only
+    provider = types.SimpleNamespace(gradient_accumulation_fusion=True, masked_softmax_fusion=True,
+                                     persist_layer_norm=True, apply_rope_fusion=True)
+    assert module.apex_free_overrides(provider, "cuda") == {
+        "gradient_accumulation_fusion": False, "masked_softmax_fusion": False,
+        "persist_layer_norm": False}
+    assert module.apex_free_overrides(provider, "cpu")["apply_rope_fusion"] is False
+    del provider.persist_layer_norm
+    assert "persist_layer_norm" not in module.apex_free_overrides(provider, "cuda")

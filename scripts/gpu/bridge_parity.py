@@ -3,12 +3,15 @@ checkpoint (SmolLM2-135M-Instruct) read four ways, one process, TP = PP = 1, bf1
 
     python3 scripts/gpu/bridge_parity.py --model /tmp/models/SmolLM2-135M-Instruct \
         [--layer-spec transformer_engine] [--batch 4 --seq 256] [--no-provider]
+        [--provider-spec transformer_engine|local]
 
 Needs megatron-bridge 0.6.2 (its wheel, --no-deps: it imports with the GPU image's packages plus
 omegaconf, hydra-core and antlr4 of scripts/gpu/carry.sh's .whl/) and Transformer Engine
 (session.sh stage te): the bridge imports TE at import time.
 
-Checks, one line each, then a table; exit status 1 when one fails:
+Checks, one line each, then a table; every check runs even after one fails (a check that raises
+is reported FAIL with its error, the traceback above it), and the exit status is 1 when one
+failed:
 
 1. load: one model built by mcore-rl (``--layer-spec``), loaded by mcore-rl's name tables and by
    ``AutoBridge.load_hf_weights``: every parameter bitwise equal.
@@ -16,6 +19,13 @@ Checks, one line each, then a table; exit status 1 when one fails:
    model (``AutoBridge.to_megatron_provider()``: the bridge's config and TE layer spec) against
    Hugging Face transformers in fp32 (the reference): max |logit difference| and max |token
    logprob difference|, the bf16 tolerance being what the torch spec shows against fp32.
+   The provider is built without the fusions that need APEX (:func:`apex_free_overrides`):
+   bridge 0.6.2 turns ``gradient_accumulation_fusion`` on whenever TE imports, and
+   Megatron-Core's output layer (``ColumnParallelLinear``, not TE's) then asks for APEX's
+   ``fused_weight_gradient_mlp_cuda``, which the GPU image lacks (the first GPU run raised
+   there). ``--provider-spec local`` builds it on Megatron-Core's local spec instead (bridge's
+   ``local_layer_spec``), the way to run this row on CPU (``--device cpu``: TE's modules need
+   CUDA; the fused RoPE too, so it is off there).
 3. export round trip: mcore-rl's ``export_hf_weights`` and ``AutoBridge.export_hf_weights`` of
    the model loaded in 1, each against the checkpoint's tensors cast to bf16: the same names
    (a tied ``lm_head.weight`` aside) and bitwise equal tensors.
@@ -29,8 +39,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import sys
 import time
+import traceback
 
 import torch
 
@@ -65,6 +77,66 @@ def megatron_logits(model, ids: torch.Tensor, spec: str) -> torch.Tensor:
                      attention_mask(spec, b, s, ids.device)).float()
 
 
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except Exception:  # ImportError, or an extension that fails to load
+        return False
+    return True
+
+
+def apex_free_overrides(provider, device: str = "cuda", spec: str = "transformer_engine") -> dict:
+    """Attribute overrides for a megatron-bridge model provider so that it builds without APEX
+    (the GPU image has none), for ``provider.apply_overrides_and_finalize(overrides=...)``.
+
+    - ``gradient_accumulation_fusion``: off. Bridge 0.6.2's default is
+      ``fusions.can_enable_gradient_accumulation_fusion()``, True whenever TE imports (TE's
+      linears fuse the wgrad themselves), but Megatron-Core's output layer is its own
+      ``ColumnParallelLinear``, whose constructor raises without APEX's
+      ``fused_weight_gradient_mlp_cuda``. Only the backward uses it; this script runs none.
+    - ``masked_softmax_fusion``: off without Megatron's fused softmax kernels
+      (``scaled_masked_softmax_cuda``, APEX's build): only the local spec's softmax uses them.
+    - ``persist_layer_norm``: off without APEX (only APEX's ``FusedLayerNorm`` uses it; the
+      local spec's torch norm asserts it is off). Llama's bridge turns it on.
+    - ``apply_rope_fusion``: off on CPU (TE's fused RoPE is a CUDA kernel).
+    - ``transformer_layer_spec``: for ``spec="local"``, bridge's ``local_layer_spec`` in a
+      block whose final norm is torch's too (given a layer spec alone, Megatron-Core 0.19 makes
+      the final norm TE's where TE imports, a CUDA kernel).
+
+    Only attributes the provider has are named (``apply_overrides_and_finalize`` refuses others).
+    """
+    wanted = {"gradient_accumulation_fusion": False}
+    if not _importable("scaled_masked_softmax_cuda"):
+        wanted["masked_softmax_fusion"] = False
+    if not _importable("apex"):
+        wanted["persist_layer_norm"] = False
+    if device == "cpu":
+        wanted["apply_rope_fusion"] = False
+    if spec == "local":
+        wanted["transformer_layer_spec"] = _local_block_spec
+    return {k: v for k, v in wanted.items() if hasattr(provider, k)}
+
+
+def _local_block_spec(config, vp_stage=None):
+    """Bridge's ``local_layer_spec`` for every layer of the chunk and Megatron-Core's torch norm
+    (``WrappedTorchNorm``) as the final norm: the provider's decoder without TE."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (TransformerBlock,
+                                                             TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[local_layer_spec(config)] * layers, layer_norm=WrappedTorchNorm))
+
+
+def _first_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"raised {type(error).__name__}: {text[:240]}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory (Llama)")
@@ -75,6 +147,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--no-provider", action="store_true",
                         help="skip the bridge's own model (check 2's second row)")
+    parser.add_argument("--provider-spec", default="transformer_engine",
+                        choices=("transformer_engine", "local"),
+                        help="the layer spec of the bridge's own model (local: for --device cpu)")
     args = parser.parse_args(argv)
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -97,59 +172,98 @@ def main(argv=None) -> int:
     failures, rows = [], []
 
     def check(name: str, ok: bool, detail: str) -> None:
-        print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
         rows.append((name, "ok" if ok else "FAIL", detail))
         if not ok:
             failures.append(name)
 
+    def guarded(name: str, fn) -> None:
+        """``fn()`` (which reports its own checks); an exception is check ``name``'s FAIL."""
+        try:
+            fn()
+        except Exception as error:  # the other checks still run
+            traceback.print_exc()
+            check(name, False, _first_line(error))
+
+    state = {}
+
     # 1. load: own tables vs AutoBridge.load_hf_weights into the same build
-    t0 = time.perf_counter()
-    own = wrap_float16(build_model(arch, megatron, vocab, device), "bf16")
-    with own_tables():
-        load_hf_weights(own, dict(checkpoint), arch)
-    bridged = wrap_float16(build_model(arch, megatron, vocab, device), "bf16")
-    bridge.load_hf_weights([m.module for m in bridged])
-    a, b = own[0].state_dict(), bridged[0].state_dict()
-    tensors = [n for n, v in a.items() if torch.is_tensor(v) and not n.endswith("_extra_state")]
-    differ = [n for n in tensors if n not in b or not torch.equal(a[n], b[n])]
-    check("load", not differ, f"{len(tensors) - len(differ)}/{len(tensors)} parameters bitwise "
-          f"equal ({args.layer_spec} spec){'; differ: ' + ', '.join(differ[:4]) if differ else ''}"
-          f" [{time.perf_counter() - t0:.1f} s]")
+    def load() -> None:
+        t0 = time.perf_counter()
+        own = wrap_float16(build_model(arch, megatron, vocab, device), "bf16")
+        with own_tables():
+            load_hf_weights(own, dict(checkpoint), arch)
+        state["own"] = own
+        bridged = wrap_float16(build_model(arch, megatron, vocab, device), "bf16")
+        bridge.load_hf_weights([m.module for m in bridged])
+        a, b = own[0].state_dict(), bridged[0].state_dict()
+        tensors = [n for n, v in a.items() if torch.is_tensor(v) and not n.endswith("_extra_state")]
+        differ = [n for n in tensors if n not in b or not torch.equal(a[n], b[n])]
+        check("load", not differ, f"{len(tensors) - len(differ)}/{len(tensors)} parameters "
+              f"bitwise equal ({args.layer_spec} spec)"
+              f"{'; differ: ' + ', '.join(differ[:4]) if differ else ''}"
+              f" [{time.perf_counter() - t0:.1f} s]")
+
+    guarded("load", load)
 
     # 2. logits against transformers in fp32
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(device)
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
-    with torch.no_grad():
-        ref = hf(ids).logits.float()
-    ref_lp = token_logprobs(ref, ids, vocab)
-    del hf
-    models = {f"mcore-rl ({args.layer_spec}, own load)": (own[0], args.layer_spec)}
-    if not args.no_provider:
-        provider = bridge.to_megatron_provider(load_weights=True)
-        provider.apply_overrides_and_finalize(dtype=torch.bfloat16)
-        provided = provider.provide_distributed_model(wrap_with_ddp=False, bf16=True)
-        models["megatron-bridge provider (its TE spec)"] = (provided[0], "transformer_engine")
-    for name, (model, spec) in models.items():
-        logits = megatron_logits(model.eval(), ids, spec)
-        d_logits = (logits[..., :vocab] - ref).abs().max().item()
-        d_lp = (token_logprobs(logits, ids, vocab) - ref_lp).abs().max().item()
+
+    def reference() -> None:
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+        with torch.no_grad():
+            state["ref"] = hf.eval()(ids).logits.float()
+        state["ref_lp"] = token_logprobs(state["ref"], ids, vocab)
+
+    guarded("logits transformers fp32 (the reference)", reference)
+    logits = {}
+
+    def compare(name: str, model, spec: str) -> None:
+        out = megatron_logits(model.eval(), ids, spec)
+        logits[name] = out
+        if "ref" not in state:
+            check(f"logits {name}", False, "no reference (transformers failed above)")
+            return
+        d_logits = (out[..., :vocab] - state["ref"]).abs().max().item()
+        d_lp = (token_logprobs(out, ids, vocab) - state["ref_lp"]).abs().max().item()
         check(f"logits {name}", d_logits <= TOLERANCE["logits"] and d_lp <= TOLERANCE["logprobs"],
               f"vs transformers fp32: max |logit diff| {d_logits:.4f}, max |logprob diff| "
               f"{d_lp:.4f} (tolerance {TOLERANCE['logits']}, {TOLERANCE['logprobs']})")
-    if len(models) == 2:
-        (m1, s1), (m2, s2) = models.values()
-        d = (megatron_logits(m1, ids, s1) - megatron_logits(m2, ids, s2)).abs().max().item()
-        print(f"     mcore-rl vs bridge provider: max |logit diff| {d:.4f}")
+
+    own_name = f"mcore-rl ({args.layer_spec}, own load)"
+    if "own" in state:
+        guarded(f"logits {own_name}", lambda: compare(own_name, state["own"][0], args.layer_spec))
+    else:
+        check(f"logits {own_name}", False, "no model (load failed above)")
+    if not args.no_provider:
+        provider_name = f"megatron-bridge provider (its {args.provider_spec} spec)"
+
+        def provided() -> None:
+            provider = bridge.to_megatron_provider(load_weights=True)
+            overrides = apex_free_overrides(provider, args.device, args.provider_spec)
+            print(f"     provider overrides: {sorted(overrides)}", flush=True)
+            provider.apply_overrides_and_finalize(dtype=torch.bfloat16, overrides=overrides)
+            model = provider.provide_distributed_model(
+                wrap_with_ddp=False, bf16=True, use_cpu_initialization=args.device == "cpu")
+            compare(provider_name, model[0], args.provider_spec)
+
+        guarded(f"logits {provider_name}", provided)
+    if len(logits) == 2:
+        first, second = logits.values()
+        d = (first - second).abs().max().item()
+        print(f"     mcore-rl vs bridge provider: max |logit diff| {d:.4f}", flush=True)
+    state.pop("ref", None)
 
     # 3. export round trips, each against the checkpoint in bf16
     expected = {n: t.to(torch.bfloat16) for n, t in checkpoint.items()}
     if arch.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    for name, exported in (
-            ("export mcore-rl", lambda: _own_export(export_hf_weights, own, arch, vocab)),
-            ("export bridge", lambda: dict(bridge.export_hf_weights([m.module for m in own],
-                                                                    cpu=True, show_progress=False)))):
+
+    def export(name: str, exported) -> None:
+        if "own" not in state:
+            check(name, False, "no model (load failed above)")
+            return
         t0 = time.perf_counter()
         out = {n: t.cpu() for n, t in exported().items()}
         if arch.tie_word_embeddings:
@@ -162,9 +276,17 @@ def main(argv=None) -> int:
               f"{sorted(set(out) - set(expected))[:3]}; {len(unequal)} differ "
               f"{unequal[:3]} [{time.perf_counter() - t0:.1f} s]")
 
+    for name, exported in (
+            ("export mcore-rl", lambda: _own_export(export_hf_weights, state["own"], arch, vocab)),
+            ("export bridge", lambda: dict(bridge.export_hf_weights(
+                [m.module for m in state["own"]], cpu=True, show_progress=False)))):
+        guarded(name, lambda name=name, exported=exported: export(name, exported))
+
     print("\n| check | result | detail |\n| --- | --- | --- |")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    print(f"{len(rows) - len(failures)}/{len(rows)} checks ok"
+          f"{'; FAIL: ' + ', '.join(failures) if failures else ''}", flush=True)
     parallel.destroy()
     return 1 if failures else 0
 

@@ -53,17 +53,21 @@
 #               differences (scripts/gpu/layout_parity.py), for TE_PARITY_SHAPES of smollm2
 #               (SmolLM2-135M-Instruct's weights) and synthetic (grpo_synthetic_gpu's 0.36B shape,
 #               seeded weights)
-#   te_mfu      issue 34 items 1-2: the 0.85B benchmark's train step (bench/train_step.py
-#               --variants TE_MFU_VARIANTS: torch te fp8-delayed fp8-tensorwise), step time and MFU
-#               per variant in one table (after te)
+#   te_mfu      issue 34 items 1-2: the benchmark's train step (bench/train_step.py --shape
+#               TE_MFU_SHAPE: 0.85b, or llama8b-4l: Llama-3.1-8B's width at 4 layers; --variants
+#               TE_MFU_VARIANTS: torch te fp8-delayed fp8-tensorwise fp8-blockwise), step time and
+#               MFU per variant in one table (after te)
 #   learn34     issue 34 items 1-2 (after te, model): grpo_smollm2_arith, LEARN34_STEPS (40) steps,
 #               held-out every 20, LEARN34_RUNS side by side on the GPU (as learn and tools run:
 #               seconds per step are not comparable between them) of torch (the config: bf16,
 #               torch spec), te (transformer_engine spec), fp8 (TE, FP8 delayed: the megatron
 #               decoder runs the same FP8 model), fp8hf (TE FP8 training, bf16 rollouts from the hf
 #               engine: the logprob budget against bf16 rollouts), tehf (TE bf16 with the hf
-#               engine: fp8hf's baseline), fp8t (tensorwise); held-out accuracy and
-#               token_mult_prob_error per run in the table
+#               engine: fp8hf's baseline), fp8t (tensorwise), fp8b (blockwise), fp8bhf (blockwise,
+#               hf engine); default `torch fp8b fp8bhf fp8t`; the FP8 runs with
+#               generation.logprob_budget=null (LEARN34_FP8_SET; a budget of 1.05 stopped both
+#               delayed runs at start-up: token_mult_prob_error 1.41 and 1.46); LEARN34_SET:
+#               overrides of every run; held-out accuracy and token_mult_prob_error per run
 #   fp8vllm     issue 34 item 3 (after vllm, model): FP8 rollouts in vLLM against bf16. First
 #               scripts/gpu/vllm_fp8.py (FP8VLLM_SHAPE, default qwen1.5b, random weights): one
 #               colocated engine per precision refit from the same policy over CUDA IPC, its
@@ -105,10 +109,13 @@
 #   cp2         issue 34 item 4 (after te): logprobs, loss, grad norm and weights after 2 steps at
 #               CP=2 against CP=1 on the transformer_engine spec (TE's p2p ring; the trainer still
 #               refuses it, the script builds workers itself) and on the torch spec (all-gather),
-#               bf16, NCCL (CP2_SPECS); then one step of two 32k-token rows of a 1.39B shape at
-#               CP=1 and at CP=2 against `mcore-rl plan` (out of memory predicted at CP=1, a fit at
-#               CP=2: scripts/gpu/memory_check.py's long_cp1/long_cp2; 64k-token rows on 141 GB
-#               H200s; CP2_LONG=0 skips it)
+#               bf16, NCCL (CP2_SPECS; empty: none); then one step of two 32k-token rows of a
+#               1.39B shape at CP=1 and at CP=2 against `mcore-rl plan` (out of memory predicted
+#               at CP=1, a fit at CP=2: scripts/gpu/memory_check.py's long_cp1/long_cp2, each line
+#               as it comes, a job stopped after LONG_JOB_TIMEOUT (200) s without an answer,
+#               CP2_LONG_TIMEOUT (440) s in all); on GPUs over 100 GB the GPUs held at 79 GiB
+#               free (LONG_CAP_GIB: an 80 GB H100's), or LONG_SEQ=65536 against all of them;
+#               CP2_LONG=0 skips it)
 #   decode3     rollout tokens/s of megatron, hf and vLLM on one GPU at 256 x 512 (the 0.5B
 #               Qwen2 shape of scripts/gpu/megatron_generation.py; issue 23)
 #
@@ -698,38 +705,57 @@ stage_te_parity() {  # issue 34 item 1: the TE spec and the local spec against t
     done
 }
 
-stage_te_mfu() {  # issue 34 items 1-2: the 0.85B benchmark's train MFU per spec and FP8 recipe
-    te_env timeout "${TE_MFU_TIMEOUT:-420}" python3 bench/train_step.py \
-        --variants "${TE_MFU_VARIANTS:-torch,te,fp8-delayed,fp8-tensorwise}" \
-        > "$RES/te_mfu.log" 2>&1 || status=1
-    cp "$OUT/bench_table.json" "$RES/te_mfu_table.json" 2>/dev/null
+stage_te_mfu() {  # issue 34 items 1-2: the benchmark's train MFU per spec and FP8 recipe
+    # TE_MFU_SHAPE: 0.85b (the 0.85B benchmark) or llama8b-4l (Llama-3.1-8B's width, 4 layers)
+    local shape=${TE_MFU_SHAPE:-0.85b}
+    te_env timeout "${TE_MFU_TIMEOUT:-420}" python3 bench/train_step.py --shape "$shape" \
+        --variants "${TE_MFU_VARIANTS:-torch,te,fp8-delayed,fp8-tensorwise,fp8-blockwise}" \
+        > "$RES/te_mfu_$shape.log" 2>&1 || status=1
+    cp "$OUT/bench_table.json" "$RES/te_mfu_${shape}_table.json" 2>/dev/null
+    cp "$RES/te_mfu_$shape.log" "$RES/te_mfu.log"
     echo "== te_mfu"; grep -a -A 8 "^== variants" "$RES/te_mfu.log"
     grep -a -E "failed|Error" "$RES/te_mfu.log" | head -n 4
 }
 
 stage_learn34() {  # issue 34 items 1-2: LEARN34_RUNS side by side (timings not comparable)
+    # Default runs: torch (the bf16 baseline), fp8b and fp8bhf (blockwise, the recipe that
+    # learned: held-out 0.113 -> 0.941 in 40 steps on 2 x H200, 2026-11-28, while delayed went
+    # 0.371 -> 0.000), fp8t (tensorwise, not run yet). The FP8 runs get LEARN34_FP8_SET
+    # (generation.logprob_budget=null): FP8 training against bf16 or FP8 rollouts measured
+    # token_mult_prob_error 1.2-1.5 at start-up, over the config's budget of 1.05, which stopped
+    # both delayed runs before their first step; the error is reported per step instead.
+    # LEARN34_SET: overrides of every run.
     local pids=() run names=()
     local te=policy.megatron.layer_spec=transformer_engine hf=generation.backend=hf
     local fp8="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=delayed"
+    local fp8b="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=blockwise"
     declare -A run_args=([torch]="" [te]="$te" [fp8]="$fp8" [fp8hf]="$fp8 $hf" [tehf]="$te $hf"
-        [fp8t]="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=tensorwise")
-    for run in ${LEARN34_RUNS:-torch te fp8 fp8hf}; do
+        [fp8t]="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=tensorwise"
+        [fp8b]="$fp8b" [fp8bhf]="$fp8b $hf")
+    for run in ${LEARN34_RUNS:-torch fp8b fp8bhf fp8t}; do
         [ -n "${run_args[$run]+set}" ] || { echo "learn34: unknown run $run"; status=1; continue; }
+        local extra=${LEARN34_SET:-}
+        case " ${run_args[$run]} " in
+            *" policy.megatron.fp8=hybrid "*)
+                extra="${LEARN34_FP8_SET-generation.logprob_budget=null} $extra" ;;
+        esac
         rm -rf "/tmp/runs/arith34_$run"
+        echo "== learn34 $run: ${run_args[$run]} $extra"
         # shellcheck disable=SC2086
         te_env timeout "${LEARN34_TIMEOUT:-500}" python3 -m mcore_rl train \
             --config-name grpo_smollm2_arith "${common[@]}" model.hf_path="$MODEL" \
             run.output_dir="/tmp/runs/arith34_$run" grpo.max_steps="${LEARN34_STEPS:-40}" \
-            grpo.val_every=20 ${run_args[$run]} > "$RES/arith34_$run.log" 2>&1 &
+            grpo.val_every=20 ${run_args[$run]} $extra > "$RES/arith34_$run.log" 2>&1 &
         pids+=($!) names+=("arith34_$run")
     done
     wait "${pids[@]}" || true
     keep_metrics "${names[@]}"
 }
 
-stage_cp2() {  # issue 34 item 4 on two GPUs: CP=2 parity per spec, then the 32k-token step
+stage_cp2() {  # issue 34 item 4 on two GPUs: CP=2 parity per spec, then the long step
     local spec
-    for spec in ${CP2_SPECS:-transformer_engine torch}; do
+    # CP2_SPECS= (empty): the long step alone (both parities passed on two H200s, 2026-11-28)
+    for spec in ${CP2_SPECS-transformer_engine torch}; do
         te_env timeout "${CP2_TIMEOUT:-240}" python3 scripts/gpu/layout_parity.py --steps 2 \
             --reference "1,1,1:$spec" --layouts "1,1,1,2:$spec" --rows 16 --max-length 2048 \
             > "$RES/cp2_$spec.log" 2>&1 || status=1
@@ -737,18 +763,30 @@ stage_cp2() {  # issue 34 item 4 on two GPUs: CP=2 parity per spec, then the 32k
         quiet < "$RES/cp2_$spec.log" | tail -n 8
     done
     [ "${CP2_LONG:-1}" = 0 ] && return
-    # 32k-token rows overflow an 80 GB H100 at CP=1; a 141 GB H200 needs 64k (memory_check.py)
+    # The point: out of memory at CP=1, a fit at CP=2 (memory_check.py's long jobs). 32k-token
+    # rows do that on 80 GB H100s. On larger GPUs (H200: 141 GB) the rows stay at 32k and the
+    # GPUs are held at an H100's free memory (LONG_CAP_GIB=79: the issue's 16k-32k responses
+    # on the issue's GPU, and a quarter of 64k's attention work); LONG_SEQ=65536 instead runs
+    # 64k rows against all 141 GB.
     local mib
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null)
     if [ "${mib:-0}" -gt 100000 ]; then
-        export LONG_SEQ=${LONG_SEQ:-65536} LONG_GPU_GB=${LONG_GPU_GB:-141}
+        if [ "${LONG_SEQ:-32768}" -gt 32768 ]; then
+            export LONG_GPU_GB=${LONG_GPU_GB:-141}
+        else
+            export LONG_CAP_GIB=${LONG_CAP_GIB-79}
+        fi
     fi
-    MEMORY_JOBS=long_cp1,long_cp2 timeout "${CP2_LONG_TIMEOUT:-300}" python3 \
-        scripts/gpu/memory_check.py > "$RES/cp2_long.log" 2>&1 || status=1
+    echo "== cp2 long step (${LONG_SEQ:-32768}-token rows, plan at ${LONG_GPU_GB:-80} GiB" \
+         "${LONG_CAP_GIB:+, GPUs held at $LONG_CAP_GIB GiB free}; a job without an answer in" \
+         "${LONG_JOB_TIMEOUT:-200} s is stopped)"
+    # each job's lines as they come (the call may end before the stage does)
+    MEMORY_JOBS=${CP2_LONG_JOBS:-long_cp1,long_cp2} timeout "${CP2_LONG_TIMEOUT:-440}" python3 \
+        scripts/gpu/memory_check.py 2>&1 | tee "$RES/cp2_long.log" \
+        | grep --line-buffered -a -E "^(== |jobs:|GPU [0-9]|free after|( {3})?long_cp)" | cut -c1-240
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
     cp "$OUT/memory_check.json" "$RES/cp2_long.json" 2>/dev/null
-    echo "== cp2 long step (${LONG_SEQ:-32768}-token rows)"
-    grep -a -E "^== long|out of memory" "$RES/cp2_long.log" | cut -c1-200
-    tail -n 6 "$RES/cp2_long.log"
+    grep -a -E "out of memory" "$RES/cp2_long.log" | cut -c1-200 | head -n 4
 }
 
 stage_table() {
