@@ -106,7 +106,8 @@ def test_te_features_that_pass_the_loader(te_installed):
      "policy.megatron.cp_comm_type=all_gather (got p2p)"),
     (dict(layer_spec="transformer_engine", fp8="e4m3"),
      "policy.megatron.fp8=e4m3 needs policy.megatron.precision=bf16 (got fp32)"),
-    (dict(layer_spec="transformer_engine", fp8="e4m3", precision="bf16", compile_layers=True),
+    (dict(layer_spec="transformer_engine", fp8="e4m3", precision="bf16", fp8_recipe="delayed",
+          compile_layers=True),
      "policy.megatron.fp8_recipe=delayed cannot run with policy.megatron.compile_layers=true"),
     (dict(layer_spec="transformer_engine", context_parallel_size=2, tensor_model_parallel_size=2),
      "cluster.num_workers (2) must be divisible by policy.megatron.tensor_model_parallel_size x "

@@ -243,10 +243,12 @@ class MegatronConfig:
     # a GPU with FP8 (fp8_recipe says which).
     fp8: Optional[str] = one_of(None, FP8_FORMATS)
     # FP8 scaling: "delayed" (scales from an amax history), "tensorwise" (current scaling),
-    # "blockwise" (1x128 and 128x128 blocks; Hopper and newer), "mxfp8" (Blackwell only). RL from
-    # a pretrained model on Hopper: blockwise (SmolLM2-135M learned 0.11 -> 0.94 in 40 steps;
-    # delayed collapsed after one step: bench/RESULTS.md, issue 34).
-    fp8_recipe: str = one_of("delayed", FP8_RECIPES)
+    # "blockwise" (1x128 and 128x128 blocks; Hopper and newer), "mxfp8" (Blackwell only). The
+    # default is blockwise, as NeMo RL's and verl's FP8 RL recipes: from a pretrained model
+    # SmolLM2-135M learned 0.11 -> 0.94 in 40 steps with it, and delayed scaling (Megatron's
+    # default; no amax history at the first step) collapsed after one (bench/RESULTS.md, issue
+    # 34). Ada GPUs (8.9) run delayed or tensorwise only.
+    fp8_recipe: str = one_of("blockwise", FP8_RECIPES)
     # EP size: ranks each MoE layer's experts are split over (model.arch.num_experts divisible by
     # it); expert_tensor_parallel_size x EP x PP divides cluster.num_workers.
     expert_model_parallel_size: int = bounded(1, ge=1)
