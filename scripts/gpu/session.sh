@@ -48,8 +48,8 @@
 #   te_e2e      grpo_synthetic_gpu on the transformer_engine spec, TE_E2E_STEPS (4) steps (after te)
 #   te_parity   issue 34 item 1 (after te, model): one training step on the same weights and batch
 #               with the transformer_engine spec and the local spec against the torch spec, and
-#               FP8 (TE_PARITY_FP8: fp8-delayed fp8-tensorwise; reported, not held to bf16
-#               tolerances): logprobs, loss, grad norm, weights after the step, max and mean
+#               FP8 (TE_PARITY_FP8: fp8-blockwise fp8-delayed fp8-tensorwise; reported, not held
+#               to bf16 tolerances): logprobs, loss, grad norm, weights after the step, max and mean
 #               differences (scripts/gpu/layout_parity.py), for TE_PARITY_SHAPES of smollm2
 #               (SmolLM2-135M-Instruct's weights) and synthetic (grpo_synthetic_gpu's 0.36B shape,
 #               seeded weights)
@@ -699,7 +699,7 @@ stage_te_parity() {  # issue 34 item 1: the TE spec and the local spec against t
         te_env timeout "${TE_PARITY_TIMEOUT:-270}" python3 scripts/gpu/layout_parity.py \
             "${args[@]}" \
             --prev-logprobs reference --reference 1,1,1:torch --layouts 1,1,1:transformer_engine \
-            1,1,1:local ${TE_PARITY_FP8-1,1,1:fp8-delayed 1,1,1:fp8-tensorwise} \
+            1,1,1:local ${TE_PARITY_FP8-1,1,1:fp8-blockwise 1,1,1:fp8-delayed 1,1,1:fp8-tensorwise} \
             > "$RES/te_parity_$shape.log" 2>&1 || status=1
         echo "== te_parity $shape"; quiet < "$RES/te_parity_$shape.log" | tail -n 13
     done
