@@ -27,18 +27,12 @@ from mcore_rl.algorithms.losses import ClippedPGLoss  # noqa: E402
 from mcore_rl.config.schema import (  # noqa: E402
     DDPConfig, LossConfig, MegatronConfig, ModelArchConfig, OptimizerConfig)
 from mcore_rl.megatron.conversion import arch_to_hf_config  # noqa: E402
+from passfail import FAILURES, check  # noqa: E402
 
 ARCH = ModelArchConfig(family="llama", num_layers=4, hidden_size=512, num_attention_heads=8,
                        num_query_groups=2, ffn_hidden_size=1408, max_position_embeddings=512,
                        qkv_bias=False, tie_word_embeddings=False, vocab_size=4096)
 PORT = 29400 + os.getpid() % 500
-FAILURES = []
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILURES.append(name)
 
 
 def worker(spec: str = "torch", distributed: bool = False, compile_layers: bool = False):

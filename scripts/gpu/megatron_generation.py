@@ -60,6 +60,7 @@ from mcore_rl.generation.hf import HFGenerationBackend  # noqa: E402
 from mcore_rl.generation.megatron import MegatronGenerationBackend  # noqa: E402
 from mcore_rl.megatron.conversion import arch_to_hf_config  # noqa: E402
 from mcore_rl.workers.policy import PolicyWorker  # noqa: E402
+from passfail import FAILURES, check  # noqa: E402
 
 VOCAB = 151936
 ARCH = ModelArchConfig(family="qwen2", num_layers=24, hidden_size=896, num_attention_heads=14,
@@ -67,13 +68,6 @@ ARCH = ModelArchConfig(family="qwen2", num_layers=24, hidden_size=896, num_atten
                        rope_theta=1000000.0, qkv_bias=True, tie_word_embeddings=True,
                        vocab_size=VOCAB)
 EOS, PAD = VOCAB - 1, 0
-FAILURES = []
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILURES.append(name)
 
 
 def main() -> int:

@@ -44,6 +44,7 @@ from mcore_rl.generation.vllm import VLLMGenerationBackend  # noqa: E402
 from mcore_rl.megatron.conversion import arch_to_hf_config  # noqa: E402
 from mcore_rl.workers.interfaces import VLLMEngineAPI  # noqa: E402
 from mcore_rl.workers.policy import PolicyWorker  # noqa: E402
+from passfail import FAILURES, check  # noqa: E402
 
 VOCAB = 151936
 SHAPES = {  # Qwen2-0.5B's and Qwen2-1.5B's
@@ -55,13 +56,6 @@ SHAPES = {  # Qwen2-0.5B's and Qwen2-1.5B's
                  ffn_hidden_size=64, tie_word_embeddings=True),  # the CPU smoke run's
 }
 EOS, PAD = VOCAB - 1, 0
-FAILURES = []
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILURES.append(name)
 
 
 def fused_reference(weights, layer: int):
