@@ -105,7 +105,11 @@
 #   cp2         issue 34 item 4 (after te): logprobs, loss, grad norm and weights after 2 steps at
 #               CP=2 against CP=1 on the transformer_engine spec (TE's p2p ring; the trainer still
 #               refuses it, the script builds workers itself) and on the torch spec (all-gather),
-#               bf16, NCCL (CP2_SPECS); then one step of two 32k-token rows of a 1.39B shape at
+#               bf16, NCCL (CP2_SPECS); CP2_PACKED=1 (default; 0: padded only) adds packed
+#               micro-batches (sequence packing, THD): CP=2 padded and packed, each against CP=1
+#               padded and packed (the TE spec's packed CP is still refused at load: this is the
+#               evidence for lifting rules.context_parallel_errors), CP2_TIMEOUT (480) s a spec;
+#               then one step of two 32k-token rows of a 1.39B shape at
 #               CP=1 and at CP=2 against `mcore-rl plan` (out of memory predicted at CP=1, a fit at
 #               CP=2: scripts/gpu/memory_check.py's long_cp1/long_cp2; 64k-token rows on 141 GB
 #               H200s; CP2_LONG=0 skips it)
@@ -728,13 +732,15 @@ stage_learn34() {  # issue 34 items 1-2: LEARN34_RUNS side by side (timings not 
 }
 
 stage_cp2() {  # issue 34 item 4 on two GPUs: CP=2 parity per spec, then the 32k-token step
-    local spec
+    local spec ref lay
     for spec in ${CP2_SPECS:-transformer_engine torch}; do
-        te_env timeout "${CP2_TIMEOUT:-240}" python3 scripts/gpu/layout_parity.py --steps 2 \
-            --reference "1,1,1:$spec" --layouts "1,1,1,2:$spec" --rows 16 --max-length 2048 \
-            > "$RES/cp2_$spec.log" 2>&1 || status=1
-        echo "== cp2 parity, $spec spec: CP=2 against CP=1"
-        quiet < "$RES/cp2_$spec.log" | tail -n 8
+        ref="" lay=""  # CP2_PACKED=1: packed CP=2 against padded and packed CP=1 as well
+        [ "${CP2_PACKED:-1}" = 1 ] && ref="1,1,1:$spec:packed" lay="1,1,1,2:$spec:packed"
+        te_env timeout "${CP2_TIMEOUT:-480}" python3 scripts/gpu/layout_parity.py --steps 2 \
+            --reference "1,1,1:$spec" $ref --layouts "1,1,1,2:$spec" $lay --rows 16 \
+            --max-length 2048 > "$RES/cp2_$spec.log" 2>&1 || status=1
+        echo "== cp2 parity, $spec spec: CP=2 against CP=1${ref:+ (padded and packed)}"
+        quiet < "$RES/cp2_$spec.log" | tail -n 16
     done
     [ "${CP2_LONG:-1}" = 0 ] && return
     # 32k-token rows overflow an 80 GB H100 at CP=1; a 141 GB H200 needs 64k (memory_check.py)
