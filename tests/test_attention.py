@@ -349,3 +349,56 @@ def test_context_parallel_packed_layout_is_per_sequence():
     assert torch.equal(cpar._unshuffle(torch.cat(parts, dim=1), 1, 3, cu3), x)
     with pytest.raises(ValueError, match=r"packed sequences \[6, 6\] .* not each a multiple"):
         cpar.local_positions(12, 2, 0, cu_seqlens=torch.tensor([0, 6, 12], dtype=torch.int32))
+
+
+def _te_partitioned_indices(cu_seqlens: list, total: int, world: int, rank: int) -> list:
+    """Transformer Engine's ``thd_get_partitioned_indices`` (the indices Megatron-Core's
+    ``get_thd_batch_on_this_cp_rank`` selects a rank's tokens with), transcribed token by token
+    from its CUDA kernel (``thd_partition_indices_kernel`` / ``thd_partition_src_index``,
+    transformer_engine/common/fused_attn/context_parallel.cu, TE 2.19-2.20): the padded
+    ``cu_seqlens`` divided by the world size, a binary search for the local token's sequence,
+    the first half of its local slice from chunk ``rank`` and the second from chunk ``2 world -
+    2 - rank`` counted from the end of the first (``index + cu / world * world + seq_len / 2 *
+    offset``)."""
+    assert total % (2 * world) == 0 and all(c % (2 * world) == 0 for c in cu_seqlens)
+    cu_s = [c // world for c in cu_seqlens]
+    out = []
+    for token in range(total // world):
+        seq = max(j for j in range(len(cu_s) - 1) if cu_s[j] <= token)  # binary_search
+        seq_len = cu_s[seq + 1] - cu_s[seq]
+        index = token - cu_s[seq]
+        offset = rank if index < seq_len // 2 else (world - 1) * 2 - rank
+        out.append(index + cu_s[seq] * world + seq_len // 2 * offset)
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_context_parallel_packed_split_is_transformer_engines(cp):
+    """The packed split that the worker applies to ids and positions (and that our THD RoPE and
+    gathers assume) selects, on every CP rank, exactly the tokens Transformer Engine's
+    ``thd_get_partitioned_indices`` selects, in its order: TE's CP attention on THD batches
+    expects each rank to hold chunks ``r`` and ``2 CP - 1 - r`` of every sequence (padded to
+    ``2 CP``), sequences in order. The rows come from :func:`mcore_rl.data.packing.
+    make_packed_microbatches` (lengths 1 .. 17, a padding tail, a token budget), so this is the
+    layout the worker feeds TE; checked both with a host and (the TE spec's) a second,
+    equal ``cu_seqlens`` object, which goes through the second cache entry."""
+    from mcore_rl.data.packing import CU_SEQLENS, PACKED_IDS, make_packed_microbatches
+    from mcore_rl.megatron import context_parallel as cpar
+
+    g = torch.Generator().manual_seed(cp)
+    lengths = torch.tensor([1, 17, 5, 2 * cp, 9, 3, 12, 2 * cp + 1])
+    ids = torch.randint(1, 50, (len(lengths), int(lengths.max())), generator=g)
+    batch = {"input_ids": ids * (torch.arange(ids.shape[1]) < lengths[:, None]),
+             "input_lengths": lengths}
+    mbs = make_packed_microbatches(batch, max_tokens=40, width_multiple=3,
+                                   sequence_multiple=2 * cp)
+    assert len(mbs) > 1 and any(int(mb[CU_SEQLENS].numel()) > 3 for mb in mbs)
+    for mb in mbs:
+        cu, width = mb[CU_SEQLENS], mb[PACKED_IDS].shape[1]
+        twin = cu.clone()  # the device copy's stand-in: another object, same lengths
+        for r in range(cp):
+            expected = _te_partitioned_indices(cu.tolist(), width, cp, r)
+            assert cpar.local_positions(width, cp, r, cu_seqlens=cu).tolist() == expected
+            assert cpar.local_positions(width, cp, r, cu_seqlens=twin).tolist() == expected
+            assert cpar.split(mb[PACKED_IDS], 1, cp, r, cu)[0].tolist() == \
+                mb[PACKED_IDS][0, expected].tolist()

@@ -462,7 +462,7 @@ def test_gpu_script_imports_and_parses_layouts():
     assert module.parse_args([]).layouts == [L(2, 1, 1), L(1, 2, 1), L(1, 1, 2), L(2, 2, 1)]
     args = module.parse_args(["--reference", "1,1,1:torch", "--layouts",
                               "1,1,1,2:transformer_engine", "1,1,1:fp8-tensorwise"])
-    assert args.reference == L(1, 1, 1, spec="torch")
+    assert args.reference == [L(1, 1, 1, spec="torch")]
     assert args.layouts == [L(1, 1, 1, 2, "transformer_engine"),
                             L(1, 1, 1, spec="transformer_engine", fp8_recipe="tensorwise")]
     assert [x.name("local") for x in args.layouts] == ["TP1 PP1 DP1 CP2 transformer_engine",
@@ -473,29 +473,48 @@ def test_gpu_script_imports_and_parses_layouts():
     torch_args = module.parse_args(["--layer-spec", "torch"])
     cp = module.worker_kwargs(torch_args, L(1, 1, 1, 2))["megatron"]
     assert (cp.context_parallel_size, cp.cp_comm_type, cp.layer_spec) == (2, "all_gather", "torch")
-    for bad in (["--layouts", "2,1"], ["--layouts", "1,1,1:tensorrt"], ["--set", "a=1"]):
+    args = module.parse_args(["--reference", "1,1,1:transformer_engine",
+                              "1,1,1:transformer_engine:packed", "--layouts", "1,1,1,2:packed",
+                              "--max-tokens-per-microbatch", "4096"])
+    assert args.reference == [L(1, 1, 1, spec="transformer_engine"),
+                              L(1, 1, 1, spec="transformer_engine", packed=True)]
+    assert args.layouts == [L(1, 1, 1, 2, packed=True)]
+    assert args.layouts[0].name("torch") == "TP1 PP1 DP1 CP2 torch packed"
+    packed = module.worker_kwargs(args, args.reference[1])
+    assert packed["sequence_packing"] and packed["max_tokens_per_microbatch"] == 4096
+    padded = module.worker_kwargs(args, args.reference[0])
+    assert not padded["sequence_packing"] and padded["max_tokens_per_microbatch"] is None
+    for bad in (["--layouts", "2,1"], ["--layouts", "1,1,1:tensorrt"], ["--set", "a=1"],
+                ["--layouts", "1,1,1:torch:local"], ["--layouts", "1,1,1:packing"]):
         with pytest.raises(SystemExit):
             module.parse_args(bad)
 
 
 def test_gpu_script_compares_specs_and_cp_on_cpu(capsys):
     """scripts/gpu/layout_parity.py's code path on CPU (gloo, fp32): the local spec and the
-    torch spec at CP=2 against the torch spec in one process, on a tiny shape (the GPU run
-    compares transformer_engine with torch and local the same way: session.sh te_parity)."""
+    torch spec's packed micro-batches at CP=2 against the torch spec in one process, padded
+    and packed (two references, each layout against each), on a tiny shape (the GPU runs
+    compare transformer_engine with torch and local the same way, session.sh te_parity, and
+    packed CP=2 with CP=1 on both specs, session.sh cp2). Rows of 4 to 16 tokens, most not
+    multiples of 2 CP = 4, two to a packed micro-batch (budget 24 tokens)."""
     module = _load_gpu_script()
     rc = module.main(["--device", "cpu", "--precision", "fp32", "--num-layers", "2",
                       "--hidden-size", "32", "--ffn-hidden-size", "64", "--heads", "4",
                       "--query-groups", "2", "--vocab-size", "47", "--rows", "4",
                       "--max-length", "16", "--micro-batch-size", "2", "--lr", "1e-3",
-                      "--prev-logprobs", "reference", "--reference", "1,1,1:torch",
-                      "--layouts", "1,1,1:local", "1,1,1,2:torch"])
+                      "--max-tokens-per-microbatch", "24", "--prev-logprobs", "reference",
+                      "--reference", "1,1,1:torch", "1,1,1:torch:packed",
+                      "--layouts", "1,1,1:local", "1,1,1,2:torch:packed"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    rows = {line.split()[3]: line.split() for line in out.splitlines()
-            if line.startswith("TP1 PP1 DP1 ") and "loss" not in line}
-    assert set(rows) == {"local", "CP2"}, out
-    for cells in rows.values():  # fp32: the specs and CP agree far inside the bf16 tolerances
+    rows = {line.split(" vs ")[0] + " vs " + line.split(" vs ")[1].split("  ")[0]: line.split()
+            for line in out.splitlines() if line.startswith("TP1 PP1 DP1 ") and " vs " in line}
+    assert set(rows) == {f"{a} vs {b}" for a in ("TP1 PP1 DP1 local", "TP1 PP1 DP1 CP2 torch packed")
+                         for b in ("TP1 PP1 DP1 torch", "TP1 PP1 DP1 torch packed")}, out
+    for cells in rows.values():  # fp32: specs, packing and CP agree far inside bf16 tolerances
         numbers = [float(c) for c in cells if "e" in c and c[0].isdigit()]
         assert len(numbers) == 7 and max(numbers) < 1e-4, out
-    assert any(line.startswith("reference ") and " loss " in line for line in out.splitlines())
+    for ref in ("TP1 PP1 DP1 torch", "TP1 PP1 DP1 torch packed"):
+        assert any(line.startswith(f"reference {ref} ") and " loss " in line
+                   for line in out.splitlines()), out
     assert "FAIL" not in out

@@ -566,28 +566,38 @@ def test_packed_context_parallel_matches_cp1(cp_results, kind, reference):
         assert got["padding_fraction"] > 0  # the per-sequence padding to 2 CP is counted
 
 
+@pytest.mark.parametrize("cp", [1, 2])
 @pytest.mark.parametrize("spec,moved", [("transformer_engine", True), ("torch", False),
                                         ("local", False)])
-def test_packed_params_put_cu_seqlens_on_the_device_for_transformer_engine(spec, moved):
+def test_packed_params_put_cu_seqlens_on_the_device_for_transformer_engine(spec, moved, cp):
     """TE's fused attention reads ``cu_seqlens`` on the device (a host copy failed on an H100 in
     ``fused_attn_fwd``): on the ``transformer_engine`` spec the worker's ``PackedSeqParams``
     carry it on the worker's device as int32; the other specs keep the host copy (they move
     it once themselves, without a sync). The worker's device is ``meta`` here, so the move is
-    visible on the CPU machine."""
+    visible on the CPU machine. With CP > 1 on the TE spec the padded fields that TE's CP
+    attention reads (``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded``) are set, and are the
+    very object of ``cu_seqlens_q`` / ``cu_seqlens_kv`` (TE then keeps ``pad_between_seqs``
+    off: the padding to ``2 CP`` counts as tokens of its sequence); elsewhere they stay None."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from mcore_rl.data.packing import CU_SEQLENS, MAX_SEQLEN
     from mcore_rl.workers.megatron_worker import MegatronTrainWorker
 
-    cu = torch.tensor([0, 3, 7, 12], dtype=torch.int32)
-    worker = SimpleNamespace(megatron_cfg=SimpleNamespace(layer_spec=spec),
+    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    worker = SimpleNamespace(megatron_cfg=SimpleNamespace(layer_spec=spec, context_parallel_size=cp),
                              device=torch.device("meta"))
     params = MegatronTrainWorker._packed_params(worker, {CU_SEQLENS: cu,
-                                                         MAX_SEQLEN: torch.tensor(5)})
+                                                         MAX_SEQLEN: torch.tensor(4)})
     assert isinstance(params, PackedSeqParams) and params.qkv_format == "thd"
-    assert params.max_seqlen_q == params.max_seqlen_kv == 5
+    assert params.max_seqlen_q == params.max_seqlen_kv == 4
+    assert params.cu_seqlens_q is params.cu_seqlens_kv
     for t in (params.cu_seqlens_q, params.cu_seqlens_kv):
         assert t.dtype == torch.int32 and t.shape == cu.shape
         assert t.device == (torch.device("meta") if moved else cu.device)
         if not moved:
             assert torch.equal(t, cu)
+    if spec == "transformer_engine" and cp > 1:
+        assert params.cu_seqlens_q_padded is params.cu_seqlens_q
+        assert params.cu_seqlens_kv_padded is params.cu_seqlens_q
+    else:
+        assert params.cu_seqlens_q_padded is None and params.cu_seqlens_kv_padded is None

@@ -153,7 +153,8 @@ def test_cp_with_packed_sequences_runs_on_the_torch_spec_only(te_installed):
     cfg.policy.sequence_packing = True
     expected = ("policy.sequence_packing with policy.megatron.context_parallel_size=2 needs "
                 "policy.megatron.layer_spec=torch (got transformer_engine: Transformer Engine's "
-                "context-parallel attention on packed sequences is not verified yet)")
+                "context-parallel attention on packed sequences is not verified on a GPU yet: "
+                "scripts/gpu/session.sh cp2)")
     assert _errors(cfg) == f"invalid config: {expected}"  # the only error, one line
     cfg.policy.sequence_packing = False
     validate(cfg)  # CP on the TE spec unpacked: the run's start refuses it (te.runtime_errors)

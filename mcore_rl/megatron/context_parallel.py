@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-_order_cache: dict = {}  # one entry: (cu_seqlens, width, cp_size, device) -> global order
+_order_cache: dict = {}  # the last two entries: (cu_seqlens, width, cp_size, device) -> order
 
 
 def _order(width: int, cp_size: int, device, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -49,24 +49,29 @@ def _order(width: int, cp_size: int, device, cu_seqlens: torch.Tensor) -> torch.
     ``device``): row ``r`` is :func:`local_positions` of rank ``r``. Position ``t`` of sequence
     ``j`` (start ``s_j``, ``L_j`` tokens, a multiple of ``2 CP``) is in chunk ``k = (t - s_j) //
     (L_j / 2 CP)``, held by rank ``k`` for ``k < CP`` and ``2 CP - 1 - k`` otherwise; a rank's
-    positions in ascending order are its chunks of each sequence, sequences in order. Computed
-    on the host, cached for the last ``cu_seqlens`` object (every layer of a forward and its
-    backward share it)."""
+    positions in ascending order are its chunks of each sequence, sequences in order.
+
+    Computed where ``cu_seqlens`` lives, cached for the last two ``cu_seqlens`` objects: a
+    micro-batch's host copy (the worker's split and gathers) and, on the ``transformer_engine``
+    spec, its device copy (``PackedSeqParams``, read by the THD RoPE), each shared by every layer
+    of a forward and its backward. A host ``cu_seqlens`` is checked (lengths multiples of ``2
+    CP``, summing to ``width``: ``ValueError``); a device one is not (a check would sync the
+    stream; the worker splits the ids with the host copy of the same lengths first)."""
     key = (cu_seqlens, width, cp_size, torch.device(device))
-    hit = _order_cache.get("entry")
-    if hit is not None and hit[0][0] is key[0] and hit[0][1:] == key[1:]:
-        return hit[1]
-    cu = cu_seqlens.to("cpu", torch.int64)
+    for hit in _order_cache.get("entries", ()):
+        if hit[0][0] is key[0] and hit[0][1:] == key[1:]:
+            return hit[1]
+    cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
-    if int(cu[-1]) != width or bool((lengths % (2 * cp_size)).any()):
+    if cu.device.type == "cpu" and (int(cu[-1]) != width or bool((lengths % (2 * cp_size)).any())):
         raise ValueError(f"packed sequences {lengths.tolist()} (of {width} tokens) are not "
                          f"each a multiple of 2 x context_parallel_size ({2 * cp_size})")
-    idx = torch.arange(width)
+    idx = torch.arange(width, device=cu.device)
     doc = torch.searchsorted(cu[1:], idx, right=True).clamp_(max=cu.numel() - 2)
     chunk = (idx - cu[doc]) * (2 * cp_size) // (cu[doc + 1] - cu[doc])
     owner = torch.where(chunk < cp_size, chunk, 2 * cp_size - 1 - chunk)
     order = torch.argsort(owner, stable=True).view(cp_size, -1).to(device)
-    _order_cache["entry"] = (key, order)
+    _order_cache["entries"] = [(key, order)] + _order_cache.get("entries", [])[:1]
     return order
 
 

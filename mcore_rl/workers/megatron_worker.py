@@ -339,23 +339,46 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
 
     def _packed_params(self, mb: Batch):
         """Megatron's ``PackedSeqParams(qkv_format='thd')`` of a packed micro-batch
-        (``packed_input_ids [1, T]``, :mod:`mcore_rl.data.packing`): ``cu_seqlens`` for
-        attention and RoPE (positions restart in every sequence). With context parallelism
-        every sequence is padded to a multiple of ``2 CP``, the padding part of its sequence in
-        ``cu_seqlens`` (Megatron's THD RoPE divides each length by CP and takes the rank's
-        chunks of the frequencies). ``cu_seqlens`` stays where the micro-batch has it (the
-        ``local`` and ``torch`` specs take a host copy and move it once), except on the
-        ``transformer_engine`` spec, whose fused attention kernels read it on the device
-        (int32): there it is copied to the worker's device (measured on an H100: a host
-        ``cu_seqlens`` fails in TE's ``fused_attn_fwd`` with "CUDAGuardImpl initialized with
-        non-CUDA DeviceType: cpu")."""
+        (``packed_input_ids [1, T]``, :mod:`mcore_rl.data.packing`): ``cu_seqlens`` (int32 ``[n +
+        1]``) for attention and RoPE (positions restart in every sequence) and ``max_seqlen``
+        (its longest sequence, a host int).
+
+        ``cu_seqlens`` stays where the micro-batch has it (the ``local`` and ``torch`` specs take
+        a host copy and move it once), except on the ``transformer_engine`` spec, whose fused
+        attention kernels read it on the device (int32): there it is copied to the worker's
+        device (measured on an H100: a host ``cu_seqlens`` fails in TE's ``fused_attn_fwd``
+        with "CUDAGuardImpl initialized with non-CUDA DeviceType: cpu").
+
+        Context parallelism (CP > 1): every sequence is padded to a multiple of ``2 CP`` right
+        after its tokens, the padding part of its sequence in ``cu_seqlens`` (positions count
+        on through it), and the worker gives each CP rank chunks ``r`` and ``2 CP - 1 - r`` of
+        every sequence (:func:`~mcore_rl.megatron.context_parallel.split`: TE's
+        ``thd_get_partitioned_indices``). Megatron's THD RoPE takes ``cu_seqlens_q_padded`` when
+        set and divides each length by CP; TE's CP attention on THD needs
+        ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded`` (the per-rank split: its
+        ``attn_forward_func_with_cp`` asserts them; its backends default them to
+        ``cu_seqlens_q``). On the TE spec all four fields are the same tensor object, the
+        padded one, and ``max_seqlen`` is the longest padded sequence: the padding counts as
+        tokens of its sequence, which causal attention never lets a valid token see, so every
+        valid token's output is the one without padding (the ``torch`` spec's semantics; what
+        NeMo RL's ``_pack_sequences_for_megatron``, verl's ``preprocess_packed_seqs`` and
+        recent Megatron-LM's ``pretrain_gpt.forward_step`` pass). The same object keeps TE's
+        ``pad_between_seqs`` off (TE 2.18 on tests ``cu_seqlens_q_padded is cu_seqlens_q``,
+        without a sync; TE 2.16 and older compare them with ``torch.equal``, a sync), so TE
+        takes its path without inter-sequence padding. Unpadded lengths in ``cu_seqlens_q``
+        would turn ``pad_between_seqs`` on (no FlashAttention-2; cuDNN skips the padding) to
+        save at most ``2 CP - 1`` tokens per sequence; not done.
+        """
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = mb[CU_SEQLENS]
-        if self.megatron_cfg.layer_spec == "transformer_engine" and cu.device != self.device:
+        te = self.megatron_cfg.layer_spec == "transformer_engine"
+        if te and cu.device != self.device:
             cu = cu.to(device=self.device, dtype=torch.int32, non_blocking=True)
         longest = int(mb[MAX_SEQLEN])  # a CPU tensor: no device sync
+        padded = cu if te and self.megatron_cfg.context_parallel_size > 1 else None
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                                max_seqlen_q=longest, max_seqlen_kv=longest)
 
     def _router_losses(self, model, mb: Batch):

@@ -39,8 +39,22 @@ differences the table has the largest and the mean absolute logprob difference (
 positions 1 .. length - 1 of each row) and the mean absolute weight difference; the reference's
 and every row's loss and grad norm follow it.
 
+Packed micro-batches (``policy.sequence_packing``): a layout ending in ``:packed``
+(``TP,PP,DP[,CP][:SPEC]:packed``) runs its workers with ``sequence_packing`` (THD rows under a
+token budget, ``--max-tokens-per-microbatch``, default the worker's ``micro_batch_size`` x the
+longest row; with CP every sequence padded to ``2 CP`` and split per sequence as Transformer
+Engine's ``thd_get_partitioned_indices``). The script builds the workers itself, so it runs
+what the config loader still refuses (packed CP on the ``transformer_engine`` spec:
+``rules.context_parallel_errors``) to give the evidence for lifting it. ``--reference`` takes
+several layouts: every layout is compared with every reference (rows ``LAYOUT vs
+REFERENCE``), e.g. packed CP=2 against padded and packed CP=1 in one run::
+
+    --reference 1,1,1:transformer_engine 1,1,1:transformer_engine:packed \
+        --layouts 1,1,1,2:transformer_engine 1,1,1,2:transformer_engine:packed
+
 ``--device cpu`` (gloo, ``--precision fp32``, no distributed optimizer or overlap) runs the same
-code with the ``torch`` and ``local`` specs: ``tests/test_layouts.py`` runs it on a tiny shape.
+code with the ``torch`` and ``local`` specs: ``tests/test_layouts.py`` runs it on a tiny shape,
+packed CP=2 against padded and packed CP=1 included.
 
 Usage (repository installed, ``pip install -e .``), on a machine with 4 GPUs::
 
@@ -53,6 +67,8 @@ Usage (repository installed, ``pip install -e .``), on a machine with 4 GPUs::
         --layouts 1,1,1:transformer_engine 1,1,1:local 1,1,1:fp8-delayed --lr 5e-6
     python scripts/gpu/layout_parity.py --reference 1,1,1:transformer_engine \
         --layouts 1,1,1,2:transformer_engine --steps 2          # 2 GPUs
+    python scripts/gpu/layout_parity.py --steps 2 --rows 16 --max-length 2048 \
+        --reference 1,1,1:torch 1,1,1:torch:packed --layouts 1,1,1,2:torch:packed   # 2 GPUs
     python scripts/gpu/layout_parity.py --device cpu --precision fp32 --num-layers 2 \
         --hidden-size 32 --ffn-hidden-size 64 --heads 4 --query-groups 2 --vocab-size 47 \
         --rows 8 --max-length 16 --reference 1,1,1:torch --layouts 1,1,1:local 1,1,1,2:torch
@@ -81,7 +97,8 @@ from mcore_rl.workers.policy import PolicyWorker
 @dataclass(frozen=True)
 class Layout:
     """One run: TP x PP x DP x CP processes of one layer spec (None: ``--layer-spec``); with
-    ``fp8_recipe`` the ``transformer_engine`` spec in FP8 (``fp8=hybrid``)."""
+    ``fp8_recipe`` the ``transformer_engine`` spec in FP8 (``fp8=hybrid``); ``packed``:
+    sequence packing (THD micro-batches)."""
 
     tp: int
     pp: int
@@ -89,6 +106,7 @@ class Layout:
     cp: int = 1
     spec: Optional[str] = None
     fp8_recipe: Optional[str] = None
+    packed: bool = False
 
     @property
     def world(self) -> int:
@@ -97,7 +115,7 @@ class Layout:
     def name(self, default_spec: str) -> str:
         cp = f" CP{self.cp}" if self.cp > 1 else ""
         spec = f"fp8-{self.fp8_recipe}" if self.fp8_recipe else (self.spec or default_spec)
-        return f"TP{self.tp} PP{self.pp} DP{self.dp}{cp} {spec}"
+        return f"TP{self.tp} PP{self.pp} DP{self.dp}{cp} {spec}{' packed' if self.packed else ''}"
 
 
 DEFAULT_LAYOUTS = [Layout(2, 1, 1), Layout(1, 2, 1), Layout(1, 1, 2), Layout(2, 2, 1)]
@@ -105,25 +123,30 @@ SPEC_CHOICES = LAYER_SPECS + tuple(f"fp8-{r}" for r in FP8_RECIPES)
 
 
 def parse_layout(text: str) -> Layout:
-    """``"TP,PP,DP[,CP][:SPEC]"`` -> :class:`Layout` (SPEC a layer spec or ``fp8-RECIPE``);
-    raises ``argparse.ArgumentTypeError`` otherwise."""
-    sizes, _, spec = text.partition(":")
+    """``"TP,PP,DP[,CP][:SPEC][:packed]"`` -> :class:`Layout` (SPEC a layer spec or
+    ``fp8-RECIPE``; ``packed``: sequence packing); raises ``argparse.ArgumentTypeError``
+    otherwise."""
+    sizes, *tags = text.split(":")
+    packed = "packed" in tags
+    tags = [t for t in tags if t != "packed"]
     parts = sizes.split(",")
-    if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise argparse.ArgumentTypeError(
-            f"a layout is TP,PP,DP[,CP][:SPEC] with positive integers, got {text!r}")
+    if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) >= 1 for p in parts) \
+            or len(tags) > 1:
+        raise argparse.ArgumentTypeError(f"a layout is TP,PP,DP[,CP][:SPEC][:packed] with "
+                                         f"positive integers, got {text!r}")
+    spec = tags[0] if tags else ""
     if spec and spec not in SPEC_CHOICES:
         raise argparse.ArgumentTypeError(f"{text!r}: SPEC is one of {', '.join(SPEC_CHOICES)}")
     fp8 = spec[len("fp8-"):] if spec.startswith("fp8-") else None
     return Layout(*(int(p) for p in parts), spec="transformer_engine" if fp8 else (spec or None),
-                  fp8_recipe=fp8)
+                  fp8_recipe=fp8, packed=packed)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", nargs="+", type=parse_layout, default=DEFAULT_LAYOUTS,
-                   metavar="TP,PP,DP[,CP][:SPEC]",
+                   metavar="TP,PP,DP[,CP][:SPEC][:packed]",
                    help="layouts to check (default: 2,1,1 1,2,1 1,1,2 2,2,1)")
     p.add_argument("--steps", type=int, default=1, help="optimizer steps before the weights are compared")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
@@ -145,6 +168,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=32, help="sequences in the global batch")
     p.add_argument("--max-length", type=int, default=256, help="longest sequence (tokens)")
     p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--max-tokens-per-microbatch", type=int, default=None,
+                   help="token budget of a packed layout's micro-batches (default: the "
+                        "worker's, micro-batch size x the longest row)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--prev-logprobs", choices=("random", "reference"), default="random",
                    help="the loss's old-policy (and KL reference) logprobs: seeded near "
@@ -157,9 +183,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="a model shape replacing the size options (module docstring)")
     p.add_argument("--init", choices=("transformers", "normal"), default="transformers",
                    help="the seeded random start (model.init)")
-    p.add_argument("--reference", type=parse_layout, default=Layout(1, 1, 1),
-                   metavar="TP,PP,DP[,CP][:SPEC]",
-                   help="the layout the others are compared with (default 1,1,1: one GPU)")
+    p.add_argument("--reference", type=parse_layout, nargs="+", default=[Layout(1, 1, 1)],
+                   metavar="TP,PP,DP[,CP][:SPEC][:packed]",
+                   help="the layout(s) the others are compared with (default 1,1,1: one GPU); "
+                        "with several, every layout against each")
     args = p.parse_args(argv)
     args.hf_path = None
     if args.config:
@@ -215,7 +242,8 @@ def worker_kwargs(args, layout: Layout) -> dict:
                 arch=arch,
                 megatron=megatron, optimizer=OptimizerConfig(lr=args.lr, clip_grad=1.0),
                 device=args.device, seed=args.seed, total_optimizer_steps=args.steps,
-                global_batch_size=args.rows)
+                global_batch_size=args.rows, sequence_packing=layout.packed,
+                max_tokens_per_microbatch=args.max_tokens_per_microbatch if layout.packed else None)
 
 
 def make_batch(args) -> B.Batch:
@@ -264,39 +292,48 @@ def run_layout(args, layout: Layout, batch: B.Batch, loss) -> parity.StepRecord:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run the reference and every layout, print the table; 0 when all are within tolerance
-    (FP8 rows are reported only)."""
+    """Run every reference and every layout, print the table (each layout against each
+    reference); 0 when all are within tolerance (FP8 rows are reported only)."""
     args = parse_args(argv)
-    need = max(layout.world for layout in args.layouts + [args.reference])
+    need = max(layout.world for layout in args.layouts + args.reference)
     if args.device == "cuda" and torch.cuda.device_count() < need:
         print(f"needs {need} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     batch, loss = make_batch(args), ClippedPGLoss(LossConfig(kl_coef=0.05))
     mask = valid_positions(batch)
-    reference = run_layout(args, args.reference, batch, loss)
-    largest = max(w.abs().max().item() for w in reference.weights.values())
-    params_tol = 2 * args.lr * args.steps + 2.0 ** -8 * largest
-    tolerances = {"logprobs_rel": args.rel_tol, "loss_rel": args.rel_tol,
-                  "grad_norm_rel": args.grad_norm_tol, "params_max_abs": params_tol}
+    references = [(ref.name(args.layer_spec), run_layout(args, ref, batch, loss))
+                  for ref in args.reference]
+    several = len(references) > 1
+    tolerances = {}
+    for ref_name, ref in references:
+        largest = max(w.abs().max().item() for w in ref.weights.values())
+        tolerances[ref_name] = {"logprobs_rel": args.rel_tol, "loss_rel": args.rel_tol,
+                                "grad_norm_rel": args.grad_norm_tol,
+                                "params_max_abs": 2 * args.lr * args.steps + 2.0 ** -8 * largest}
     rows, metrics, failed = {}, {}, []
     for layout in args.layouts:
         name = layout.name(args.layer_spec)
         record = run_layout(args, layout, batch, loss)
-        rows[name] = parity.compare(record, reference, mask)
         metrics[name] = record.metrics
-        if layout.fp8_recipe is None:
-            failed += [f"{name}: {k} = {rows[name][k]:.2e} > {tol:.2e}"
-                       for k, tol in tolerances.items() if not rows[name][k] <= tol]
+        for ref_name, ref in references:
+            row = f"{name} vs {ref_name}" if several else name
+            rows[row] = parity.compare(record, ref, mask)
+            if layout.fp8_recipe is None:
+                failed += [f"{row}: {k} = {rows[row][k]:.2e} > {tol:.2e}"
+                           for k, tol in tolerances[ref_name].items() if not rows[row][k] <= tol]
     ddp = ("distributed optimizer, overlap_grad_reduce, overlap_param_gather"
            if args.device == "cuda" else "gloo, Megatron's DDP without overlap")
+    budget = (f", packed budget {args.max_tokens_per_microbatch} tokens"
+              if args.max_tokens_per_microbatch else "")
     print(f"{args.precision} on {args.device}, {ddp}; {args.rows} rows up to {args.max_length} "
-          f"tokens, "
-          f"{args.steps} step(s), lr {args.lr}; reference: {args.reference.name(args.layer_spec)}"
+          f"tokens{budget}, "
+          f"{args.steps} step(s), lr {args.lr}; reference: {', '.join(n for n, _ in references)}"
           f"{f'; weights {args.hf_path}' if args.hf_path else ''}")
-    print(parity.parity_table({**rows, "tolerance": tolerances},
-                              parity.DIFF_KEYS + parity.DETAIL_KEYS))
-    width = max(len(n) for n in [*rows, "reference"])
-    for name, m in [("reference", reference.metrics), *metrics.items()]:
+    tol_rows = {(f"tolerance vs {n}" if several else "tolerance"): t for n, t in tolerances.items()}
+    print(parity.parity_table({**rows, **tol_rows}, parity.DIFF_KEYS + parity.DETAIL_KEYS))
+    named = [(f"reference {n}" if several else "reference", r.metrics) for n, r in references]
+    width = max(len(n) for n in [*metrics, *(n for n, _ in named)])
+    for name, m in [*named, *metrics.items()]:
         print(f"{name:<{width}}  loss {m['loss']:.6f}  grad norm {m['grad_norm']:.6f}")
     for line in failed:
         print("FAIL", line)

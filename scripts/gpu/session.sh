@@ -109,13 +109,16 @@
 #   cp2         issue 34 item 4 (after te): logprobs, loss, grad norm and weights after 2 steps at
 #               CP=2 against CP=1 on the transformer_engine spec (TE's p2p ring; the trainer still
 #               refuses it, the script builds workers itself) and on the torch spec (all-gather),
-#               bf16, NCCL (CP2_SPECS; empty: none); then one step of two 32k-token rows of a
-#               1.39B shape at CP=1 and at CP=2 against `mcore-rl plan` (out of memory predicted
-#               at CP=1, a fit at CP=2: scripts/gpu/memory_check.py's long_cp1/long_cp2, each line
-#               as it comes, a job stopped after LONG_JOB_TIMEOUT (200) s without an answer,
-#               CP2_LONG_TIMEOUT (440) s in all); on GPUs over 100 GB the GPUs held at 79 GiB
-#               free (LONG_CAP_GIB: an 80 GB H100's), or LONG_SEQ=65536 against all of them;
-#               CP2_LONG=0 skips it)
+#               bf16, NCCL (CP2_SPECS; empty: none); CP2_PACKED=1 (default; 0: padded only) adds
+#               packed micro-batches (sequence packing, THD): CP=2 padded and packed, each against
+#               CP=1 padded and packed (the TE spec's packed CP is still refused at load: this is
+#               the evidence for lifting rules.context_parallel_errors), CP2_TIMEOUT (480) s a
+#               spec; then one step of two 32k-token rows of a 1.39B shape at CP=1 and at CP=2
+#               against `mcore-rl plan` (out of memory predicted at CP=1, a fit at CP=2:
+#               scripts/gpu/memory_check.py's long_cp1/long_cp2, each line as it comes, a job
+#               stopped after LONG_JOB_TIMEOUT (200) s without an answer, CP2_LONG_TIMEOUT (440) s
+#               in all); on GPUs over 100 GB the GPUs held at 79 GiB free (LONG_CAP_GIB: an 80 GB
+#               H100's), or LONG_SEQ=65536 against all of them; CP2_LONG=0 skips it)
 #   decode3     rollout tokens/s of megatron, hf and vLLM on one GPU at 256 x 512 (the 0.5B
 #               Qwen2 shape of scripts/gpu/megatron_generation.py; issue 23)
 #
@@ -753,14 +756,18 @@ stage_learn34() {  # issue 34 items 1-2: LEARN34_RUNS side by side (timings not 
 }
 
 stage_cp2() {  # issue 34 item 4 on two GPUs: CP=2 parity per spec, then the long step
-    local spec
-    # CP2_SPECS= (empty): the long step alone (both parities passed on two H200s, 2026-11-28)
+    local spec ref lay
+    # CP2_SPECS= (empty): the long step alone (both padded parities passed on two H200s,
+    # 2026-11-28)
     for spec in ${CP2_SPECS-transformer_engine torch}; do
-        te_env timeout "${CP2_TIMEOUT:-240}" python3 scripts/gpu/layout_parity.py --steps 2 \
-            --reference "1,1,1:$spec" --layouts "1,1,1,2:$spec" --rows 16 --max-length 2048 \
-            > "$RES/cp2_$spec.log" 2>&1 || status=1
-        echo "== cp2 parity, $spec spec: CP=2 against CP=1"
-        quiet < "$RES/cp2_$spec.log" | tail -n 8
+        ref="" lay=""  # CP2_PACKED=1: packed CP=2 against padded and packed CP=1 as well
+        [ "${CP2_PACKED:-1}" = 1 ] && ref="1,1,1:$spec:packed" lay="1,1,1,2:$spec:packed"
+        # shellcheck disable=SC2086
+        te_env timeout "${CP2_TIMEOUT:-480}" python3 scripts/gpu/layout_parity.py --steps 2 \
+            --reference "1,1,1:$spec" $ref --layouts "1,1,1,2:$spec" $lay --rows 16 \
+            --max-length 2048 > "$RES/cp2_$spec.log" 2>&1 || status=1
+        echo "== cp2 parity, $spec spec: CP=2 against CP=1${ref:+ (padded and packed)}"
+        quiet < "$RES/cp2_$spec.log" | tail -n 16
     done
     [ "${CP2_LONG:-1}" = 0 ] && return
     # The point: out of memory at CP=1, a fit at CP=2 (memory_check.py's long jobs). 32k-token
