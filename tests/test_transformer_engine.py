@@ -93,6 +93,12 @@ def test_te_features_that_pass_the_loader(te_installed):
     for recipe in FP8_RECIPES:  # which GPU runs which recipe is the run's check
         validate(_cfg(layer_spec="transformer_engine", fp8="e4m3", precision="bf16",
                       fp8_recipe=recipe))
+    for recipe in ("blockwise", "tensorwise"):  # the 2-layer model: one bf16 layer at each end
+        validate(_cfg(layer_spec="transformer_engine", fp8="e4m3", precision="bf16",
+                      fp8_recipe=recipe, fp8_bf16_layers_at_start=1, fp8_bf16_layers_at_end=1))
+    validate(_cfg(workers=2, layer_spec="transformer_engine", fp8="e4m3", precision="bf16",
+                  pipeline_model_parallel_size=2, fp8_bf16_layers_at_start=1,
+                  fp8_bf16_layers_at_end=1))
 
 
 @pytest.mark.parametrize("megatron, expected", [
@@ -112,13 +118,32 @@ def test_te_features_that_pass_the_loader(te_installed):
     (dict(layer_spec="transformer_engine", context_parallel_size=2, tensor_model_parallel_size=2),
      "cluster.num_workers (2) must be divisible by policy.megatron.tensor_model_parallel_size x "
      "context_parallel_size x pipeline_model_parallel_size (2 x 2 x 1)"),
+    (dict(layer_spec="transformer_engine", fp8_bf16_layers_at_start=1),
+     "policy.megatron.fp8_bf16_layers_at_start=1 needs policy.megatron.fp8 (got null)"),
+    (dict(fp8_bf16_layers_at_start=1, fp8_bf16_layers_at_end=2),  # local spec, no TE asked
+     "policy.megatron.fp8_bf16_layers_at_start=1 and policy.megatron.fp8_bf16_layers_at_end=2 "
+     "need policy.megatron.fp8 (got null)"),
+    (dict(layer_spec="transformer_engine", fp8="e4m3", precision="bf16", fp8_recipe="delayed",
+          fp8_bf16_layers_at_end=1),
+     "policy.megatron.fp8_bf16_layers_at_end=1 cannot run with policy.megatron.fp8_recipe="
+     "delayed"),
+    # the default model.arch has 2 layers: one a stage at PP=2
+    (dict(layer_spec="transformer_engine", fp8="e4m3", precision="bf16",
+          fp8_bf16_layers_at_start=3),
+     "policy.megatron.fp8_bf16_layers_at_start (3) must be at most the layers of one pipeline "
+     "stage, model.arch.num_layers / policy.megatron.pipeline_model_parallel_size (2 / 1 = 2)"),
+    (dict(layer_spec="transformer_engine", fp8="e4m3", precision="bf16",
+          pipeline_model_parallel_size=2, fp8_bf16_layers_at_end=2),
+     "policy.megatron.fp8_bf16_layers_at_end (2) must be at most the layers of one pipeline "
+     "stage, model.arch.num_layers / policy.megatron.pipeline_model_parallel_size (2 / 2 = 1)"),
     # the default model.arch has 4 heads and 2 query groups
     (dict(layer_spec="transformer_engine", context_parallel_size=4, cp_comm_type="a2a"),
      "model.arch.num_query_groups (2) must be divisible by policy.megatron.tensor_model_parallel_size "
      "x context_parallel_size (1 x 4) with policy.megatron.cp_comm_type=a2a"),
 ])
 def test_te_feature_refused_at_load(te_installed, megatron, expected):
-    workers = megatron.get("context_parallel_size", 1) * megatron.get("tensor_model_parallel_size", 1)
+    workers = (megatron.get("context_parallel_size", 1) * megatron.get("tensor_model_parallel_size", 1)
+               * megatron.get("pipeline_model_parallel_size", 1))
     if "num_workers (2)" in expected:
         workers = 2
     assert expected in _errors(_cfg(workers=workers, **megatron))
@@ -329,6 +354,38 @@ def test_transformer_config_takes_fp8_and_cp():
         transformer_config(ModelArchConfig(hidden_size=72, num_attention_heads=4,
                                            num_query_groups=2, ffn_hidden_size=64),
                            MegatronConfig(layer_spec="transformer_engine", fp8="e4m3"), 64, "cpu")
+
+
+def test_transformer_config_takes_the_bf16_layers_of_fp8():
+    """``fp8_bf16_layers_at_start`` and ``_at_end`` become Megatron's ``first_last_layers_bf16``
+    with its two counts (its own ``__post_init__`` checks pass: no TE needed); 0 and 0 leave it
+    off; the builder refuses what the loader refuses, naming the keys; a checkpoint's shape
+    (``model.hf_path``, checked at the trainer's start) gets the per-stage bound too."""
+    from mcore_rl.megatron.model import transformer_config
+
+    arch = ModelArchConfig(num_layers=4)
+    fp8 = dict(layer_spec="transformer_engine", precision="bf16", fp8="e4m3",
+               fp8_recipe="blockwise")
+    config = transformer_config(arch, MegatronConfig(**fp8, fp8_bf16_layers_at_start=1,
+                                                     fp8_bf16_layers_at_end=2), 64, "cpu")
+    assert (config.fp8_recipe, config.first_last_layers_bf16, config.num_layers_at_start_in_bf16,
+            config.num_layers_at_end_in_bf16) == ("blockwise", True, 1, 2)
+    end_only = transformer_config(arch, MegatronConfig(**fp8, fp8_bf16_layers_at_end=1), 64, "cpu")
+    assert (end_only.first_last_layers_bf16, end_only.num_layers_at_start_in_bf16,
+            end_only.num_layers_at_end_in_bf16) == (True, 0, 1)
+    assert transformer_config(arch, MegatronConfig(**fp8), 64, "cpu").first_last_layers_bf16 is False
+    for bad in (dict(fp8, fp8_recipe="delayed"), dict(layer_spec="transformer_engine")):
+        with pytest.raises(ValueError, match="megatron.fp8_bf16_layers_at_start and _at_end"):
+            transformer_config(arch, MegatronConfig(**bad, fp8_bf16_layers_at_start=1), 64, "cpu")
+    with pytest.raises(ValueError, match=r"fp8_bf16_layers_at_end \(3\) must be at most"):
+        transformer_config(arch, MegatronConfig(**fp8, pipeline_model_parallel_size=2,
+                                                fp8_bf16_layers_at_end=3), 64, "cpu")
+    assert transformer_engine_shape_errors(
+        arch, MegatronConfig(**fp8, fp8_bf16_layers_at_start=5), "policy.megatron",
+        "model.hf_path=/m") == [
+        "policy.megatron.fp8_bf16_layers_at_start (5) must be at most the layers of one pipeline "
+        "stage, num_layers of model.hf_path=/m / policy.megatron.pipeline_model_parallel_size "
+        "(4 / 1 = 4): Megatron-Core's bound"]
 
 
 def test_world_size_must_hold_tp_cp_pp():

@@ -144,7 +144,9 @@ def transformer_engine_shape_errors(arch: ModelArchConfig, megatron: MegatronCon
     heads), ``num_attention_heads`` and ``num_query_groups`` divisible by TP x CP; with ``fp8``,
     the last dimension of every FP8 matrix multiply's input on a TP rank divisible by 16
     (Transformer Engine refuses others): ``hidden_size``, ``num_attention_heads x head_dim / TP``
-    and ``ffn_hidden_size / TP`` (``moe_ffn_hidden_size`` / expert TP with experts).
+    and ``ffn_hidden_size / TP`` (``moe_ffn_hidden_size`` / expert TP with experts); and
+    ``fp8_bf16_layers_at_start`` and ``_at_end`` each at most ``num_layers / PP`` (the layers of
+    one pipeline stage: Megatron-Core's ``TransformerConfig`` check).
     """
     tp, cp = megatron.tensor_model_parallel_size, megatron.context_parallel_size
     if tp < 1 or cp < 1 or arch.num_attention_heads < 1 or arch.num_query_groups < 1:
@@ -178,6 +180,14 @@ def transformer_engine_shape_errors(arch: ModelArchConfig, megatron: MegatronCon
             if size % 16:
                 errors.append(f"{key}.fp8={megatron.fp8} needs {what}{where} to be a multiple of "
                               f"16 (got {how}): Transformer Engine's FP8 matrix multiplies")
+        pp = megatron.pipeline_model_parallel_size
+        for end in ("start", "end"):
+            count = getattr(megatron, f"fp8_bf16_layers_at_{end}")
+            if pp >= 1 and count > arch.num_layers // pp:
+                errors.append(f"{key}.fp8_bf16_layers_at_{end} ({count}) must be at most the "
+                              f"layers of one pipeline stage, {field('num_layers')}{where} / "
+                              f"{key}.pipeline_model_parallel_size ({arch.num_layers} / {pp} = "
+                              f"{arch.num_layers // pp}): Megatron-Core's bound")
     return errors
 
 

@@ -170,11 +170,22 @@ def transformer_engine_errors(cfg: TrainConfig, section: str) -> List[str]:
     be installed (:func:`transformer_engine_missing`), else nothing more is said about the device
     (one line for the usual mistake); TE runs on a GPU only; FP8 runs in bf16 and, with the
     ``delayed`` recipe, uncompiled (TE refuses it under torch.compile); packed sequences with CP
-    need the ``torch`` spec. Which GPU runs which FP8 recipe is known only where the GPU is: at the
+    need the ``torch`` spec; ``fp8_bf16_layers_at_start`` and ``_at_end`` need ``fp8`` and a
+    recipe other than ``delayed`` (their bound per pipeline stage is a shape check:
+    :func:`mcore_rl.config.families.transformer_engine_shape_errors`). Which GPU runs which FP8 recipe is known only where the GPU is: at the
     run's start (:func:`mcore_rl.megatron.te.runtime_errors`)."""
     mg, key, device = getattr(cfg, section).megatron, f"{section}.megatron", cfg.cluster.device
     cp = mg.context_parallel_size
     errors = context_parallel_errors(cfg, section)
+    bf16_layers = [f"{key}.fp8_bf16_layers_at_{end}={n}" for end in ("start", "end")
+                   if (n := getattr(mg, f"fp8_bf16_layers_at_{end}")) > 0]
+    if bf16_layers and mg.fp8 is None:
+        errors.append(f"{' and '.join(bf16_layers)} need{'s' if len(bf16_layers) == 1 else ''} "
+                      f"{key}.fp8 (got null): they keep layers of an FP8 model in bf16")
+    elif bf16_layers and mg.fp8_recipe == "delayed":
+        errors.append(f"{' and '.join(bf16_layers)} cannot run with {key}.fp8_recipe=delayed "
+                      f"(Megatron-Core refuses bf16 layers with delayed scaling): use "
+                      f"fp8_recipe=blockwise or tensorwise, or 0 bf16 layers")
     asked = [f"{key}.{name}={value}" for name, value, on in (
         ("layer_spec", mg.layer_spec, mg.layer_spec == "transformer_engine"),
         ("fp8", mg.fp8, mg.fp8 is not None)) if on]

@@ -249,6 +249,16 @@ class MegatronConfig:
     # default; no amax history at the first step) collapsed after one (bench/RESULTS.md, issue
     # 34). Ada GPUs (8.9) run delayed or tensorwise only.
     fp8_recipe: str = one_of("blockwise", FP8_RECIPES)
+    # With fp8: the first this many transformer layers run in bf16 rather than FP8 (Megatron-Core's
+    # first_last_layers_bf16 with num_layers_at_start_in_bf16; layers of the whole model, at most
+    # those of one pipeline stage); 0 with fp8_bf16_layers_at_end 0: every layer in FP8. Not with
+    # fp8_recipe=delayed (Megatron refuses it). Block-wise scales in fp32 rather than powers of 2
+    # are no key: Transformer Engine's environment variable NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
+    # (docs/design.md, "Transformer Engine, FP8, context parallelism").
+    fp8_bf16_layers_at_start: int = bounded(0, ge=0)
+    # With fp8: the last this many transformer layers run in bf16 (num_layers_at_end_in_bf16; the
+    # same bounds as fp8_bf16_layers_at_start); 0: the last layers in FP8 too.
+    fp8_bf16_layers_at_end: int = bounded(0, ge=0)
     # EP size: ranks each MoE layer's experts are split over (model.arch.num_experts divisible by
     # it); expert_tensor_parallel_size x EP x PP divides cluster.num_workers.
     expert_model_parallel_size: int = bounded(1, ge=1)

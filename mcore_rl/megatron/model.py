@@ -73,6 +73,9 @@ def transformer_config(
     Transformer Engine features (``megatron.layer_spec=transformer_engine``): ``fp8`` and
     ``fp8_recipe`` are Megatron's fields of the same names (its ``TransformerBlock`` runs each
     layer in TE's FP8 autocast; the output layer and the embedding stay bf16);
+    ``fp8_bf16_layers_at_start`` and ``_at_end`` are its ``num_layers_at_start_in_bf16`` and
+    ``num_layers_at_end_in_bf16``, with ``first_last_layers_bf16`` when either is above 0 (those
+    layers run outside the FP8 autocast);
     ``context_parallel_size`` and ``cp_comm_type`` (set only with CP > 1) go to TE's attention
     (the ``torch`` spec's attention all-gathers keys and values whatever ``cp_comm_type`` says;
     the config loader asks for ``all_gather`` with it).
@@ -93,7 +96,8 @@ def transformer_config(
     report (each key's declared choices and bounds included: an unknown precision or layer
     spec, ...), for FP8 without the ``transformer_engine`` layer spec and for CP with the
     ``local`` one (the ``torch`` spec's attention does CP by all-gathering keys and values:
-    :mod:`mcore_rl.megatron.context_parallel`).
+    :mod:`mcore_rl.megatron.context_parallel`), and for bf16 layers without FP8 or with the
+    ``delayed`` recipe.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
@@ -106,6 +110,12 @@ def transformer_config(
         errors = [f"megatron.context_parallel_size={megatron.context_parallel_size} needs "
                   f"megatron.layer_spec torch or transformer_engine (got local: Megatron's "
                   f"DotProductAttention does not split sequences)"]
+    bf16_ends = megatron.fp8_bf16_layers_at_start > 0 or megatron.fp8_bf16_layers_at_end > 0
+    if not errors and bf16_ends and (megatron.fp8 is None or megatron.fp8_recipe == "delayed"):
+        errors = [f"megatron.fp8_bf16_layers_at_start and _at_end (got "
+                  f"{megatron.fp8_bf16_layers_at_start} and {megatron.fp8_bf16_layers_at_end}) "
+                  f"need megatron.fp8 with a recipe other than delayed (got fp8={megatron.fp8}, "
+                  f"fp8_recipe={megatron.fp8_recipe})"]
     if errors:
         raise ValueError("; ".join(errors))
     on_cpu = torch.device(device).type == "cpu"
@@ -162,6 +172,9 @@ def transformer_config(
         cp_comm_type=megatron.cp_comm_type if megatron.context_parallel_size > 1 else None,
         fp8=megatron.fp8,
         fp8_recipe=megatron.fp8_recipe,
+        first_last_layers_bf16=bf16_ends,
+        num_layers_at_start_in_bf16=megatron.fp8_bf16_layers_at_start,
+        num_layers_at_end_in_bf16=megatron.fp8_bf16_layers_at_end,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=megatron.precision == "bf16",
