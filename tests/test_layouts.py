@@ -20,6 +20,7 @@ moves the other weights by ~5e-4.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import math
@@ -470,6 +471,15 @@ def test_gpu_script_imports_and_parses_layouts():
     fp8 = module.worker_kwargs(args, args.layouts[1])["megatron"]
     assert (fp8.layer_spec, fp8.fp8, fp8.fp8_recipe) == ("transformer_engine", "hybrid",
                                                          "tensorwise")
+    assert (fp8.fp8_bf16_layers_at_start, fp8.fp8_bf16_layers_at_end) == (0, 0)
+    ends = module.parse_layout("1,1,1:fp8-blockwise-bf16ends")
+    assert ends == L(1, 1, 1, spec="transformer_engine", fp8_recipe="blockwise", bf16_ends=True)
+    assert ends.name("local") == "TP1 PP1 DP1 fp8-blockwise-bf16ends"
+    fp8 = module.worker_kwargs(args, ends)["megatron"]
+    assert (fp8.fp8_recipe, fp8.fp8_bf16_layers_at_start, fp8.fp8_bf16_layers_at_end) == (
+        "blockwise", 1, 1)
+    with pytest.raises(argparse.ArgumentTypeError, match="SPEC is one of"):
+        module.parse_layout("1,1,1:fp8-delayed-bf16ends")  # Megatron refuses it
     torch_args = module.parse_args(["--layer-spec", "torch"])
     cp = module.worker_kwargs(torch_args, L(1, 1, 1, 2))["megatron"]
     assert (cp.context_parallel_size, cp.cp_comm_type, cp.layer_spec) == (2, "all_gather", "torch")

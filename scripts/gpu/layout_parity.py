@@ -30,8 +30,9 @@ Layer specs and context parallelism (issue 34): a layout is ``TP,PP,DP[,CP][:SPE
 GPU (``--reference 1,1,1:torch --layouts 1,1,1,2:torch``; the ``torch`` spec's CP all-gathers
 keys and values, ``cp_comm_type=all_gather``; the ``transformer_engine`` spec's runs TE's
 ``p2p`` ring). SPEC ``fp8-RECIPE`` (``fp8-delayed``, ``fp8-tensorwise``, ``fp8-blockwise``) is
-the ``transformer_engine`` spec with ``fp8=hybrid`` and that recipe: reported in the table, not
-held to the bf16 tolerances. ``--config NAME [--set key=value ...]`` takes the model shape (and,
+the ``transformer_engine`` spec with ``fp8=hybrid`` and that recipe, ``fp8-RECIPE-bf16ends``
+(not delayed) the same with the first and the last layer in bf16 (``fp8_bf16_layers_at_start``
+and ``_at_end`` 1): reported in the table, not held to the bf16 tolerances. ``--config NAME [--set key=value ...]`` takes the model shape (and,
 with ``model.hf_path``, the weights) from a training config, e.g. SmolLM2-135M-Instruct:
 ``--config grpo_smollm2_arith --set model.hf_path=/tmp/models/SmolLM2-135M-Instruct``, or the
 0.36B shape of ``--config grpo_synthetic_gpu`` (seeded random weights). Besides the relative
@@ -107,6 +108,7 @@ class Layout:
     spec: Optional[str] = None
     fp8_recipe: Optional[str] = None
     packed: bool = False
+    bf16_ends: bool = False
 
     @property
     def world(self) -> int:
@@ -114,17 +116,19 @@ class Layout:
 
     def name(self, default_spec: str) -> str:
         cp = f" CP{self.cp}" if self.cp > 1 else ""
-        spec = f"fp8-{self.fp8_recipe}" if self.fp8_recipe else (self.spec or default_spec)
+        spec = (f"fp8-{self.fp8_recipe}{'-bf16ends' if self.bf16_ends else ''}"
+                if self.fp8_recipe else (self.spec or default_spec))
         return f"TP{self.tp} PP{self.pp} DP{self.dp}{cp} {spec}{' packed' if self.packed else ''}"
 
 
 DEFAULT_LAYOUTS = [Layout(2, 1, 1), Layout(1, 2, 1), Layout(1, 1, 2), Layout(2, 2, 1)]
-SPEC_CHOICES = LAYER_SPECS + tuple(f"fp8-{r}" for r in FP8_RECIPES)
+SPEC_CHOICES = (LAYER_SPECS + tuple(f"fp8-{r}" for r in FP8_RECIPES)
+                + tuple(f"fp8-{r}-bf16ends" for r in FP8_RECIPES if r != "delayed"))
 
 
 def parse_layout(text: str) -> Layout:
     """``"TP,PP,DP[,CP][:SPEC][:packed]"`` -> :class:`Layout` (SPEC a layer spec or
-    ``fp8-RECIPE``; ``packed``: sequence packing); raises ``argparse.ArgumentTypeError``
+    ``fp8-RECIPE[-bf16ends]``; ``packed``: sequence packing); raises ``argparse.ArgumentTypeError``
     otherwise."""
     sizes, *tags = text.split(":")
     packed = "packed" in tags
@@ -138,8 +142,10 @@ def parse_layout(text: str) -> Layout:
     if spec and spec not in SPEC_CHOICES:
         raise argparse.ArgumentTypeError(f"{text!r}: SPEC is one of {', '.join(SPEC_CHOICES)}")
     fp8 = spec[len("fp8-"):] if spec.startswith("fp8-") else None
+    ends = bool(fp8) and fp8.endswith("-bf16ends")
+    fp8 = fp8[:-len("-bf16ends")] if ends else fp8
     return Layout(*(int(p) for p in parts), spec="transformer_engine" if fp8 else (spec or None),
-                  fp8_recipe=fp8, packed=packed)
+                  fp8_recipe=fp8, packed=packed, bf16_ends=ends)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -234,6 +240,8 @@ def worker_kwargs(args, layout: Layout) -> dict:
         cp_comm_type="all_gather" if spec == "torch" else "p2p",
         precision=args.precision, layer_spec=spec,
         fp8="hybrid" if layout.fp8_recipe else None, fp8_recipe=layout.fp8_recipe or "delayed",
+        fp8_bf16_layers_at_start=int(layout.bf16_ends),
+        fp8_bf16_layers_at_end=int(layout.bf16_ends),
         ddp=DDPConfig(overlap_grad_reduce=gpu, grad_reduce_in_fp32=True,
                       use_distributed_optimizer=gpu, overlap_param_gather=gpu))
     return dict(hf_path=args.hf_path,
