@@ -374,7 +374,8 @@ def test_controller_calls_the_lifecycle_in_order(offload):
         RLTrainer.policy_logprobs(trainer, {})
         moves = {f"refit/{p}_s" for p in ("offload_train", "offload_weights")}
         parts = {f"refit/{p}_s" for p in ("wake_weights", "transfer", "wake_kv")}
-        parts |= {"true": moves, "grads": {"refit/offload_train_s"}, "false": set()}[mode]
+        parts |= {"true": moves, "grads": {"refit/offload_train_s"},
+                  "false": {"refit/release_cache_s"}}[mode]
         assert parts <= set(refit) if colocate else not parts & set(refit)
         assert not (moves - parts) & set(refit)
         if colocate:  # the hand-overs add up to the refit's seconds
@@ -387,8 +388,9 @@ def test_controller_calls_the_lifecycle_in_order(offload):
         if mode != "true":
             expected = [c for c in expected if c not in POLICY_MOVES
                         or (mode == "grads" and c == "prepare_for_training")]
-        if mode == "grads":
-            expected.insert(expected.index("engine.prepare_for_refit"), "drop_grad_buffers")
+        if mode != "true":  # grads: the buffers dropped; false: the cached blocks returned
+            expected.insert(expected.index("engine.prepare_for_refit"),
+                            {"grads": "drop_grad_buffers", "false": "release_cached_memory"}[mode])
         if not colocate:
             expected = ["get_logprobs", "train", "get_hf_weights", "get_logprobs"]
         assert calls == expected
@@ -521,7 +523,8 @@ def test_a_backend_that_discarded_its_weights_is_refit_instead_of_woken(mode):
     engine = _RecordingEngine(calls)
     colocation = Colocation(policy, engine, True, offload_train_state=mode)
     colocation.prepare_for_generation()
-    woken = {"true": ["offload_after_refit"], "grads": ["drop_grad_buffers"], "false": []}[mode]
+    woken = {"true": ["offload_after_refit"], "grads": ["drop_grad_buffers"],
+             "false": ["release_cached_memory"]}[mode]
     assert calls == woken + ["engine.prepare_for_refit", "engine.prepare_for_generation"]
     calls.clear()
     engine.needs_refit = True
@@ -530,6 +533,6 @@ def test_a_backend_that_discarded_its_weights_is_refit_instead_of_woken(mode):
                       "offload_after_refit", "engine.prepare_for_generation"],
              "grads": ["drop_grad_buffers", "engine.prepare_for_refit", "get_hf_weights",
                        "engine.prepare_for_generation"],
-             "false": ["engine.prepare_for_refit", "get_hf_weights",
+             "false": ["release_cached_memory", "engine.prepare_for_refit", "get_hf_weights",
                        "engine.prepare_for_generation"]}[mode]
     assert calls == refit

@@ -20,8 +20,11 @@ lifecycle (``MegatronTrainWorker.offload_before_refit``, ``offload_after_refit``
 
 With ``offload_train_state`` ``"false"`` (``cluster.offload_train_state`` resolved to false:
 the policy's training state and the engine's awake memory fit the GPU together) the policy
-never moves: no policy call in step 1 or 3, the refit is the backend's wake-up, refit channel
-and decoding memory; the backend still frees its memory before logprobs and training. With
+never moves: in step 1 it only returns its allocator's cached blocks (the last step's
+activations: ``release_cached_memory``) when the engine lives in processes of its own, since
+the plan counts the policy's resident state, not its train transients, beside the awake
+engine; no policy call in step 3; the backend still frees its memory before logprobs and
+training. With
 ``"grads"`` only the policy's gradient buffers leave, dropped without a copy
 (``drop_grad_buffers`` before the refit; ``prepare_for_training`` brings them back zeroed):
 the weights and optimizer state stay, so no hand-over moves bytes over PCIe.
@@ -80,11 +83,20 @@ class Colocation:
     def _moves_all(self) -> bool:
         return self.offload_train_state == "true"
 
+    def _release_cache(self) -> bool:
+        """With ``"false"`` and an engine in processes of its own: the policy's cached
+        allocator blocks back to the device (module docstring); whether it called."""
+        if self.offload_train_state != "false" or self.backend.shares_policy_weights:
+            return False
+        self.policy.call(PolicyAPI).release_cached_memory()
+        return True
+
     def _policy_yields(self) -> None:
         """The policy off the device, except the weights the backend decodes with (its
-        gradient buffers alone with ``"grads"``, nothing with ``"false"``)."""
+        gradient buffers alone with ``"grads"``, its cached blocks alone with ``"false"``)."""
         if self.offload_train_state == "grads":
             self.policy.call(PolicyAPI).drop_grad_buffers()
+        self._release_cache()
         if not self._moves_all:
             return
         policy = self.policy.call(PolicyAPI)
@@ -107,7 +119,8 @@ class Colocation:
         ``refit/wake_kv_s`` (the backend takes back its decoding memory); with
         ``offload_train_state`` ``"grads"`` ``refit/offload_train_s`` is the gradient buffers'
         drop and there is no ``refit/offload_weights_s``; with ``"false"`` the policy stays
-        and neither ``offload_*`` is there."""
+        and neither ``offload_*`` is there (``refit/release_cache_s`` instead, where the
+        engine lives in processes of its own)."""
         if not self.enabled:
             return self.backend.refit(self.policy)
         times, start = {}, time.perf_counter()
@@ -124,6 +137,8 @@ class Colocation:
         elif self.offload_train_state == "grads":
             self.policy.call(PolicyAPI).drop_grad_buffers()
             lap("offload_train")
+        elif self._release_cache():
+            lap("release_cache")
         self.backend.prepare_for_refit()
         self._backend_on_device = True
         lap("wake_weights")

@@ -106,6 +106,14 @@ class OffloadLifecycleMixin:
             self._grads_dropped = True
         self._empty_cache()
 
+    def release_cached_memory(self) -> None:
+        """Return the caching allocator's free blocks to the device (``torch.cuda.empty_cache``;
+        nothing on CPU): the last training step's activations, freed but still reserved by this
+        process. Weights, gradient buffers and optimizer state stay. Called before a colocated
+        engine in another process wakes with ``cluster.offload_train_state=false``, whose plan
+        counts the policy's resident state, not its train transients, beside the engine."""
+        self._empty_cache()
+
     def offload_before_refit(self) -> None:
         """Free the training state before the refit: the DDP gradient buffers (dropped: every
         step zeroes them first; Megatron's ``offload_grad_buffers``) and the optimizer's fp32
