@@ -172,8 +172,9 @@ def transformer_engine_errors(cfg: TrainConfig, section: str) -> List[str]:
     ``delayed`` recipe, uncompiled (TE refuses it under torch.compile); packed sequences with CP
     need the ``torch`` spec; ``fp8_bf16_layers_at_start`` and ``_at_end`` need ``fp8`` and a
     recipe other than ``delayed`` (their bound per pipeline stage is a shape check:
-    :func:`mcore_rl.config.families.transformer_engine_shape_errors`). Which GPU runs which FP8 recipe is known only where the GPU is: at the
-    run's start (:func:`mcore_rl.megatron.te.runtime_errors`)."""
+    :func:`mcore_rl.config.families.transformer_engine_shape_errors`). Which GPU runs which FP8
+    recipe is known only where the GPU is: at the run's start
+    (:func:`mcore_rl.megatron.te.runtime_errors`)."""
     mg, key, device = getattr(cfg, section).megatron, f"{section}.megatron", cfg.cluster.device
     cp = mg.context_parallel_size
     errors = context_parallel_errors(cfg, section)

@@ -45,6 +45,8 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from mcore_rl.megatron.attention import write_kv
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
@@ -191,8 +193,6 @@ def attention_in(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
     Returns:
         ``query [B, np, d]``, RoPE applied (the key too, before its write).
     """
-    from mcore_rl.megatron.attention import write_kv
-
     x = F.rms_norm(hidden, (hidden.shape[-1],), w.ln1, shape.eps)
     mixed = _linear(x, w.qkv, w.qkv_bias)
     per_group = shape.heads // shape.groups

@@ -1,8 +1,9 @@
 """Transformer Engine at run time: what the config loader cannot know (it imports neither torch
 nor TE, :func:`mcore_rl.config.rules.transformer_engine_errors`) checked where the GPU is: does
-TE's PyTorch side import, and does this GPU run the FP8 recipe. The trainer calls :func:`runtime_errors` before any
-worker starts and turns each message into a one-line ``ConfigError``; the model builder raises
-the same messages as ``ValueError`` for callers that build a model themselves.
+TE's PyTorch side import, and does this GPU run the FP8 recipe. The trainer calls
+:func:`runtime_errors` before any worker starts and turns each message into a one-line
+``ConfigError``; the model builder raises the same messages as ``ValueError`` for callers that
+build a model themselves.
 
 TE stays optional: nothing here imports it unless a config asks for a TE feature.
 """
