@@ -129,6 +129,7 @@ def test_compile_decode_is_refused_where_the_functions_do_not_apply():
 
     base = ["generation.backend=megatron", "generation.compile_decode=true"]
     assert load_config("grpo_synthetic", base).generation.compile_decode
-    with pytest.raises(ConfigError, match="compile_decode=true compiles dense layers"):
+    with pytest.raises(ConfigError, match="compile_decode=true compiles dense layers") as error:
         load_config("grpo_synthetic", base + ["cluster.num_workers=2",
                                               "policy.megatron.tensor_model_parallel_size=2"])
+    assert "set generation.compile_decode=false" in str(error.value)  # the remedy, same line

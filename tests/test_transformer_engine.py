@@ -155,11 +155,11 @@ def test_cp_with_heads_it_divides_and_p2p_needs_no_head_split(te_installed):
     validate(_cfg(workers=4, layer_spec="transformer_engine", context_parallel_size=4))  # p2p
 
 
-def test_cp_with_packed_sequences_runs_on_the_torch_spec_only(te_installed):
+def test_cp_with_packed_sequences_runs_on_torch_and_te_p2p(te_installed):
     """Packed sequences with CP pass the loader on the torch spec (each sequence padded to 2 CP,
-    split per sequence: tests/test_packing.py), for the policy and the critic; on the TE spec
-    they are refused in one line naming the keys (TE's CP attention on packed sequences is not
-    verified)."""
+    split per sequence: tests/test_packing.py), for the policy and the critic, and on the TE spec
+    with cp_comm_type=p2p (packed CP=2 against CP=1 passed on two H200s); TE's a2a and
+    all_gather on packed sequences are refused in one line naming the keys."""
     torch_cp = dict(layer_spec="torch", context_parallel_size=2, cp_comm_type="all_gather")
     cfg = _cfg(device="cpu", workers=2, **torch_cp)
     cfg.policy.sequence_packing = True
@@ -176,13 +176,18 @@ def test_cp_with_packed_sequences_runs_on_the_torch_spec_only(te_installed):
     validate(cfg)
     cfg = _cfg(workers=2, layer_spec="transformer_engine", context_parallel_size=2)
     cfg.policy.sequence_packing = True
-    expected = ("policy.sequence_packing with policy.megatron.context_parallel_size=2 needs "
-                "policy.megatron.layer_spec=torch (got transformer_engine: Transformer Engine's "
-                "context-parallel attention on packed sequences is not verified on a GPU yet: "
-                "scripts/gpu/session.sh cp2)")
-    assert _errors(cfg) == f"invalid config: {expected}"  # the only error, one line
-    cfg.policy.sequence_packing = False
-    validate(cfg)  # CP on the TE spec unpacked: the run's start refuses it (te.runtime_errors)
+    validate(cfg)  # p2p, the default
+    for comm in ("a2a", "all_gather"):
+        cfg.policy.megatron.cp_comm_type = comm
+        expected = ("policy.sequence_packing with policy.megatron.context_parallel_size=2 on "
+                    "policy.megatron.layer_spec=transformer_engine needs "
+                    f"policy.megatron.cp_comm_type=p2p (got {comm}: Transformer Engine's {comm} "
+                    "attention on packed sequences has not run on a GPU here; p2p has: "
+                    "scripts/gpu/session.sh cp2)")
+        assert _errors(cfg) == f"invalid config: {expected}"  # the only error, one line
+        cfg.policy.sequence_packing = False
+        validate(cfg)  # unpacked: TE's a2a and all_gather run
+        cfg.policy.sequence_packing = True
 
 
 def test_cp_on_the_torch_spec_needs_no_transformer_engine(monkeypatch):

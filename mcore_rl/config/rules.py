@@ -222,11 +222,11 @@ def context_parallel_errors(cfg: TrainConfig, section: str) -> List[str]:
     values: :mod:`mcore_rl.megatron.context_parallel`, so ``cp_comm_type=all_gather``) or the
     ``transformer_engine`` one (TE's attention, ``cp_comm_type`` p2p, a2a or all_gather; CP=2
     against CP=1 on GPUs: bench/RESULTS.md, issue 34); not the ``local`` one. Packed sequences run
-    on the ``torch`` spec (each padded to 2 CP: :mod:`mcore_rl.data.packing`); on the TE one
-    they are built (the split is TE's ``thd_get_partitioned_indices``, tested on CPU; the
-    worker's ``_packed_params``) and refused until the GPU parity passes
-    (``scripts/gpu/layout_parity.py`` packed CP=2 against CP=1, ``session.sh cp2``; then this
-    check goes). Not built yet: mixture-of-experts models (the router's padding mask and losses are
+    on the ``torch`` spec (each padded to 2 CP: :mod:`mcore_rl.data.packing`) and on the TE one
+    with ``cp_comm_type=p2p`` (the split is TE's ``thd_get_partitioned_indices``, tested on CPU;
+    packed CP=2 against padded and packed CP=1 on two H200s within bf16 tolerance:
+    ``session.sh cp2``, bench/RESULTS.md); TE's a2a and all_gather on packed (THD) sequences have
+    not run, so they are refused. Not built yet: mixture-of-experts models (the router's padding mask and losses are
     not split), and the sections other than ``policy`` and ``value`` (a reward model's or a
     judge's CP is not tested)."""
     mg, key = getattr(cfg, section).megatron, f"{section}.megatron"
@@ -246,11 +246,12 @@ def context_parallel_errors(cfg: TrainConfig, section: str) -> List[str]:
                       f"{key}.cp_comm_type=all_gather (got {mg.cp_comm_type}): the torch spec's "
                       f"attention all-gathers keys and values")
     if getattr(getattr(cfg, section), "sequence_packing", False) \
-            and mg.layer_spec == "transformer_engine":
-        errors.append(f"{section}.sequence_packing with {key}.context_parallel_size={cp} needs "
-                      f"{key}.layer_spec=torch (got transformer_engine: Transformer Engine's "
-                      f"context-parallel attention on packed sequences is not verified on a GPU "
-                      f"yet: scripts/gpu/session.sh cp2)")
+            and mg.layer_spec == "transformer_engine" and mg.cp_comm_type != "p2p":
+        errors.append(f"{section}.sequence_packing with {key}.context_parallel_size={cp} on "
+                      f"{key}.layer_spec=transformer_engine needs {key}.cp_comm_type=p2p (got "
+                      f"{mg.cp_comm_type}: Transformer Engine's {mg.cp_comm_type} attention on "
+                      f"packed sequences has not run on a GPU here; p2p has: "
+                      f"scripts/gpu/session.sh cp2)")
     if getattr(cfg.model.arch, "num_experts", None) is not None and mg.layer_spec == "torch":
         errors.append(f"{key}.context_parallel_size > 1 (got {cp}) does not support "
                       f"mixture-of-experts models yet (model.arch.num_experts is "

@@ -73,7 +73,9 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
         errors.append("generation.compile_decode=true compiles dense layers of the local or torch "
                       "spec at policy.megatron.tensor_model_parallel_size=1 (got TP="
                       f"{m.tensor_model_parallel_size}, layer_spec={m.layer_spec}, "
-                      f"model.arch.num_experts={cfg.model.arch.num_experts})")
+                      f"model.arch.num_experts={cfg.model.arch.num_experts}); set "
+                      "generation.compile_decode=false for this model (the SmolLM2 recipes turn "
+                      "it on)")
     if cfg.generation.cuda_graphs_tp and not cfg.generation.cuda_graphs:
         errors.append("generation.cuda_graphs_tp=true captures the decode steps' tensor-parallel "
                       "collectives in the CUDA graphs of generation.cuda_graphs, which is false; "

@@ -45,8 +45,9 @@ Packed micro-batches (``policy.sequence_packing``): a layout ending in ``:packed
 token budget, ``--max-tokens-per-microbatch``, default the worker's ``micro_batch_size`` x the
 longest row; with CP every sequence padded to ``2 CP`` and split per sequence as Transformer
 Engine's ``thd_get_partitioned_indices``). The script builds the workers itself, so it runs
-what the config loader still refuses (packed CP on the ``transformer_engine`` spec:
-``rules.context_parallel_errors``) to give the evidence for lifting it. ``--reference`` takes
+what the config loader refuses (packed CP on the ``transformer_engine`` spec with a2a or
+all_gather: ``rules.context_parallel_errors``; p2p was lifted on this script's evidence) to give
+the evidence for lifting it. ``--reference`` takes
 several layouts: every layout is compared with every reference (rows ``LAYOUT vs
 REFERENCE``), e.g. packed CP=2 against padded and packed CP=1 in one run::
 

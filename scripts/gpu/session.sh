@@ -110,12 +110,12 @@
 #               vllm and ray; RAYTP2_SET: more overrides. Each step's timing/* and refit/* from its
 #               metrics.jsonl, then `== raytp2 PASS` or FAIL ($RES/raytp2.log)
 #   cp2         issue 34 item 4 (after te): logprobs, loss, grad norm and weights after 2 steps at
-#               CP=2 against CP=1 on the transformer_engine spec (TE's p2p ring; the trainer still
-#               refuses it, the script builds workers itself) and on the torch spec (all-gather),
+#               CP=2 against CP=1 on the transformer_engine spec (TE's p2p ring; the script builds
+#               workers itself) and on the torch spec (all-gather),
 #               bf16, NCCL (CP2_SPECS; empty: none); CP2_PACKED=1 (default; 0: padded only) adds
 #               packed micro-batches (sequence packing, THD): CP=2 padded and packed, each against
-#               CP=1 padded and packed (the TE spec's packed CP is still refused at load: this is
-#               the evidence for lifting rules.context_parallel_errors), CP2_TIMEOUT (480) s a
+#               CP=1 padded and packed (the evidence on which the loader runs packed TE CP with
+#               p2p: two H200s, 2026-11-28), CP2_TIMEOUT (480) s a
 #               spec; then one step of two 32k-token rows of a 1.39B shape at CP=1 and at CP=2
 #               against `mcore-rl plan` (out of memory predicted at CP=1, a fit at CP=2:
 #               scripts/gpu/memory_check.py's long_cp1/long_cp2, each line as it comes, a job
@@ -726,7 +726,11 @@ stage_te_mfu() {  # issue 34 items 1-2: the benchmark's train MFU per spec and F
 stage_learn34() {  # issue 34 items 1-2: LEARN34_RUNS side by side (timings not comparable)
     # Default runs: torch (the bf16 baseline), fp8b and fp8bhf (blockwise, the recipe that
     # learned: held-out 0.113 -> 0.941 in 40 steps on 2 x H200, 2026-11-28, while delayed went
-    # 0.371 -> 0.000), fp8t (tensorwise, not run yet). The FP8 runs get LEARN34_FP8_SET
+    # 0.371 -> 0.000; fp8bhf 0.168 -> 1.000, fp8b32 0.078 -> 1.000 in the second session),
+    # fp8t (tensorwise, not run yet). The TE runs turn the recipe's generation.compile_decode
+    # off (it compiles the torch and local specs' layers; on the TE spec the loader refuses it,
+    # which stopped the megatron-decoder TE runs of the second session at load). The FP8 runs get
+    # LEARN34_FP8_SET
     # (generation.logprob_budget=null): FP8 training against bf16 or FP8 rollouts measured
     # token_mult_prob_error 1.2-1.5 at start-up, over the config's budget of 1.05, which stopped
     # both delayed runs before their first step; the error is reported per step instead.
@@ -734,7 +738,8 @@ stage_learn34() {  # issue 34 items 1-2: LEARN34_RUNS side by side (timings not 
     # bf16 transformer layer at each end and fp32 block scales. LEARN34_SET: overrides of every
     # run.
     local pids=() run names=()
-    local te=policy.megatron.layer_spec=transformer_engine hf=generation.backend=hf
+    local te="policy.megatron.layer_spec=transformer_engine generation.compile_decode=false"
+    local hf=generation.backend=hf
     local fp8="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=delayed"
     local fp8b="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=blockwise"
     local ends="policy.megatron.fp8_bf16_layers_at_start=1"
