@@ -466,6 +466,15 @@ def test_train_step_benchmark_variants():
             bench.parse_variant(bad)
 
 
+def _bridge_parity():
+    """scripts/gpu/bridge_parity.py as a module (megatron.bridge is imported in main() only)."""
+    path = importlib.util.spec_from_file_location(
+        "bridge_parity", __file__.rsplit("/tests/", 1)[0] + "/scripts/gpu/bridge_parity.py")
+    module = importlib.util.module_from_spec(path)
+    path.loader.exec_module(module)
+    return module
+
+
 def test_bridge_provider_is_built_without_apex_fusions():
     """scripts/gpu/bridge_parity.py: megatron-bridge 0.6.2 turns gradient_accumulation_fusion on
     whenever TE imports, and Megatron-Core's output layer then asks for APEX (the first GPU run
@@ -473,10 +482,7 @@ def test_bridge_provider_is_built_without_apex_fusions():
     attributes the provider has (apply_overrides_and_finalize refuses others)."""
     import types
 
-    path = importlib.util.spec_from_file_location(
-        "bridge_parity", __file__.rsplit("/tests/", 1)[0] + "/scripts/gpu/bridge_parity.py")
-    module = importlib.util.module_from_spec(path)
-    path.loader.exec_module(module)  # megatron.bridge is imported in main() only
+    module = _bridge_parity()
     provider = types.SimpleNamespace(gradient_accumulation_fusion=True, masked_softmax_fusion=True,
                                      persist_layer_norm=True, apply_rope_fusion=True)
     assert module.apex_free_overrides(provider, "cuda") == {
@@ -485,3 +491,40 @@ def test_bridge_provider_is_built_without_apex_fusions():
     assert module.apex_free_overrides(provider, "cpu")["apply_rope_fusion"] is False
     del provider.persist_layer_norm
     assert "persist_layer_norm" not in module.apex_free_overrides(provider, "cuda")
+
+
+def test_bridge_parity_holds_bf16_to_the_measured_noise_floor():
+    """scripts/gpu/bridge_parity.py, check 2: in bf16 a megatron model is held to FLOOR_FACTOR
+    times transformers bf16's differences against fp32 (max logit, max and mean logprob), the old
+    fixed tolerance only without a usable floor (and the line says so); fp32 has a fixed one."""
+    import math
+
+    import torch
+
+    module = _bridge_parity()
+    ids = torch.tensor([[0, 2, 1]])
+    ref = torch.zeros(1, 3, 4)
+    ref_lp = module.token_logprobs(ref, ids, 4)
+    out = torch.zeros(1, 3, 5)  # a padded vocabulary: its last column is left out
+    out[0, 1, 1], out[..., 4] = 2.0, 100.0
+    diff = module.differences(out, ref, ref_lp, ids, 4)
+    assert diff["logit_max"] == 2.0 and diff["logit_mean"] == pytest.approx(2.0 / 12)
+    # the token after position 1 (1) is the one raised: 2 - log(e^2 + 3) against log(1/4);
+    # position 0's token is untouched
+    assert diff["lp_max"] == pytest.approx(abs(2 - math.log(math.exp(2) + 3) + math.log(4)))
+    assert diff["lp_mean"] == pytest.approx(diff["lp_max"] / 2)
+
+    floor = {"logit_max": 2.0, "logit_mean": 0.1, "lp_max": 0.4, "lp_mean": 0.06}
+    limits, basis = module.tolerance("bf16", floor)
+    factor = module.FLOOR_FACTOR
+    assert limits == {"logit_max": 2.0 * factor, "lp_max": 0.4 * factor, "lp_mean": 0.06 * factor}
+    assert "noise floor" in basis
+    noisy = {k: 0.95 * v for k, v in limits.items()} | {"logit_mean": 50.0}
+    assert module.within(noisy, limits)  # the mean logit difference is reported, not held
+    assert not module.within(dict(noisy, lp_mean=1.05 * limits["lp_mean"]), limits)
+    assert not module.within(dict(noisy, logit_max=float("nan")), limits)
+    for unusable in (None, {}, dict(floor, lp_mean=0.0), dict(floor, lp_max=float("nan"))):
+        limits, basis = module.tolerance("bf16", unusable)
+        assert limits == module.FALLBACK_TOLERANCE and "no noise floor" in basis
+    limits, basis = module.tolerance("fp32", floor)
+    assert limits == module.FP32_TOLERANCE and basis.startswith("fp32")
