@@ -44,7 +44,8 @@
 #               one call each) into $TE_SITE and megatron-bridge 0.6.2 into $BRIDGE_SITE, then
 #               scripts/gpu/te_smoke.py (issue 34). Later stages see TE only through te_env.
 #   bridge      megatron-bridge against mcore-rl's own conversion on SmolLM2: load, logits, export
-#               (scripts/gpu/bridge_parity.py; after te and model)
+#               (scripts/gpu/bridge_parity.py; after te and model), BRIDGE_PRECISIONS (bf16 fp32):
+#               bf16 against transformers-bf16's noise floor, fp32 against fixed tight limits
 #   te_e2e      grpo_synthetic_gpu on the transformer_engine spec, TE_E2E_STEPS (4) steps (after te)
 #   te_parity   issue 34 item 1 (after te, model): one training step on the same weights and batch
 #               with the transformer_engine spec and the local spec against the torch spec, and
@@ -680,9 +681,16 @@ stage_te() {  # issue 34: TE 2.20.2 and megatron-bridge 0.6.2 from the parts, th
 }
 
 stage_bridge() {  # issue 34: megatron-bridge vs mcore-rl's conversion on SmolLM2 (after te, model)
-    PYTHONPATH=$BRIDGE_SITE:$TE_SITE:$PYTHONPATH timeout 420 python3 scripts/gpu/bridge_parity.py \
-        --model "$MODEL" > "$RES/bridge.log" 2>&1 || status=1
-    echo "== bridge"; quiet < "$RES/bridge.log" | tail -n 12
+    # BRIDGE_PRECISIONS: bf16 (logits within 2x transformers-bf16's own distance from fp32, the
+    # noise floor measured in the same run) and fp32 (fixed tight limits: the conversion itself)
+    local p
+    for p in ${BRIDGE_PRECISIONS:-bf16 fp32}; do
+        PYTHONPATH=$BRIDGE_SITE:$TE_SITE:$PYTHONPATH timeout 300 python3 \
+            scripts/gpu/bridge_parity.py --model "$MODEL" --precision "$p" \
+            > "$RES/bridge_$p.log" 2>&1 || status=1
+        echo "== bridge, $p"; quiet < "$RES/bridge_$p.log" | grep -a -E "^(ok|FAIL|  ) |checks" \
+            | cut -c1-300 | tail -n 12
+    done
 }
 
 stage_te_e2e() {  # issue 34: the GPU job end to end on the TE spec (the first run failed on host cu_seqlens)
