@@ -428,12 +428,17 @@ def test_cp_groups_on_gloo():
     assert [o["cp_rank"] for o in out] == [0, 1] and [o["cp_ranks"] for o in out] == [[0, 1]] * 2
 
 
-def _bench_train_step():
+def _script(name: str, relative: str):
+    """The repository's script ``relative`` loaded as module ``name`` (not on sys.path)."""
     path = importlib.util.spec_from_file_location(
-        "bench_train_step", __file__.rsplit("/tests/", 1)[0] + "/bench/train_step.py")
+        name, __file__.rsplit("/tests/", 1)[0] + "/" + relative)
     module = importlib.util.module_from_spec(path)
     path.loader.exec_module(module)
     return module
+
+
+def _bench_train_step():
+    return _script("bench_train_step", "bench/train_step.py")
 
 
 def test_train_step_benchmark_variants():
@@ -468,11 +473,7 @@ def test_train_step_benchmark_variants():
 
 def _bridge_parity():
     """scripts/gpu/bridge_parity.py as a module (megatron.bridge is imported in main() only)."""
-    path = importlib.util.spec_from_file_location(
-        "bridge_parity", __file__.rsplit("/tests/", 1)[0] + "/scripts/gpu/bridge_parity.py")
-    module = importlib.util.module_from_spec(path)
-    path.loader.exec_module(module)
-    return module
+    return _script("bridge_parity", "scripts/gpu/bridge_parity.py")
 
 
 def test_bridge_provider_is_built_without_apex_fusions():
