@@ -863,9 +863,9 @@ class MegatronDecoder:
                 ``generation.cuda_graphs_tp`` (TP > 1) to turn off."""
         if not graphs:
             return self._step(bucket, span, greedy, sampler, eos)
-        # the compiled layers' mode too: a mode's layers are others' kernels
-        key = (bucket, span, greedy, sampler.temperature, sampler.top_p, self._stops_key(eos),
-               None if self._layers is None else self._layers_mode)
+        # the sampler's draw and the compiled layers' mode too: each captures other kernels
+        key = (bucket, span, greedy, sampler.temperature, sampler.top_p, sampler.blocks,
+               self._stops_key(eos), None if self._layers is None else self._layers_mode)
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
