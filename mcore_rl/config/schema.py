@@ -436,10 +436,11 @@ class GenerationConfig:
     # within 5e-5 of the eager decoder in fp32 on CPU (tests; 7.9e-6 measured); bf16 on the
     # GPU: scripts/gpu/decode_step_profile.py (rows and logprobs against the eager decoder).
     compile_decode: bool = False
-    # The torch.compile mode of generation.compile_decode's layer functions: default (Inductor's
-    # fusions, the matrix products cuBLAS's), or max-autotune-no-cudagraphs (Inductor also
-    # autotunes the matrix products, Triton GEMM templates against cuBLAS, and may fuse
-    # epilogues such as the residual add into them; the decoder captures its own CUDA graphs).
+    # backend=megatron: the torch.compile mode of compile_decode's layer functions: default
+    # (Inductor's fusions, the matrix products cuBLAS's), or max-autotune-no-cudagraphs
+    # (Inductor also autotunes the matrix products, Triton GEMM templates against cuBLAS, and
+    # may fuse epilogues such as the residual add into them; the decoder captures its own CUDA
+    # graphs).
     # Needs compile_decode=true (refused at load otherwise). The first decode step compiles
     # longer (each matrix product's candidates are benchmarked). Measured by
     # scripts/gpu/decode_step_profile.py's compile+autotune variant; not on a GPU yet.
