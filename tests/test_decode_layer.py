@@ -11,6 +11,10 @@ same prompts with Megatron's layers and with the decode-layer functions:
   attended span (and one more for the shared-prompt attention);
 - compiled by Inductor (CPU C++ kernels; slow): the same tokens, logprobs within 5e-5 (fp32;
   7.9e-6 measured).
+
+generation.compile_decode_mode: torch.compile's ``mode`` (none for ``default``), a new compile
+when it changes; refused at load without compile_decode; max-autotune-no-cudagraphs by Inductor
+on CPU (slow-marked; seconds): the same tokens, logprobs within 5e-5.
 """
 
 from __future__ import annotations
@@ -124,6 +128,30 @@ def test_inductor_decode_layers_within_the_bound():
     assert out["inductor/logprob_diff"] < 5e-5  # 7.9e-6 measured (3x weights: large logits)
 
 
+def _autotuned() -> dict:
+    """Inductor with ``mode="max-autotune-no-cudagraphs"`` (as generation.compile_decode_mode
+    passes it) against Megatron's layers, fp32."""
+    from torch._dynamo import reset
+
+    dec = _decoder("fp32")
+    megatron = _run(dec, False)
+    reset()
+    cfg = dataclasses.replace(GEN, compile_decode=True,
+                              compile_decode_mode="max-autotune-no-cudagraphs")
+    dec._layers, dec._compiler = None, torch.compile
+    out = dec.generate(_prompts(), 0, 5, False, cfg, eos_token_id=1, pad_token_id=0,
+                       max_total_length=200)
+    return {"tokens_equal": all(torch.equal(r.tokens, x) for r, x in zip(out, megatron[0])),
+            "logprob_diff": max(float((r.logprobs - y).abs().max())
+                                for r, y in zip(out, megatron[1]))}
+
+
+@pytest.mark.slow
+def test_autotuned_decode_layers_within_the_bound():
+    (out,) = run_distributed(_autotuned, 1, timeout_s=600)
+    assert out["tokens_equal"]
+    assert out["logprob_diff"] < 5e-5  # 7.9e-6 measured on CPU (no GPU GEMM templates there)
+
 def test_compile_decode_is_refused_where_the_functions_do_not_apply():
     from mcore_rl.config.loader import ConfigError, load_config
 
@@ -133,3 +161,47 @@ def test_compile_decode_is_refused_where_the_functions_do_not_apply():
         load_config("grpo_synthetic", base + ["cluster.num_workers=2",
                                               "policy.megatron.tensor_model_parallel_size=2"])
     assert "set generation.compile_decode=false" in str(error.value)  # the remedy, same line
+
+
+def _modes() -> list:
+    """The keyword arguments of each compile call (a recording eager stand-in) over generate
+    calls of modes default, max-autotune-no-cudagraphs (twice: compiled once) and default."""
+    dec = _decoder("fp32")
+    calls = []
+
+    def record(fn, **kwargs):
+        calls.append(kwargs)
+        return fn
+
+    dec._compiler = record
+    out = []
+    for mode in ("default", "max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs",
+                 "default"):
+        cfg = dataclasses.replace(GEN, compile_decode=True, compile_decode_mode=mode,
+                                  max_new_tokens=4)
+        dec.generate(_prompts()[:4], 0, 5, False, cfg, eos_token_id=1, pad_token_id=0,
+                     max_total_length=200)
+        out.append(list(calls))
+        calls.clear()
+    return out
+
+
+def test_compile_decode_mode_is_passed_to_the_compiler():
+    (out,) = run_distributed(_modes, 1)
+    autotune = {"mode": "max-autotune-no-cudagraphs"}
+    assert out == [[{}, {}], [autotune, autotune], [], [{}, {}]]  # attention_in, attention_out
+
+
+def test_compile_decode_mode_defaults_and_is_refused_without_compile_decode():
+    from mcore_rl.config.loader import ConfigError, load_config
+
+    assert GenerationConfig().compile_decode_mode == "default"
+    base = ["generation.backend=megatron",
+            "generation.compile_decode_mode=max-autotune-no-cudagraphs"]
+    cfg = load_config("grpo_synthetic", base + ["generation.compile_decode=true"])
+    assert cfg.generation.compile_decode_mode == "max-autotune-no-cudagraphs"
+    with pytest.raises(ConfigError, match="compile_decode_mode=max-autotune-no-cudagraphs") as e:
+        load_config("grpo_synthetic", base + ["generation.compile_decode=false"])
+    assert "set generation.compile_decode=true" in str(e.value)  # the remedy
+    with pytest.raises(ConfigError, match="compile_decode_mode"):
+        load_config("grpo_synthetic", ["generation.compile_decode_mode=max-autotune"])

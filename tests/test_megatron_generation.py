@@ -823,6 +823,27 @@ def test_tp2_graph_steps_replay_the_eager_steps(monkeypatch):
     assert third == first  # another rank's weights moved: every rank recaptures
 
 
+def test_graphs_are_kept_per_sampler_draw(monkeypatch):
+    """generation.block_sampling captures other kernels: a call with it after one without
+    captures its own graphs (instead of replaying the scan's), and each replays its own after."""
+    from mcore_rl.megatron import attention
+
+    monkeypatch.setattr(attention, "kv_cache_attention", lambda *a: contextlib.nullcontext())
+    table = torch.randn(MARKOV_STATES, MARKOV_VOCAB, generator=torch.Generator().manual_seed(5))
+    dec, _ = _tp2_graph_decoder(monkeypatch, table, lambda call: False)
+    dec.megatron = MegatronConfig(tensor_model_parallel_size=1)
+    fake = _FakeGraphs(monkeypatch, dec)
+    cfg = GenerationConfig(max_new_tokens=8, batch_size=4)
+    kinds = []
+    for blocks in (False, True, False, True):
+        fake.log = []
+        dec.generate([[5, 6], [7]], 0, 8, False,
+                     dataclasses.replace(cfg, block_sampling=blocks), 3, 0, 20)
+        kinds.append({kind for kind, *_ in fake.log})
+    assert "capture" in kinds[0] and "capture" in kinds[1]
+    assert kinds[2] == kinds[3] == {"replay"}
+
+
 @pytest.mark.parametrize("tp, key", [(1, "generation.cuda_graphs=false"),
                                      (2, "generation.cuda_graphs_tp=false")])
 def test_a_failed_capture_names_the_key_to_turn_off(monkeypatch, tp, key):

@@ -39,6 +39,9 @@ MODEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"
 MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
 # *.megatron.layer_spec: the layer specs of mcore_rl.megatron.model.
 LAYER_SPECS = ("local", "torch", "transformer_engine")
+# generation.compile_decode_mode: torch.compile modes of the compiled decode layers (the decoder
+# captures its own CUDA graphs, so none of the modes that capture them).
+COMPILE_DECODE_MODES = ("default", "max-autotune-no-cudagraphs")
 # *.megatron.fp8 and fp8_recipe: Megatron-Core TransformerConfig's fp8 formats and recipes (its
 # "custom" recipe, which takes a quantizer factory, is not offered).
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -433,6 +436,15 @@ class GenerationConfig:
     # within 5e-5 of the eager decoder in fp32 on CPU (tests; 7.9e-6 measured); bf16 on the
     # GPU: scripts/gpu/decode_step_profile.py (rows and logprobs against the eager decoder).
     compile_decode: bool = False
+    # backend=megatron: the torch.compile mode of compile_decode's layer functions: default
+    # (Inductor's fusions, the matrix products cuBLAS's), or max-autotune-no-cudagraphs
+    # (Inductor also autotunes the matrix products, Triton GEMM templates against cuBLAS, and
+    # may fuse epilogues such as the residual add into them; the decoder captures its own CUDA
+    # graphs).
+    # Needs compile_decode=true (refused at load otherwise). The first decode step compiles
+    # longer (each matrix product's candidates are benchmarked). Measured by
+    # scripts/gpu/decode_step_profile.py's compile+autotune variant; not on a GPU yet.
+    compile_decode_mode: str = one_of("default", COMPILE_DECODE_MODES)
     # Sampling (backends hf and megatron, mcore_rl/generation/sampling.py): draw each token by
     # the same inverse transform in two levels, the vocabulary in blocks of 256 (block sums,
     # then a scan of the chosen block) with the probabilities taken from the logprobs, instead

@@ -56,6 +56,7 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
     of ``policy.megatron``; it decodes in the policy's processes, so neither
     ``generation.num_workers`` nor streaming (``grpo.streaming``, ``ppo.streaming``);
     ``generation.compile_decode`` only for dense local/torch-spec layers at TP=1;
+    ``generation.compile_decode_mode`` other than ``default`` only with ``compile_decode``;
     ``generation.cuda_graphs_tp`` only with ``generation.cuda_graphs``."""
     errors = megatron_layout_errors(cfg.policy.megatron)
     if cfg.generation.num_workers:
@@ -76,6 +77,10 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
                       f"model.arch.num_experts={cfg.model.arch.num_experts}); set "
                       "generation.compile_decode=false for this model (the SmolLM2 recipes turn "
                       "it on)")
+    if cfg.generation.compile_decode_mode != "default" and not cfg.generation.compile_decode:
+        errors.append(f"generation.compile_decode_mode={cfg.generation.compile_decode_mode} is "
+                      "the torch.compile mode of generation.compile_decode's layers, which is "
+                      "false; set generation.compile_decode=true, or compile_decode_mode=default")
     if cfg.generation.cuda_graphs_tp and not cfg.generation.cuda_graphs:
         errors.append("generation.cuda_graphs_tp=true captures the decode steps' tensor-parallel "
                       "collectives in the CUDA graphs of generation.cuda_graphs, which is false; "

@@ -415,8 +415,9 @@ class MegatronDecoder:
     """Decodes prompts with a policy worker's model (module docstring: the scheme); keeps its KV
     cache, row states and CUDA graphs between calls. With ``generation.compile_decode`` a decode
     step's layers are :class:`~mcore_rl.megatron.decode_layer.DecodeLayers` compiled by
-    ``_compiler`` (``torch.compile``; compiled at the first step, one compile for every layer
-    and bucket), prefill stays Megatron's.
+    ``_compiler`` (``torch.compile``, with ``mode=generation.compile_decode_mode`` unless that
+    is ``default``; compiled at the first step, one compile for every layer and bucket, again
+    when the mode changes), prefill stays Megatron's.
 
     Args:
         model: the worker's model chunk (``DistributedDataParallel`` around, with bf16,
@@ -435,6 +436,7 @@ class MegatronDecoder:
     """
 
     _layers = None  # DecodeLayers with generation.compile_decode
+    _layers_mode = None  # the generation.compile_decode_mode _layers were compiled with
     _stops: Optional[Tuple[torch.Tensor, tuple]] = None  # (stop-id tensor, its ids): _stops_key
     _compiler = staticmethod(torch.compile)  # what compiles them (tests: an eager stand-in)
 
@@ -508,10 +510,15 @@ class MegatronDecoder:
             moved = _tp_any(moved, self._tp_group(), self.device)
         if moved:
             self._graphs, self._weights = {}, weights
-        if cfg.compile_decode and self._layers is None:
+        if cfg.compile_decode and (self._layers is None
+                                   or self._layers_mode != cfg.compile_decode_mode):
             from mcore_rl.megatron.decode_layer import DecodeLayers
 
-            self._layers = DecodeLayers(self.gpt.decoder.layers, compile=self._compiler)
+            compiler = self._compiler
+            if cfg.compile_decode_mode != "default":  # torch.compile's own default otherwise
+                compiler = functools.partial(compiler, mode=cfg.compile_decode_mode)
+            self._layers = DecodeLayers(self.gpt.decoder.layers, compile=compiler)
+            self._layers_mode = cfg.compile_decode_mode
         elif not cfg.compile_decode:
             self._layers = None
         ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
@@ -856,8 +863,9 @@ class MegatronDecoder:
                 ``generation.cuda_graphs_tp`` (TP > 1) to turn off."""
         if not graphs:
             return self._step(bucket, span, greedy, sampler, eos)
-        key = (bucket, span, greedy, sampler.temperature, sampler.top_p, self._stops_key(eos),
-               self._layers is not None)
+        # the sampler's draw and the compiled layers' mode too: each captures other kernels
+        key = (bucket, span, greedy, sampler.temperature, sampler.top_p, sampler.blocks,
+               self._stops_key(eos), None if self._layers is None else self._layers_mode)
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()

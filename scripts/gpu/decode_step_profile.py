@@ -10,10 +10,14 @@ the same work in every variant), temperature 0.7, one chunk of 256 rows.
 Variants (``--variants``, comma-separated): ``base`` (the decoder as before issue 37),
 ``compile`` (``generation.compile_decode``; since the dec37 branch its KV-cache write is part of
 the compiled RoPE kernel), ``shared`` (``generation.shared_prompt_kv``), ``compile+shared``,
-``blocks`` (``generation.block_sampling``: the two-level inverse transform), ``compile+blocks``. Per variant: a warm-up call (compiles, captures every graph), then
-``--repeats`` timed calls (median wall seconds; ms per decode step = wall / 255, prefill
-included), then one call under the torch profiler: kernels and device milliseconds per decode
-step (the call's kernels / 255, prefill's few included) and the top 10 kernels by device time.
+``blocks`` (``generation.block_sampling``: the two-level inverse transform), ``compile+blocks``,
+``compile+autotune`` (``generation.compile_decode_mode=max-autotune-no-cudagraphs``: Inductor
+autotunes the layers' matrix products, Triton templates against cuBLAS; its warm-up compiles
+longer), ``compile+autotune+blocks``. Per variant: a warm-up call (compiles, captures every
+graph), then ``--repeats`` timed calls (median wall seconds; ms per decode step = wall / 255,
+prefill included), then one call under the torch profiler: kernels and device milliseconds per
+decode step (the call's kernels / 255, prefill's few included) and the top 10 kernels by device
+time.
 Each variant's rollout is checked against ``base``'s (same seed): rows whose tokens are all
 equal, and the largest |logprob difference| over each row's tokens up to its first differing
 token (the bound of a variant that is not bit for bit).
@@ -51,11 +55,15 @@ SMOLLM2 = ModelArchConfig(family="llama", num_layers=2 if SMOKE else 30, hidden_
                           num_attention_heads=9, num_query_groups=3, ffn_hidden_size=1536,
                           max_position_embeddings=2048, rope_theta=100000.0, qkv_bias=False,
                           tie_word_embeddings=True, vocab_size=VOCAB)
+AUTOTUNE = "max-autotune-no-cudagraphs"  # generation.compile_decode_mode
 VARIANTS = {"base": {}, "compile": {"compile_decode": True},
             "shared": {"shared_prompt_kv": True},
             "compile+shared": {"compile_decode": True, "shared_prompt_kv": True},
             "blocks": {"block_sampling": True},
-            "compile+blocks": {"compile_decode": True, "block_sampling": True}}
+            "compile+blocks": {"compile_decode": True, "block_sampling": True},
+            "compile+autotune": {"compile_decode": True, "compile_decode_mode": AUTOTUNE},
+            "compile+autotune+blocks": {"compile_decode": True, "compile_decode_mode": AUTOTUNE,
+                                        "block_sampling": True}}
 
 
 def _worker(model_dir):
@@ -166,9 +174,9 @@ def main() -> int:
           f"{SMOLLM2.num_layers} layers")
     cols = ("ms_per_step", "kernels_per_step", "device_ms_per_step", "tokens_per_s", "warmup_s",
             "rows_equal", "max_logprob_diff")
-    print(f"{'variant':16s}" + "".join(f"{c:>20s}" for c in cols))
+    print(f"{'variant':24s}" + "".join(f"{c:>20s}" for c in cols))
     for name, r in results.items():
-        print(f"{name:16s}" + "".join(f"{str(r.get(c, '-')):>20s}" for c in cols))
+        print(f"{name:24s}" + "".join(f"{str(r.get(c, '-')):>20s}" for c in cols))
     for name, r in results.items():
         if "top" in r:
             print(f"\n== top 10 kernels, {name} (count per step, device us per step)")

@@ -132,7 +132,10 @@
 #               (generation.compile_decode), shared (generation.shared_prompt_kv),
 #               compile+shared, blocks (generation.block_sampling), compile+blocks, each
 #               against base's rollout, top 10 kernels (scripts/gpu/decode_step_profile.py;
-#               PROF37_VARIANTS picks)
+#               PROF37_VARIANTS picks); not by default: compile+autotune
+#               (generation.compile_decode_mode=max-autotune-no-cudagraphs: Inductor's Triton
+#               GEMMs against cuBLAS; a longer first compile) and compile+autotune+blocks, e.g.
+#               PROF37_VARIANTS=base,compile,compile+autotune,compile+autotune+blocks
 #   gsm8k       with GSM8K_VARIANTS="b37 a37": before (today's best, reward scored after
 #               generation) and after (rewards scored while decoding, compile_decode,
 #               shared_prompt_kv); s37, c37, k37: each change alone on top of b37; d37: b37 +
