@@ -47,15 +47,18 @@ from mcore_rl.workers.policy import PolicyWorker  # noqa: E402
 from passfail import FAILURES, check  # noqa: E402
 
 VOCAB = 151936
-SHAPES = {  # Qwen2-0.5B's, Qwen2-1.5B's and Qwen2-7B's (vocabulary 151,936 for all three here)
+SHAPES = {  # Qwen2-0.5B's, Qwen2-1.5B's and Qwen2-7B's width (vocabulary 151,936 here)
     "qwen0.5b": dict(num_layers=24, hidden_size=896, num_attention_heads=14, num_query_groups=2,
                      ffn_hidden_size=4864, tie_word_embeddings=True),
     "qwen1.5b": dict(num_layers=28, hidden_size=1536, num_attention_heads=12, num_query_groups=2,
                      ffn_hidden_size=8960, tie_word_embeddings=True),
-    # 7.6B parameters: where decoding reads enough weight bytes a step for FP8's halving to
-    # show (1.5B's 3 GB a step took 0.6 ms of a ~10 ms decode step at 256 rows on an H200)
-    "qwen7b": dict(num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
-                   ffn_hidden_size=18944, tie_word_embeddings=False),
+    # Qwen2-7B's width at half its depth (14 of 28 layers, 4.4B parameters): where decoding reads
+    # enough weight bytes a step for FP8's halving to show (1.5B's 3 GB a step took ~0.6 ms of a
+    # ~10 ms decode step at 256 rows on an H200). Half depth keeps the policy's training state
+    # (bf16 weights, fp32 main weights and gradients: ~16 bytes a parameter before it goes to
+    # host for the refit) inside an 80 GB H100; the whole 7.6B would need ~120 GB.
+    "qwen7b-14l": dict(num_layers=14, hidden_size=3584, num_attention_heads=28,
+                       num_query_groups=4, ffn_hidden_size=18944, tie_word_embeddings=False),
     "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=2, num_query_groups=2,
                  ffn_hidden_size=64, tie_word_embeddings=True),  # the CPU smoke run's
 }
