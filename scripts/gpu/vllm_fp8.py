@@ -55,8 +55,9 @@ SHAPES = {  # Qwen2-0.5B's, Qwen2-1.5B's and Qwen2-7B's width (vocabulary 151,93
     # Qwen2-7B's width at half its depth (14 of 28 layers, 4.4B parameters): where decoding reads
     # enough weight bytes a step for FP8's halving to show (1.5B's 3 GB a step took ~0.6 ms of a
     # ~10 ms decode step at 256 rows on an H200). Half depth keeps the policy's training state
-    # (bf16 weights, fp32 main weights and gradients: ~16 bytes a parameter before it goes to
-    # host for the refit) inside an 80 GB H100; the whole 7.6B would need ~120 GB.
+    # (bf16 weights, fp32 main weights and gradients: ~10 bytes a parameter at build, ~44 GB,
+    # before it goes to host for the refit; Adam's moments come at a first step this script
+    # never takes) well inside an 80 GB H100; the whole 7.6B would be ~76 GB.
     "qwen7b-14l": dict(num_layers=14, hidden_size=3584, num_attention_heads=28,
                        num_query_groups=4, ffn_hidden_size=18944, tie_word_embeddings=False),
     "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=2, num_query_groups=2,
