@@ -186,14 +186,16 @@ def test_prefixed_placement_names_the_judges_groups_apart():
         def actor_options(self, group, rank):
             return {"group": group, "rank": rank}
 
-        def make_group(self, group, worker_cls, kwargs):
-            return group, worker_cls, kwargs
+        def make_group(self, group, worker_cls, kwargs, env=None):
+            return group, worker_cls, kwargs, env
 
     view = PrefixedPlacement(Placement(), "judge_")
     assert (view.use_ray, view.gpus, view.dump_dir) == (False, True, "/hang")
     assert view.plan.gpu_index("vllm", 1) == 4
     assert view.actor_options("vllm", 0) == {"group": "judge_vllm", "rank": 0}
-    assert view.make_group("generation", int, {}) == ("judge_generation", int, {})
+    assert view.make_group("generation", int, {}) == ("judge_generation", int, {}, None)
+    assert view.make_group("policy", int, {}, env={"A": "1"}) == ("judge_policy", int, {},
+                                                                  {"A": "1"})
 
 
 def test_retokenized_rows_are_the_reward_models_tokens(inputs):

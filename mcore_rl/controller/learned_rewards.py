@@ -205,8 +205,9 @@ class PrefixedPlacement:
     def actor_options(self, group: str, rank: int) -> Dict[str, Any]:
         return self._placement.actor_options(self._prefix + group, rank)
 
-    def make_group(self, group: str, worker_cls, kwargs: Dict[str, Any]):
-        return self._placement.make_group(self._prefix + group, worker_cls, kwargs)
+    def make_group(self, group: str, worker_cls, kwargs: Dict[str, Any],
+                   env: Optional[Dict[str, str]] = None):
+        return self._placement.make_group(self._prefix + group, worker_cls, kwargs, env=env)
 
 
 def parse_score(text: str, pattern: "re.Pattern[str]", low: float, high: float) -> Optional[float]:

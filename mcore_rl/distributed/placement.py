@@ -123,6 +123,19 @@ def config_plan(cluster: ClusterConfig, training: Mapping[str, int],
     return plan_placement({**training, **generation}, [with_policy] if len(with_policy) > 1 else [])
 
 
+def with_env_vars(options: Mapping[str, Any], env: Mapping[str, str]) -> Dict[str, Any]:
+    """Ray actor ``options`` whose ``runtime_env`` also sets ``env`` (its ``env_vars`` merged,
+    ``env`` winning; the rest of a ``runtime_env`` kept): Ray sets them in the actor's worker
+    process before the actor's class is loaded there. ``options`` as they are (a copy) when
+    ``env`` is empty."""
+    options = dict(options)
+    if env:
+        runtime_env = dict(options.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **env}
+        options["runtime_env"] = runtime_env
+    return options
+
+
 class Placement:
     """A plan made real: reserves the GPUs and builds worker groups on them.
 
@@ -202,21 +215,31 @@ class Placement:
         nodes = placement_group_table(self._placement_groups[slots.pool])["bundles_to_node_id"]
         return [nodes[b] for b in slots.bundles]
 
-    def make_group(self, group: str, worker_cls, kwargs: Dict[str, Any]):
+    def make_group(self, group: str, worker_cls, kwargs: Dict[str, Any],
+                   env: Optional[Mapping[str, str]] = None):
         """The worker group ``group`` of the plan: ``worker_cls(**kwargs, rank=...,
         world_size=..., master_addr=..., master_port=...)`` per rank, placed
         (:class:`~mcore_rl.distributed.worker_group.RayWorkerGroup` or
-        :class:`~mcore_rl.distributed.worker_group.ProcessWorkerGroup`)."""
+        :class:`~mcore_rl.distributed.worker_group.ProcessWorkerGroup`).
+
+        Args:
+            env: environment variables of every rank's process, set before the worker's module
+                is imported (Transformer Engine's: :func:`mcore_rl.megatron.te.
+                te_environment`): a Ray actor's ``runtime_env`` (:func:`with_env_vars`), a
+                process's ``env_per_rank`` (with its ``LOCAL_RANK`` on GPUs).
+        """
         from mcore_rl.distributed.worker_group import ProcessWorkerGroup, RayWorkerGroup
 
-        size = len(self.plan.groups[group].bundles)
+        size, env = len(self.plan.groups[group].bundles), dict(env or {})
         if self.use_ray:
             return RayWorkerGroup(worker_cls, size, kwargs,
-                                  [self.actor_options(group, r) for r in range(size)],
+                                  [with_env_vars(self.actor_options(group, r), env)
+                                   for r in range(size)],
                                   name=group, dump_dir=self.dump_dir)
-        env = [{"LOCAL_RANK": str(self.plan.gpu_index(group, r))} for r in range(size)] \
-            if self.gpus else None
-        return ProcessWorkerGroup(worker_cls, size, kwargs, env_per_rank=env, name=group,
+        per_rank = [dict(env, **({"LOCAL_RANK": str(self.plan.gpu_index(group, r))}
+                                 if self.gpus else {})) for r in range(size)]
+        return ProcessWorkerGroup(worker_cls, size, kwargs,
+                                  env_per_rank=per_rank if any(per_rank) else None, name=group,
                                   dump_dir=self.dump_dir)
 
     def shutdown(self) -> None:

@@ -452,7 +452,13 @@ class _Host:
                              self.rank)
 
 
-def _process_main(conn, worker_cls, kwargs, env, dump_file=None):
+def _process_main(conn, env, dump_file=None):
+    """A :class:`ProcessWorkerGroup` rank's process: sets ``env``, then takes ``(worker_cls,
+    kwargs)`` from ``conn`` (the controller sends them after the start), builds the worker and
+    runs the calls that arrive on ``conn``. The spawn arguments carry no worker class: spawn
+    unpickles them before the target runs, importing the class's module (and with it, e.g.,
+    Megatron-Core and Transformer Engine, which reads its environment at import) before
+    ``env`` would be set; the pipe's message is unpickled after."""
     # Preemption (SIGTERM, SIGUSR1: a job scheduler's notice, sent to the whole process group)
     # is the controller's to handle (mcore_rl.controller.preemption): it finishes its step and
     # saves, which needs the workers alive.
@@ -460,6 +466,7 @@ def _process_main(conn, worker_cls, kwargs, env, dump_file=None):
         signal.signal(sig, signal.SIG_IGN)
     os.environ.update(env)
     try:
+        worker_cls, kwargs = conn.recv()
         host = _Host(worker_cls, kwargs, dump_file)
         conn.send(("ok", None))
     except BaseException:  # report construction errors to the controller
@@ -503,8 +510,11 @@ class ProcessWorkerGroup(_Group):
     fails its future (the worker stays usable).
 
     Args:
-        env_per_rank: environment variables set in rank r's process before its worker is
-            built (``LOCAL_RANK``: its GPU, :mod:`mcore_rl.distributed.placement`); None: none.
+        env_per_rank: environment variables set in rank r's process before its worker's
+            class and kwargs are unpickled there, so before the worker's module is imported
+            (``LOCAL_RANK``: its GPU, :mod:`mcore_rl.distributed.placement`; Transformer
+            Engine's: :func:`mcore_rl.megatron.te.te_environment`); None: none. Only the
+            parent's ``__main__`` (spawn re-imports it first) and this module load before.
         name: the group's name (its dump files' prefix).
         dump_dir: where rank r writes its Python stack on :data:`DUMP_SIGNAL`
             (:func:`dump_path`); None: the processes keep the signal's default.
@@ -544,13 +554,11 @@ class ProcessWorkerGroup(_Group):
         built = self._gather(range(world_size), "__init__", fail_fast=True)
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            kw = dict(kwargs, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
             env = dict(env_per_rank[rank]) if env_per_rank else {}
             # Not daemonic: Megatron's checkpoint writer starts processes of its own. A worker
             # exits when its pipe closes, so it does not outlive the controller.
             dump_file = dump_path(dump_dir, name, rank) if dump_dir else None
-            p = ctx.Process(target=_process_main, args=(child, worker_cls, kw, env, dump_file),
-                            daemon=False)
+            p = ctx.Process(target=_process_main, args=(child, env, dump_file), daemon=False)
             p.start()
             # The child's end is the child's: held open here too, a dead child's pipe would
             # never report EOF to recv (a call on a dead worker would wait forever).
@@ -558,6 +566,20 @@ class ProcessWorkerGroup(_Group):
             self._conns.append(parent)
             self._procs.append(p)
             self._waiting[rank].put((built, rank))
+        # The class and kwargs go on the pipe once every rank is started (each process sets its
+        # environment before it unpickles them: _process_main); a rank gone already fails the
+        # start-up through its reader (EOF); ones that cannot be pickled end the processes.
+        for rank, conn in enumerate(self._conns):
+            kw = dict(kwargs, rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                      master_port=port)
+            try:
+                conn.send((worker_cls, kw))
+            except (BrokenPipeError, OSError):
+                pass
+            except BaseException:
+                self._stop(kill=True)
+                _LIVE_GROUPS.discard(self)
+                raise
         self._readers = [threading.Thread(target=self._read, daemon=True, args=(
             self._conns[r], self._waiting[r], self._procs[r], self._listeners))
             for r in range(world_size)]
