@@ -16,7 +16,8 @@ import pytest
 from mcore_rl.cli import main
 from mcore_rl.config import ConfigError, TrainConfig, rules, validate
 from mcore_rl.config.families import microbatch_width_multiple, transformer_engine_shape_errors
-from mcore_rl.config.schema import FP8_RECIPES, MegatronConfig, ModelArchConfig
+from mcore_rl.config.schema import (FP8_BLOCK_SCALES_ENV as SCALES, FP8_RECIPES, MegatronConfig,
+                                    ModelArchConfig)
 from mcore_rl.megatron import te
 
 TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
@@ -147,6 +148,70 @@ def test_te_feature_refused_at_load(te_installed, megatron, expected):
     if "num_workers (2)" in expected:
         workers = 2
     assert expected in _errors(_cfg(workers=workers, **megatron))
+
+
+def test_te_environment_sets_the_block_scales_of_fp8_blockwise_only():
+    """fp8_block_scales becomes TE's NVTE_FP8_BLOCK_SCALING_FP32_SCALES ("1": fp32 scales, the
+    default; "0": TE's powers of 2) for FP8 blockwise; nothing with FP8 off or another recipe."""
+    fp8 = dict(layer_spec="transformer_engine", precision="bf16", fp8="hybrid")
+    assert MegatronConfig().fp8_block_scales == "fp32"
+    assert te.te_environment(MegatronConfig(**fp8)) == {SCALES: "1"}
+    assert te.te_environment(MegatronConfig(**fp8, fp8_block_scales="power_of_2")) == {SCALES: "0"}
+    assert te.te_environment(MegatronConfig(**fp8, fp8_recipe="blockwise",
+                                            fp8_block_scales="fp32")) == {SCALES: "1"}
+    assert te.te_environment(MegatronConfig()) == {}
+    assert te.te_environment(MegatronConfig(layer_spec="transformer_engine",
+                                            fp8_block_scales="power_of_2")) == {}
+    for recipe in set(FP8_RECIPES) - {"blockwise"}:
+        assert te.te_environment(MegatronConfig(**fp8, fp8_recipe=recipe)) == {}
+
+
+def _ppo_fp8(policy_scales: str, value_scales: str, value_recipe: str = "blockwise"):
+    cfg = _cfg(layer_spec="transformer_engine", fp8="hybrid", precision="bf16",
+               fp8_block_scales=policy_scales)
+    cfg.algorithm = "ppo"
+    for key, value in dict(layer_spec="transformer_engine", fp8="hybrid", precision="bf16",
+                           fp8_recipe=value_recipe, fp8_block_scales=value_scales).items():
+        setattr(cfg.value.megatron, key, value)
+    return cfg
+
+
+def test_fp8_block_scales_of_two_sections_must_agree(te_installed, monkeypatch):
+    """The policy and the critic with FP8 blockwise and different block scales: one line naming
+    both keys; the same scales pass, and a section of another recipe is no constraint."""
+    monkeypatch.delenv(SCALES, raising=False)
+    assert _errors(_ppo_fp8("fp32", "power_of_2")) == (
+        "invalid config: policy.megatron.fp8_block_scales=fp32 and "
+        "value.megatron.fp8_block_scales=power_of_2 must agree: each sets Transformer Engine's "
+        f"process-wide {SCALES}, one value per run (set them to one of fp32, power_of_2)")
+    validate(_ppo_fp8("power_of_2", "power_of_2"))
+    validate(_ppo_fp8("fp32", "power_of_2", value_recipe="tensorwise"))
+
+
+@pytest.mark.parametrize("scales, env, refused", [
+    ("fp32", None, False), ("fp32", "1", False), ("fp32", "0", True), ("fp32", "true", True),
+    ("power_of_2", None, False), ("power_of_2", "0", False), ("power_of_2", "1", True)])
+def test_fp8_block_scales_against_the_controllers_environment(te_installed, monkeypatch, scales,
+                                                              env, refused):
+    """A NVTE_FP8_BLOCK_SCALING_FP32_SCALES in the controller's environment that TE reads
+    otherwise than the key (only "1" is fp32 scales) is refused in one line naming both; unset
+    or agreeing, it passes. Not FP8 blockwise: the variable is no concern of the config."""
+    if env is None:
+        monkeypatch.delenv(SCALES, raising=False)
+    else:
+        monkeypatch.setenv(SCALES, env)
+    cfg = _cfg(layer_spec="transformer_engine", fp8="hybrid", precision="bf16",
+               fp8_block_scales=scales)
+    if refused:
+        assert _errors(cfg) == (
+            f"invalid config: policy.megatron.fp8_block_scales={scales} contradicts "
+            f"{SCALES}={env!r} in this environment (Transformer Engine reads '1' as fp32 block "
+            f"scales, anything else as powers of 2): unset the variable or make it and the key "
+            f"agree")
+    else:
+        validate(cfg)
+    cfg.policy.megatron.fp8_recipe = "tensorwise"
+    validate(cfg)
 
 
 def test_cp_with_heads_it_divides_and_p2p_needs_no_head_split(te_installed):

@@ -19,6 +19,7 @@ Adding a rule: a function here (or, for a plugin, in its check), one entry in :d
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -30,7 +31,8 @@ from mcore_rl.config.plugins import plugin_errors
 from mcore_rl.config.registry import (ADVANTAGE_ESTIMATORS, ENVIRONMENTS, backend_errors,
                                       estimator_entry, is_import_path, task_errors)
 from mcore_rl.config.registry import sandbox_errors
-from mcore_rl.config.schema import CHAR_TOKENIZER, TrainConfig
+from mcore_rl.config.schema import (CHAR_TOKENIZER, FP8_BLOCK_SCALES_ENV,
+                                    FP8_BLOCK_SCALES_ENV_VALUES, TrainConfig)
 
 Rule = Callable[[TrainConfig, Sequence[str]], List[str]]
 
@@ -265,6 +267,37 @@ def transformer_engine_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> L
     return [e for section, _ in _megatron_sections(cfg)
             if not any(f.startswith(f"{section}.megatron.") for f in field_errors)
             for e in transformer_engine_errors(cfg, section)]
+
+
+def fp8_block_scales_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
+    """``<section>.megatron.fp8_block_scales`` of the sections that run FP8 with
+    ``fp8_recipe=blockwise`` (:func:`_megatron_sections`; a section whose keys the field checks
+    refuse is skipped): it sets Transformer Engine's process-wide
+    ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` in the section's workers
+    (:func:`mcore_rl.megatron.te.te_environment`), so the sections must agree (one line naming
+    every such key), and a value of that variable already in this (the controller's)
+    environment must agree with them (TE reads "1" as fp32 scales, anything else as powers of
+    2; one line naming the keys and the variable). Unset, the variable is no constraint."""
+    keys = {}
+    for section, _ in _megatron_sections(cfg):
+        mg = getattr(cfg, section).megatron
+        if mg.fp8 is not None and mg.fp8_recipe == "blockwise" \
+                and not any(f.startswith(f"{section}.megatron.") for f in field_errors):
+            keys[f"{section}.megatron.fp8_block_scales"] = mg.fp8_block_scales
+    named = " and ".join(f"{k}={v}" for k, v in keys.items())
+    if len(set(keys.values())) > 1:
+        return [f"{named} must agree: each sets Transformer Engine's process-wide "
+                f"{FP8_BLOCK_SCALES_ENV}, one value per run (set them to one of fp32, "
+                f"power_of_2)"]
+    env = os.environ.get(FP8_BLOCK_SCALES_ENV)
+    if not keys or env is None:
+        return []
+    scales = next(iter(keys.values()))
+    if (env == "1") == (FP8_BLOCK_SCALES_ENV_VALUES[scales] == "1"):
+        return []
+    return [f"{named} contradicts {FP8_BLOCK_SCALES_ENV}={env!r} in this environment (Transformer "
+            f"Engine reads '1' as fp32 block scales, anything else as powers of 2): unset the "
+            f"variable or make it and the key agree"]
 
 
 def megatron_rules(cfg: TrainConfig, field_errors: Sequence[str]) -> List[str]:
@@ -552,6 +585,7 @@ RULES: Tuple[Rule, ...] = (
     model_rules,
     megatron_rules,
     transformer_engine_rules,
+    fp8_block_scales_rules,
     generation_backend_rules,
     algorithm_rules,
     length_rules,

@@ -46,6 +46,12 @@ COMPILE_DECODE_MODES = ("default", "max-autotune-no-cudagraphs")
 # "custom" recipe, which takes a quantizer factory, is not offered).
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+# *.megatron.fp8_block_scales: the environment variable Transformer Engine reads for its
+# blockwise recipe's scales when transformer_engine.common.recipe is imported (Float8BlockScaling.
+# use_f32_scales: "1" keeps fp32 scales, any other value or none rounds them to powers of 2), and
+# the value each choice puts in a worker's environment (mcore_rl.megatron.te.te_environment).
+FP8_BLOCK_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
+FP8_BLOCK_SCALES_ENV_VALUES = {"fp32": "1", "power_of_2": "0"}
 # The GPUs (CUDA compute capability, lowest and first refused; None: no upper end) on which
 # Transformer Engine 2.20 runs each recipe (transformer_engine.pytorch.quantization's checks):
 # FP8 from Ada (8.9), 128-block scaling from Hopper (9.0), MXFP8 on Blackwell datacenter GPUs
@@ -252,12 +258,19 @@ class MegatronConfig:
     # default; no amax history at the first step) collapsed after one (bench/RESULTS.md, issue
     # 34). Ada GPUs (8.9) run delayed or tensorwise only.
     fp8_recipe: str = one_of("blockwise", FP8_RECIPES)
+    # With fp8 and fp8_recipe=blockwise: each block's scale "fp32" (fp8_max / amax) or
+    # "power_of_2" (rounded down to a power of 2: Transformer Engine's own default). Sets TE's
+    # NVTE_FP8_BLOCK_SCALING_FP32_SCALES ("1" or "0") in the section's workers before TE loads;
+    # sections with FP8 blockwise must agree, and so must that variable if the controller's
+    # environment has it. fp32 is the default as the measured better one: grpo_smollm2_arith at
+    # step 40 (two H200s) held-out 1.000 against power_of_2's 0.941 (bf16: 1.000), rollouts'
+    # token_mult_prob_error median 1.154 against 1.237 (bench/RESULTS.md, issue 34, second
+    # session); slime's Hopper FP8 scripts use fp32 scales too.
+    fp8_block_scales: str = one_of("fp32", ("fp32", "power_of_2"))
     # With fp8: the first this many transformer layers run in bf16 rather than FP8 (Megatron-Core's
     # first_last_layers_bf16 with num_layers_at_start_in_bf16; layers of the whole model, at most
     # those of one pipeline stage); 0 with fp8_bf16_layers_at_end 0: every layer in FP8. Not with
-    # fp8_recipe=delayed (Megatron refuses it). Block-wise scales in fp32 rather than powers of 2
-    # are no key: Transformer Engine's environment variable NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
-    # (docs/design.md, "Transformer Engine, FP8, context parallelism").
+    # fp8_recipe=delayed (Megatron refuses it).
     fp8_bf16_layers_at_start: int = bounded(0, ge=0)
     # With fp8: the last this many transformer layers run in bf16 (num_layers_at_end_in_bf16; the
     # same bounds as fp8_bf16_layers_at_start); 0: the last layers in FP8 too.

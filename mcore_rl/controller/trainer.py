@@ -42,6 +42,7 @@ from mcore_rl.controller.preemption import EXIT_CODE, Preempted, PreemptionSigna
 from mcore_rl.controller.watchdog import Watchdog, hang_dir
 from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import DataParallelGroup
+from mcore_rl.megatron.te import te_environment
 from mcore_rl.utils.logging import Progress, RunLogger
 from mcore_rl.utils.timers import PhaseTimer
 from mcore_rl.workers.interfaces import PolicyAPI
@@ -63,10 +64,14 @@ def megatron_group(placement, cfg: TrainConfig, name: str, worker_cls,
     """The worker group ``name`` of ``placement`` (its ``cluster.num_workers`` ranks):
     ``worker_cls(**kwargs)`` per rank with the run's seed, CPU threads and garbage-collection
     interval (``run.seed``, ``cluster.threads_per_worker``, ``cluster.manual_gc_interval``)
-    added, in a :class:`~mcore_rl.distributed.worker_group.DataParallelGroup`."""
+    added, in a :class:`~mcore_rl.distributed.worker_group.DataParallelGroup`. Its processes
+    get the Transformer Engine environment of ``kwargs["megatron"]`` (the section's
+    :class:`~mcore_rl.config.schema.MegatronConfig`: :func:`mcore_rl.megatron.te.
+    te_environment`) before they import the worker's module."""
     return DataParallelGroup(placement.make_group(name, worker_cls, dict(
         seed=cfg.run.seed, threads=cfg.cluster.threads_per_worker,
-        manual_gc_interval=cfg.cluster.manual_gc_interval, **kwargs)))
+        manual_gc_interval=cfg.cluster.manual_gc_interval, **kwargs),
+        env=te_environment(kwargs["megatron"])))
 
 
 def run_logger(cfg: TrainConfig, run_dir: str, total_steps: int, start_step: int) -> RunLogger:

@@ -10,9 +10,10 @@ TE stays optional: nothing here imports it unless a config asks for a TE feature
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from mcore_rl.config.schema import FP8_RECIPE_CAPABILITY, MegatronConfig
+from mcore_rl.config.schema import (FP8_BLOCK_SCALES_ENV, FP8_BLOCK_SCALES_ENV_VALUES,
+                                    FP8_RECIPE_CAPABILITY, MegatronConfig)
 
 
 def uses_transformer_engine(megatron: MegatronConfig) -> bool:
@@ -20,6 +21,24 @@ def uses_transformer_engine(megatron: MegatronConfig) -> bool:
     Context parallelism (CP > 1) is TE's only with the TE spec: the ``torch`` spec does it
     itself (:mod:`mcore_rl.megatron.context_parallel`)."""
     return megatron.layer_spec == "transformer_engine" or megatron.fp8 is not None
+
+
+def te_environment(megatron: MegatronConfig) -> Dict[str, str]:
+    """The environment variables that the processes of a worker group running ``megatron``
+    need before they import Transformer Engine: with ``fp8`` and ``fp8_recipe=blockwise``,
+    ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` "1" (``fp8_block_scales=fp32``) or "0"
+    (``power_of_2``), which TE reads once, when ``transformer_engine.common.recipe`` is imported
+    (the default of ``Float8BlockScaling.use_f32_scales``); ``{}`` otherwise (FP8 off, another
+    recipe). The trainer hands it to the group's placement
+    (:meth:`mcore_rl.distributed.placement.Placement.make_group`).
+
+    Raises:
+        KeyError: ``fp8_block_scales`` is not one of the schema's choices (the loader refuses it
+            first).
+    """
+    if megatron.fp8 is None or megatron.fp8_recipe != "blockwise":
+        return {}
+    return {FP8_BLOCK_SCALES_ENV: FP8_BLOCK_SCALES_ENV_VALUES[megatron.fp8_block_scales]}
 
 
 def te_import_error() -> Optional[str]:

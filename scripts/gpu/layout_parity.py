@@ -93,6 +93,7 @@ from mcore_rl.controller import parity
 from mcore_rl.data import batch as B
 from mcore_rl.distributed.worker_group import DataParallelGroup, ProcessWorkerGroup
 from mcore_rl.megatron.conversion import arch_to_hf_config
+from mcore_rl.megatron.te import te_environment
 from mcore_rl.workers.interfaces import PolicyAPI
 from mcore_rl.workers.policy import PolicyWorker
 
@@ -281,7 +282,10 @@ def valid_positions(batch: B.Batch) -> torch.Tensor:
 def run_layout(args, layout: Layout, batch: B.Batch, loss) -> parity.StepRecord:
     """``args.steps`` steps on the layout's processes; the record of the first step's logprobs
     and metrics with the weights after the last step."""
-    group = ProcessWorkerGroup(PolicyWorker, layout.world, worker_kwargs(args, layout))
+    kwargs = worker_kwargs(args, layout)
+    # FP8 blockwise: the config's block scales (fp32 by default) set before TE loads, as the trainer
+    env = [te_environment(kwargs["megatron"])] * layout.world
+    group = ProcessWorkerGroup(PolicyWorker, layout.world, kwargs, env_per_rank=env)
     try:
         dp_group = DataParallelGroup(group)
         mbs = args.micro_batch_size
