@@ -4,12 +4,17 @@ takes), and the plan made real on a local Ray cluster that declares 4 GPUs it do
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
-from mcore_rl.config.schema import ClusterConfig
-from mcore_rl.distributed.placement import Placement, config_plan, plan_placement
+from mcore_rl.config.schema import FP8_BLOCK_SCALES_ENV, ClusterConfig
+from mcore_rl.distributed.placement import Placement, config_plan, plan_placement, with_env_vars
+
+# What this module saw of Transformer Engine's variable when it was imported: in a worker
+# process of EnvProbe, whether the group's environment came before the worker's module.
+AT_IMPORT = os.environ.get(FP8_BLOCK_SCALES_ENV)
 
 
 class GpuProbe:
@@ -36,6 +41,65 @@ class GpuProbe:
 
     def shutdown(self):
         pass
+
+
+class EnvProbe:
+    """A worker that reports Transformer Engine's variable at its module's import and at its
+    construction."""
+
+    def __init__(self, rank, **_):
+        self.at_init = os.environ.get(FP8_BLOCK_SCALES_ENV)
+
+    def seen(self):
+        return AT_IMPORT, self.at_init, os.environ.get("LOCAL_RANK")
+
+    def shutdown(self):
+        pass
+
+
+def test_a_process_group_has_its_environment_before_the_worker_module(monkeypatch):
+    """make_group's env reaches every rank's process before the worker's module is imported
+    there (Transformer Engine reads its variables at import; spawn used to unpickle the class,
+    importing its module, before the process set env_per_rank)."""
+    monkeypatch.delenv(FP8_BLOCK_SCALES_ENV, raising=False)
+    placement = Placement(config_plan(ClusterConfig(num_workers=2), {"policy": 2}, {}),
+                          use_ray=False, gpus=False)
+    group = placement.make_group("policy", EnvProbe, {}, env={FP8_BLOCK_SCALES_ENV: "1"})
+    try:
+        assert group.call("seen") == [("1", "1", None)] * 2
+    finally:
+        group.shutdown()
+    group = placement.make_group("policy", EnvProbe, {})
+    try:
+        assert group.call("seen") == [(None, None, None)] * 2
+    finally:
+        group.shutdown()
+
+
+def test_ray_actors_get_the_environment_in_their_runtime_env(monkeypatch):
+    """Under Ray, make_group's env is each actor's runtime_env env_vars (merged with any
+    runtime_env of the options; no Ray cluster needed: the group is replaced)."""
+    assert with_env_vars({"num_gpus": 1}, {}) == {"num_gpus": 1}
+    assert with_env_vars({"num_gpus": 1}, {"A": "1"}) == {
+        "num_gpus": 1, "runtime_env": {"env_vars": {"A": "1"}}}
+    options = {"runtime_env": {"pip": ["x"], "env_vars": {"A": "0", "B": "2"}}}
+    assert with_env_vars(options, {"A": "1"}) == {
+        "runtime_env": {"pip": ["x"], "env_vars": {"A": "1", "B": "2"}}}
+    assert options["runtime_env"]["env_vars"]["A"] == "0"  # the options given stay as they were
+    from mcore_rl.distributed import worker_group
+
+    made = {}
+    monkeypatch.setattr(worker_group, "RayWorkerGroup",
+                        lambda cls, size, kwargs, actor_options, **_: made.update(
+                            options=actor_options))
+    placement = Placement(config_plan(ClusterConfig(num_workers=2), {"policy": 2}, {}),
+                          use_ray=False, gpus=False)
+    placement.use_ray = True  # on the CPU the actor options need no Ray
+    placement.make_group("policy", EnvProbe, {}, env={FP8_BLOCK_SCALES_ENV: "0"})
+    assert made["options"] == [{"num_gpus": 0, "num_cpus": 0, "runtime_env": {
+        "env_vars": {FP8_BLOCK_SCALES_ENV: "0"}}}] * 2
+    placement.make_group("policy", EnvProbe, {})
+    assert made["options"] == [{"num_gpus": 0, "num_cpus": 0}] * 2
 
 
 def test_plan_shares_or_separates_gpus():
