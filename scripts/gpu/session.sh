@@ -66,9 +66,10 @@
 #               engine: the logprob budget against bf16 rollouts), tehf (TE bf16 with the hf
 #               engine: fp8hf's baseline), fp8t (tensorwise), fp8b (blockwise), fp8bhf (blockwise,
 #               hf engine), fp8bl (blockwise with the first and the last layer in bf16:
-#               fp8_bf16_layers_at_start=1, _at_end=1), fp8b32 (blockwise with fp32 rather than
-#               power-of-2 block scales: NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 in the run's
-#               environment); default `torch fp8b fp8bhf fp8t`; the FP8 runs with
+#               fp8_bf16_layers_at_start=1, _at_end=1) - fp8b, fp8bhf and fp8bl with power-of-2
+#               block scales (policy.megatron.fp8_block_scales=power_of_2, TE's own default and
+#               theirs in the sessions before the key) -, fp8b32 (blockwise with the key's
+#               default fp32 block scales); default `torch fp8b fp8bhf fp8t`; the FP8 runs with
 #               generation.logprob_budget=null (LEARN34_FP8_SET; a budget of 1.05 stopped both
 #               delayed runs at start-up: token_mult_prob_error 1.41 and 1.46); LEARN34_SET:
 #               overrides of every run; held-out accuracy and token_mult_prob_error per run
@@ -746,21 +747,22 @@ stage_learn34() {  # issue 34 items 1-2: LEARN34_RUNS side by side (timings not 
     # token_mult_prob_error 1.2-1.5 at start-up, over the config's budget of 1.05, which stopped
     # both delayed runs before their first step; the error is reported per step instead.
     # fp8bl and fp8b32: the two levers toward bf16's held-out accuracy (issue 34 item 2), one
-    # bf16 transformer layer at each end and fp32 block scales. LEARN34_SET: overrides of every
+    # bf16 transformer layer at each end and fp32 block scales. fp32 block scales are the
+    # default of policy.megatron.fp8_block_scales since the second session (fp8b32 reached
+    # 1.000): fp8b, fp8bhf and fp8bl set power_of_2 (the scales they ran with before), so they
+    # compare with the earlier sessions and fp8b32 with fp8b. LEARN34_SET: overrides of every
     # run.
     local pids=() run names=()
     local te="policy.megatron.layer_spec=transformer_engine generation.compile_decode=false"
     local hf=generation.backend=hf
     local fp8="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=delayed"
-    local fp8b="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=blockwise"
+    local fp8b32="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=blockwise"
+    local fp8b="$fp8b32 policy.megatron.fp8_block_scales=power_of_2"
     local ends="policy.megatron.fp8_bf16_layers_at_start=1"
     ends+=" policy.megatron.fp8_bf16_layers_at_end=1"
     declare -A run_args=([torch]="" [te]="$te" [fp8]="$fp8" [fp8hf]="$fp8 $hf" [tehf]="$te $hf"
         [fp8t]="$te policy.megatron.fp8=hybrid policy.megatron.fp8_recipe=tensorwise"
-        [fp8b]="$fp8b" [fp8bhf]="$fp8b $hf" [fp8bl]="$fp8b $ends" [fp8b32]="$fp8b")
-    # A run's environment (Transformer Engine reads NVTE_FP8_BLOCK_SCALING_FP32_SCALES when it is
-    # imported, in every worker process: set before the trainer starts, inherited by them).
-    declare -A run_env=([fp8b32]="NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1")
+        [fp8b]="$fp8b" [fp8bhf]="$fp8b $hf" [fp8bl]="$fp8b $ends" [fp8b32]="$fp8b32")
     for run in ${LEARN34_RUNS:-torch fp8b fp8bhf fp8t}; do
         [ -n "${run_args[$run]+set}" ] || { echo "learn34: unknown run $run"; status=1; continue; }
         local extra=${LEARN34_SET:-}
@@ -769,9 +771,9 @@ stage_learn34() {  # issue 34 items 1-2: LEARN34_RUNS side by side (timings not 
                 extra="${LEARN34_FP8_SET-generation.logprob_budget=null} $extra" ;;
         esac
         rm -rf "/tmp/runs/arith34_$run"
-        echo "== learn34 $run: ${run_env[$run]:+${run_env[$run]} }${run_args[$run]} $extra"
+        echo "== learn34 $run: ${run_args[$run]} $extra"
         # shellcheck disable=SC2086
-        te_env env ${run_env[$run]:-} timeout "${LEARN34_TIMEOUT:-500}" python3 -m mcore_rl train \
+        te_env timeout "${LEARN34_TIMEOUT:-500}" python3 -m mcore_rl train \
             --config-name grpo_smollm2_arith "${common[@]}" model.hf_path="$MODEL" \
             run.output_dir="/tmp/runs/arith34_$run" grpo.max_steps="${LEARN34_STEPS:-40}" \
             grpo.val_every=20 ${run_args[$run]} $extra > "$RES/arith34_$run.log" 2>&1 &
