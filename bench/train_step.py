@@ -33,6 +33,9 @@ gain; FP8 did not pay at the 0.85B shape's: 0.92x delayed, 0.79x tensorwise on a
 variant is ``torch``, ``local``, ``te`` (the ``transformer_engine`` spec in bf16) or
 ``fp8-RECIPE`` (the TE spec with ``fp8=hybrid``: e4m3 forward, e5m2 gradients; RECIPE
 ``delayed``, ``tensorwise`` or ``blockwise``); ``+mbs8`` after a name trains micro-batches of 8.
+``fp8-blockwise`` runs the config's default block scales, fp32 (``fp8_block_scales``: this process
+sets ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` before TE loads unless the environment has it;
+the figures of 2026-11-28 in bench/RESULTS.md ran before that, with TE's powers of 2).
 MFU keeps the bf16 dense peak as its denominator for FP8 too (what the issue's ">= 1.3x the bf16
 train phase" compares). Transformer Engine must import for ``te`` and ``fp8-*`` (scripts/gpu/
 session.sh's ``te_env``); with TE on the path Megatron's optimizer is TE's FusedAdam for every
@@ -62,6 +65,9 @@ from typing import Callable, Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# fp8-blockwise with the config's default block scales (module docstring): TE reads this once,
+# at import, so before anything below can import it
+os.environ.setdefault("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
 
 from mcore_rl.algorithms.losses import ClippedPGLoss  # noqa: E402
 from mcore_rl.config.schema import (  # noqa: E402

@@ -345,13 +345,14 @@ def test_microbatch_widths_and_the_token_budget(te_installed):
     ("tensorwise", (9, 0), None),
     ("blockwise", (8, 9), "compute capability >= 9.0; this GPU's is 8.9; fp8_recipe=delayed or "
                           "tensorwise run from 8.9"),
-    ("blockwise", (10, 0), None),
+    ("blockwise", (10, 0), None),  # with fp8_block_scales=power_of_2 (below: fp32, the default)
     ("mxfp8", (9, 0), "compute capability >= 10.0 and < 12.0; this GPU's is 9.0"),
     ("mxfp8", (10, 0), None),
     ("mxfp8", (12, 0), "this GPU's is 12.0"),
 ])
 def test_fp8_recipe_against_the_gpu(recipe, capability, refused):
-    mg = MegatronConfig(layer_spec="transformer_engine", fp8="e4m3", fp8_recipe=recipe)
+    mg = MegatronConfig(layer_spec="transformer_engine", fp8="e4m3", fp8_recipe=recipe,
+                        fp8_block_scales="power_of_2")
     error = te.fp8_capability_error(mg, "policy.megatron", capability)
     if refused is None:
         assert error is None
@@ -359,6 +360,23 @@ def test_fp8_recipe_against_the_gpu(recipe, capability, refused):
         assert error.startswith(f"policy.megatron.fp8=e4m3 with policy.megatron.fp8_recipe={recipe} "
                                 f"needs a GPU of ") and refused in error, error
     assert te.fp8_capability_error(MegatronConfig(), "m", (7, 0)) is None  # FP8 off
+
+
+def test_fp32_block_scales_run_on_hopper_only():
+    """fp8_block_scales=fp32 (the default) relaxes TE's power-of-2 block scales on Hopper; on
+    Blackwell TE has powers of 2 only, so the run's start refuses it in one line naming the
+    remedy; power_of_2 runs there, and fp32 runs on 9.0."""
+    mg = MegatronConfig(layer_spec="transformer_engine", fp8="e4m3", fp8_recipe="blockwise")
+    assert mg.fp8_block_scales == "fp32"
+    assert te.fp8_capability_error(mg, "policy.megatron", (9, 0)) is None
+    for capability in ((10, 0), (12, 0)):
+        assert te.fp8_capability_error(mg, "policy.megatron", capability) == (
+            "policy.megatron.fp8_block_scales=fp32 (its default) needs a Hopper GPU (compute "
+            f"capability 9.x); this GPU's is {capability[0]}.{capability[1]}, where Transformer "
+            "Engine's block scales are powers of 2 only: set "
+            "policy.megatron.fp8_block_scales=power_of_2")
+    mg.fp8_block_scales = "power_of_2"
+    assert te.fp8_capability_error(mg, "policy.megatron", (10, 0)) is None
 
 
 def test_runtime_errors_where_the_gpu_is(monkeypatch):

@@ -265,7 +265,8 @@ class MegatronConfig:
     # environment has it. fp32 is the default as the measured better one: grpo_smollm2_arith at
     # step 40 (two H200s) held-out 1.000 against power_of_2's 0.941 (bf16: 1.000), rollouts'
     # token_mult_prob_error median 1.154 against 1.237 (bench/RESULTS.md, issue 34, second
-    # session); slime's Hopper FP8 scripts use fp32 scales too.
+    # session); slime's Hopper FP8 scripts use fp32 scales too. fp32 runs on Hopper only (TE:
+    # Blackwell's block scales are powers of 2): refused at the run's start on 10.x and up.
     fp8_block_scales: str = one_of("fp32", ("fp32", "power_of_2"))
     # With fp8: the first this many transformer layers run in bf16 rather than FP8 (Megatron-Core's
     # first_last_layers_bf16 with num_layers_at_start_in_bf16; layers of the whole model, at most

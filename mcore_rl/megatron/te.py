@@ -58,12 +58,20 @@ def fp8_capability_error(megatron: MegatronConfig, key: str,
     """Why a GPU of CUDA compute ``capability`` (``(major, minor)``, e.g. ``(9, 0)`` for an
     H100) cannot run ``megatron.fp8`` with ``megatron.fp8_recipe`` (config section ``key``);
     None when it can or FP8 is off. The recipes' GPUs: :data:`~mcore_rl.config.schema.
-    FP8_RECIPE_CAPABILITY`."""
+    FP8_RECIPE_CAPABILITY`. Blockwise with ``fp8_block_scales=fp32`` runs on Hopper only:
+    Transformer Engine's FP8 blockwise-scaling documentation says the fp32 scales relax the
+    power-of-2 constraint on Hopper and that Blackwell (10.x and up) supports powers of 2 only."""
     if megatron.fp8 is None:
         return None
     low, refused = FP8_RECIPE_CAPABILITY[megatron.fp8_recipe]
     cap = tuple(capability)
     if cap >= low and (refused is None or cap < refused):
+        if megatron.fp8_recipe == "blockwise" and megatron.fp8_block_scales == "fp32" \
+                and cap >= (10, 0):
+            return (f"{key}.fp8_block_scales=fp32 (its default) needs a Hopper GPU (compute "
+                    f"capability 9.x); this GPU's is {cap[0]}.{cap[1]}, where Transformer "
+                    f"Engine's block scales are powers of 2 only: set "
+                    f"{key}.fp8_block_scales=power_of_2")
         return None
     where = f"compute capability >= {low[0]}.{low[1]}" + (
         f" and < {refused[0]}.{refused[1]}" if refused else "")
@@ -83,8 +91,9 @@ def runtime_errors(megatron: MegatronConfig, key: str, device: str,
     current CUDA device's: :func:`fp8_capability_error`). Context parallelism on the TE spec
     (TE's p2p ring attention over the load-balanced chunks of :mod:`mcore_rl.megatron.
     context_parallel`) is not refused here: CP=2 against CP=1 on two H200s gave logprobs within
-    1.3e-3 relative, grad norm 1.5e-3 (bench/RESULTS.md, issue 34); packed sequences with TE's CP
-    stay refused at load (:func:`mcore_rl.config.rules.context_parallel_errors`).
+    1.3e-3 relative, grad norm 1.5e-3, packed sequences with p2p likewise (bench/RESULTS.md, issue
+    34); packed sequences with TE's a2a or all_gather stay refused at load
+    (:func:`mcore_rl.config.rules.context_parallel_errors`).
     """
     if not uses_transformer_engine(megatron):
         return []
