@@ -172,7 +172,8 @@ def transformer_engine_errors(cfg: TrainConfig, section: str) -> List[str]:
     be installed (:func:`transformer_engine_missing`), else nothing more is said about the device
     (one line for the usual mistake); TE runs on a GPU only; FP8 runs in bf16 and, with the
     ``delayed`` recipe, uncompiled (TE refuses it under torch.compile); packed sequences with CP
-    need the ``torch`` spec; ``fp8_bf16_layers_at_start`` and ``_at_end`` need ``fp8`` and a
+    need the ``torch`` spec or TE's ``p2p`` (:func:`context_parallel_errors`);
+    ``fp8_bf16_layers_at_start`` and ``_at_end`` need ``fp8`` and a
     recipe other than ``delayed`` (their bound per pipeline stage is a shape check:
     :func:`mcore_rl.config.families.transformer_engine_shape_errors`). Which GPU runs which FP8
     recipe is known only where the GPU is: at the run's start
@@ -228,9 +229,9 @@ def context_parallel_errors(cfg: TrainConfig, section: str) -> List[str]:
     with ``cp_comm_type=p2p`` (the split is TE's ``thd_get_partitioned_indices``, tested on CPU;
     packed CP=2 against padded and packed CP=1 on two H200s within bf16 tolerance:
     ``session.sh cp2``, bench/RESULTS.md); TE's a2a and all_gather on packed (THD) sequences have
-    not run, so they are refused. Not built yet: mixture-of-experts models (the router's padding mask and losses are
-    not split), and the sections other than ``policy`` and ``value`` (a reward model's or a
-    judge's CP is not tested)."""
+    not run, so they are refused. Not built yet: mixture-of-experts models (the router's padding
+    mask and losses are not split), and the sections other than ``policy`` and ``value`` (a
+    reward model's or a judge's CP is not tested)."""
     mg, key = getattr(cfg, section).megatron, f"{section}.megatron"
     cp = mg.context_parallel_size
     if cp <= 1:

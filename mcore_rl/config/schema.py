@@ -235,8 +235,9 @@ class MegatronConfig:
     # the micro-batch width per rank, attention passing keys and values between them); needs
     # layer_spec=torch with cp_comm_type=all_gather, or layer_spec=transformer_engine (TE's
     # attention; CP=2 matched CP=1 on GPUs, issue 34); TP x CP x PP divides
-    # cluster.num_workers; policy and value only, no MoE; with sequence_packing (torch spec only)
-    # every packed sequence is padded to a multiple of 2 CP and split the same way.
+    # cluster.num_workers; policy and value only, no MoE; with sequence_packing (torch spec, or
+    # the TE spec with cp_comm_type=p2p) every packed sequence is padded to a multiple of 2 CP
+    # and split the same way.
     context_parallel_size: int = bounded(1, ge=1)
     # With CP > 1, how attention exchanges keys and values (Megatron's cp_comm_type): "p2p" (a ring
     # of sends overlapped with compute), "all_gather", "a2a" (all-to-all over heads: attention
