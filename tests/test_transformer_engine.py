@@ -577,6 +577,24 @@ def test_bridge_provider_is_built_without_apex_fusions():
     assert "persist_layer_norm" not in module.apex_free_overrides(provider, "cuda")
 
 
+def test_bridge_parity_names_where_the_largest_logit_difference_is():
+    """scripts/gpu/bridge_parity.py: the line under a logits check gives the row, position and
+    token of the max |logit diff| and the two logits there (the padded vocabulary left out)."""
+    import torch
+
+    module = _bridge_parity()
+    ref = torch.zeros(2, 3, 4)
+    ref[1, 2] = torch.tensor([1.0, -7.0, 3.0, 0.5])
+    out = ref.clone()
+    out[1, 2, 1] = -4.0  # |diff| 3 at row 1, position 2, token 1
+    out[0, 0, 0] = 2.0
+    out = torch.cat((out, torch.full((2, 3, 1), 99.0)), dim=-1)  # the padded column: ignored
+    line = module.worst_logit(out, ref, 4)
+    assert line.startswith("max |logit diff| at row 1, position 2, token 1: reference -7, "
+                           "model -4;")
+    assert line.endswith("that position's max |reference logit| 7")
+
+
 def test_bridge_parity_holds_bf16_to_the_measured_noise_floor():
     """scripts/gpu/bridge_parity.py, check 2: in bf16 a megatron model is held to FLOOR_FACTOR
     times transformers bf16's differences against fp32 (max logit, max and mean logprob), the old

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import sys
 import time
 import traceback
@@ -72,7 +73,9 @@ FALLBACK_TOLERANCE = {"logit_max": 0.5, "lp_max": 0.1}
 # --precision fp32: fixed. Measured on CPU (local specs, 4 x 256 ids), both megatron models alike:
 # max |logit diff| 1.3e-4, max |logprob diff| 1.7e-5, mean 3.2e-6; the limits leave 30 to 80x
 # for GPU kernels' other summation orders and stay over 200x below bf16's floor (2.08, 0.45,
-# 0.063). Not measured on a GPU yet.
+# 0.063). On an H200 (TE spec, 2026-11-28): 2.2e-4, 4.0e-5, 6.7e-6 with TF32 off; with TF32 on
+# (TE's fp32 GEMMs take it unless NVIDIA_TF32_OVERRIDE=0) 0.45, 0.031, 2.6e-3, so --precision
+# fp32 turns TF32 off (main) and the fp32 check measures the conversion, not TF32's rounding.
 FP32_TOLERANCE = {"logit_max": 1e-2, "lp_max": 1e-3, "lp_mean": 1e-4}
 LABELS = {"logit_max": "max |logit diff|", "logit_mean": "mean |logit diff|",
           "lp_max": "max |logprob diff|", "lp_mean": "mean |logprob diff|"}
@@ -106,6 +109,17 @@ def differences(logits: torch.Tensor, ref: torch.Tensor, ref_lp: torch.Tensor,
     d_lp = (token_logprobs(logits, ids, vocab) - ref_lp).abs()
     return {"logit_max": d_logit.max().item(), "logit_mean": d_logit.mean().item(),
             "lp_max": d_lp.max().item(), "lp_mean": d_lp.mean().item()}
+
+
+def worst_logit(logits: torch.Tensor, ref: torch.Tensor, vocab: int) -> str:
+    """Where the max |logit difference| is (row, position, vocabulary index) and the two logits
+    there: bf16's extremes sit where the logits are large (a position's scale), which the
+    line shows."""
+    d = (logits[..., :vocab].float() - ref).abs()
+    row, pos, tok = (int(i) for i in torch.unravel_index(d.argmax(), d.shape))
+    return (f"max |logit diff| at row {row}, position {pos}, token {tok}: reference "
+            f"{ref[row, pos, tok].item():.4g}, model {logits[row, pos, tok].float().item():.4g}; "
+            f"that position's max |reference logit| {ref[row, pos].abs().max().item():.4g}")
 
 
 def usable_floor(floor: dict[str, float] | None) -> bool:
@@ -223,6 +237,10 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
                         help="the megatron models' precision (fp32: held to a fixed tolerance)")
     args = parser.parse_args(argv)
+    if args.precision == "fp32":  # fp32 means fp32: TE's and torch's GEMMs without TF32
+        os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -301,10 +319,12 @@ def main(argv=None) -> int:
         if "ref" not in state:
             check(floor_name, False, "no reference (transformers fp32 failed above)")
             return
-        floor = differences(hf_logits(torch.bfloat16), state["ref"], state["ref_lp"], ids, vocab)
+        bf16 = hf_logits(torch.bfloat16)
+        floor = differences(bf16, state["ref"], state["ref_lp"], ids, vocab)
         state["floor"] = floor
         check(floor_name, usable_floor(floor), f"vs transformers fp32: {describe(floor)}"
               f"{'' if usable_floor(floor) else ' (not usable: a zero or non-finite value)'}")
+        print(f"     {worst_logit(bf16, state['ref'], vocab)}", flush=True)
 
     guarded(floor_name, noise_floor)
     limits, basis = tolerance(precision, state.get("floor"))
@@ -320,6 +340,7 @@ def main(argv=None) -> int:
         diff = differences(out, state["ref"], state["ref_lp"], ids, vocab)
         check(f"logits {name}", within(diff, limits),
               f"vs transformers fp32: {describe(diff)} ({basis}: {limits_text})")
+        print(f"     {worst_logit(out, state['ref'], vocab)}", flush=True)
 
     own_name = f"mcore-rl ({args.layer_spec}, own load)"
     if "own" in state:

@@ -45,7 +45,8 @@
 #               scripts/gpu/te_smoke.py (issue 34). Later stages see TE only through te_env.
 #   bridge      megatron-bridge against mcore-rl's own conversion on SmolLM2: load, logits, export
 #               (scripts/gpu/bridge_parity.py; after te and model), BRIDGE_PRECISIONS (bf16 fp32):
-#               bf16 against transformers-bf16's noise floor, fp32 against fixed tight limits
+#               bf16 against transformers-bf16's noise floor, fp32 (TF32 off) against fixed
+#               tight limits; under each logits line, where its max |logit diff| is
 #   te_e2e      grpo_synthetic_gpu on the transformer_engine spec, TE_E2E_STEPS (4) steps (after te)
 #   te_parity   issue 34 item 1 (after te, model): one training step on the same weights and batch
 #               with the transformer_engine spec and the local spec against the torch spec, and
