@@ -457,8 +457,10 @@ class GenerationConfig:
     # may fuse epilogues such as the residual add into them; the decoder captures its own CUDA
     # graphs).
     # Needs compile_decode=true (refused at load otherwise). The first decode step compiles
-    # longer (each matrix product's candidates are benchmarked). Measured by
-    # scripts/gpu/decode_step_profile.py's compile+autotune variant; not on a GPU yet.
+    # longer (each matrix product's candidates are benchmarked). Slower on one H200
+    # (scripts/gpu/decode_step_profile.py, SmolLM2-135M's shape, 256 rows): 3.91 ms a decode
+    # step against default's 3.44 (the attention's batched products as Triton templates took
+    # 650 us a step each against cuBLAS's 391 and 306); default stays the default.
     compile_decode_mode: str = one_of("default", COMPILE_DECODE_MODES)
     # Sampling (backends hf and megatron, mcore_rl/generation/sampling.py): draw each token by
     # the same inverse transform in two levels, the vocabulary in blocks of 256 (block sums,
@@ -467,6 +469,8 @@ class GenerationConfig:
     # decode step. Not bit for bit: a token differs only where its uniform lies within float32
     # rounding (~1e-7) of an interval's boundary (tests; rare for peaked distributions, up to
     # ~vocab x 1e-7 a draw for flat ones); logprobs of the same tokens equal. vllm: ignored.
+    # One H200, SmolLM2-135M's shape, 256 rows, with compile_decode: 3.44 -> 3.16 ms a decode
+    # step (the SmolLM2 recipes turn it on).
     block_sampling: bool = False
     # Logprob contract (docs/logprob-contract.md): the largest train/token_mult_prob_error (mean
     # over response tokens of exp(|trainer logprob - rollout logprob|), NeMo RL's definition)
