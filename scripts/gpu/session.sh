@@ -143,8 +143,9 @@
 #               shared_prompt_kv); s37, c37, k37: each change alone on top of b37; d37: b37 +
 #               compile_decode + block_sampling (the dec37 branch); e37: b37 + compile_decode
 #               with rewards scored while decoding (the recipes' settings since 2026-11-28)
-#   arith37     grpo_smollm2_arith, ARITH37_STEPS (40) steps, held-out every 20: ARITH37_RUNS of
-#               before and after (as b37 / a37): seconds per step and the held-out curve
+#   arith37     grpo_smollm2_arith, ARITH37_STEPS (40) steps, held-out every 20, one run after the
+#               other: ARITH37_RUNS (before after flex; see the function) - seconds per step and
+#               the held-out curve
 #   decode37    256 x 512 rollouts (groups of 8): megatron before and after, vLLM as mcore-rl
 #               runs it (per-row seeds), vLLM at its best (no seeds, CUDA graphs, prefix caching,
 #               its sampler; FlashInfer's where installed), all decoding every token
@@ -372,11 +373,18 @@ stage_prof37() {
     echo "== prof37"; quiet < "$RES/prof37.log" | grep -v "^RESULT" | tail -n 60
 }
 
-stage_arith37() {  # ARITH37_RUNS: before after
+stage_arith37() {  # ARITH37_RUNS of before (the issue-37 switches off), after (the config as is:
+    # compile_decode, block_sampling, scoring while decoding), flex (after +
+    # generation.decode_attention=flex), shared (the 2026-11-27 "after": compile + shared KV)
     local run extra
-    for run in ${ARITH37_RUNS:-before after}; do
-        extra="reward.score_while_decoding=false generation.compile_decode=false"  # on in the config since dec37
-        [ "$run" = after ] && extra=$AFTER37
+    for run in ${ARITH37_RUNS:-before after flex}; do
+        case $run in
+            before) extra="reward.score_while_decoding=false generation.compile_decode=false generation.block_sampling=false" ;;
+            after) extra="" ;;
+            flex) extra="generation.decode_attention=flex" ;;
+            shared) extra=$AFTER37 ;;
+            *) echo "arith37: unknown run $run"; status=1; continue ;;
+        esac
         # shellcheck disable=SC2086
         timeout "${ARITH37_TIMEOUT:-240}" python3 -m mcore_rl train --config-name grpo_smollm2_arith \
             "${common[@]}" model.hf_path="$MODEL" run.output_dir="/tmp/runs/arith37_$run" \
