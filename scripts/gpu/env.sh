@@ -8,7 +8,7 @@ set -o pipefail
 # wheels differ from the last install's (names and sizes, /tmp/site/.wheels): a reinstall
 # (--upgrade) rewrites megatron-core under a background stage (bg:) that imports it, which
 # failed one such run with "No module named 'megatron.core.transformer'" (2026-11-28).
-wheels_stamp=$(find "${WHEELS:-.whl}" -maxdepth 1 -name '*.whl' -printf '%s %f\n' 2>/dev/null | sort)
+wheels_stamp=$(find "${WHEELS:-.whl}" -maxdepth 1 -type f -name '*.whl' -printf '%s %f\n' 2>/dev/null | sort)
 if [ ! -d /tmp/site ] || { [ -n "$wheels_stamp" ] \
         && [ "$wheels_stamp" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; }; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
