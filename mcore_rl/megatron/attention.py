@@ -651,10 +651,11 @@ def flex_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch
     Grouped-query attention as :func:`decode_attention` arranges it: the ``np / ng`` query heads
     of KV group ``g`` (Megatron's head order) are the ``np / ng`` queries of FlexAttention's head
     ``g``, so the attention has ``ng`` heads on both sides and no ``enable_gqa`` (the same
-    numbers). The reason is the GPU kernel: Inductor (torch 2.11 - 2.13,
-    ``_use_flex_decoding``) takes its decoding (split-KV) kernel only for static batch and head
-    counts, a query length under 128 and, with ``enable_gqa``, a power-of-two number of query
-    heads per KV head (SmolLM2-135M has 3), else the main FlexAttention kernel. The mask is a
+    numbers). The reason is the GPU kernel: Inductor (torch 2.13's ``_use_flex_decoding``) takes
+    its decoding (split-KV) kernel only for static batch and head counts, a query length under
+    128 and, with ``enable_gqa``, a power-of-two number of query heads per KV head
+    (SmolLM2-135M has 3), else the main FlexAttention kernel; hence also the static rows of
+    :class:`~mcore_rl.megatron.decode_layer.DecodeLayers` with ``flex``. The mask is a
     ``score_mod`` that reads ``attention_mask`` (``-inf`` where True): no block mask is built per
     call; FlexAttention visits every key block up to the span.
 
