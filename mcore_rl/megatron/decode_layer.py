@@ -266,9 +266,10 @@ class DecodeLayers:
             for all): Inductor takes FlexAttention's decoding (split-KV) kernel only for a
             static batch, and its CPU template of torch 2.13 does not compile with both the
             batch and the key length dynamic (a C++ compile error). A decoder of ``R`` rows has
-            ``log2(R / 8) + 1`` row buckets (6 for 256), each a compile against torch.compile's
-            recompile limit (8 by default; a cache that grows to more slots may add one), past
-            which torch runs the function eagerly.
+            ``log2(R / 8) + 1`` row buckets (6 for 256), each a compile counted against
+            torch.compile's recompile limit (8 by default), past which torch runs the function
+            eagerly (a cache grown to more slots recompiled ``attention_in`` once in the tests,
+            not ``attention_out``).
 
     Raises:
         NotImplementedError: from :func:`layer_weights`.
