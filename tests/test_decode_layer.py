@@ -44,7 +44,7 @@ def _prompts():
     return [p for p in distinct for _ in range(4)]
 
 
-def _decoder(precision: str):
+def _decoder(precision: str, arch: ModelArchConfig = ARCH):
     from mcore_rl.generation.megatron import MegatronDecoder
     from mcore_rl.megatron import rope
     from mcore_rl.megatron.model import build_model, wrap_float16
@@ -52,7 +52,7 @@ def _decoder(precision: str):
     rope.install()  # as every Megatron worker does
     torch.manual_seed(0)
     megatron = MegatronConfig(layer_spec="torch", precision=precision)
-    (chunk,) = wrap_float16(build_model(ARCH, megatron, VOCAB, "cpu"), precision)
+    (chunk,) = wrap_float16(build_model(arch, megatron, VOCAB, "cpu"), precision)
     with torch.no_grad():  # larger weights than the init's: rows end at different steps
         for p in chunk.parameters():
             p.mul_(3.0)

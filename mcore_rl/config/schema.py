@@ -42,6 +42,9 @@ LAYER_SPECS = ("local", "torch", "transformer_engine")
 # generation.compile_decode_mode: torch.compile modes of the compiled decode layers (the decoder
 # captures its own CUDA graphs, so none of the modes that capture them).
 COMPILE_DECODE_MODES = ("default", "max-autotune-no-cudagraphs")
+# generation.decode_attention: the compiled decode layers' attention over the KV cache
+# (mcore_rl.megatron.attention: decode_attention, flex_decode_attention).
+DECODE_ATTENTIONS = ("bmm", "flex")
 # *.megatron.fp8 and fp8_recipe: Megatron-Core TransformerConfig's fp8 formats and recipes (its
 # "custom" recipe, which takes a quantizer factory, is not offered).
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -462,6 +465,16 @@ class GenerationConfig:
     # step against default's 3.44 (the attention's batched products as Triton templates took
     # 650 us a step each against cuBLAS's 391 and 306); default stays the default.
     compile_decode_mode: str = one_of("default", COMPILE_DECODE_MODES)
+    # backend=megatron: the attention over the KV cache in compile_decode's layers: bmm (two
+    # batched matrix products around a softmax kernel, the scores written to memory) or flex
+    # (torch's FlexAttention: scores, mask, softmax and the weighted sum in one kernel, the
+    # softmax online in fp32; on GPU Inductor's split-KV decoding kernel, flash-decoding).
+    # flex needs compile_decode=true and is not supported with shared_prompt_kv (both refused
+    # at load); its attention half compiles once per row bucket (static rows). Not bit for bit
+    # (bmm rounds scores and probabilities to the model's dtype, flex once at the output): fp32
+    # on CPU within 1e-5 of bmm per output element, rollouts equal (tests); bf16 on the GPU:
+    # scripts/gpu/decode_step_profile.py's compile+flex variant; not on a GPU yet.
+    decode_attention: str = one_of("bmm", DECODE_ATTENTIONS)
     # Sampling (backends hf and megatron, mcore_rl/generation/sampling.py): draw each token by
     # the same inverse transform in two levels, the vocabulary in blocks of 256 (block sums,
     # then a scan of the chosen block) with the probabilities taken from the logprobs, instead

@@ -57,6 +57,8 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
     ``generation.num_workers`` nor streaming (``grpo.streaming``, ``ppo.streaming``);
     ``generation.compile_decode`` only for dense local/torch-spec layers at TP=1;
     ``generation.compile_decode_mode`` other than ``default`` only with ``compile_decode``;
+    ``generation.decode_attention=flex`` only with ``compile_decode`` and without
+    ``generation.shared_prompt_kv``;
     ``generation.cuda_graphs_tp`` only with ``generation.cuda_graphs``."""
     errors = megatron_layout_errors(cfg.policy.megatron)
     if cfg.generation.num_workers:
@@ -81,6 +83,14 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
         errors.append(f"generation.compile_decode_mode={cfg.generation.compile_decode_mode} is "
                       "the torch.compile mode of generation.compile_decode's layers, which is "
                       "false; set generation.compile_decode=true, or compile_decode_mode=default")
+    if cfg.generation.decode_attention == "flex" and not cfg.generation.compile_decode:
+        errors.append("generation.decode_attention=flex is the attention of "
+                      "generation.compile_decode's layers, which is false; set "
+                      "generation.compile_decode=true, or decode_attention=bmm")
+    if cfg.generation.decode_attention == "flex" and cfg.generation.shared_prompt_kv:
+        errors.append("generation.decode_attention=flex does not support "
+                      "generation.shared_prompt_kv=true (the shared prompt's two-part attention "
+                      "is bmm's only); set decode_attention=bmm, or shared_prompt_kv=false")
     if cfg.generation.cuda_graphs_tp and not cfg.generation.cuda_graphs:
         errors.append("generation.cuda_graphs_tp=true captures the decode steps' tensor-parallel "
                       "collectives in the CUDA graphs of generation.cuda_graphs, which is false; "

@@ -417,7 +417,8 @@ class MegatronDecoder:
     step's layers are :class:`~mcore_rl.megatron.decode_layer.DecodeLayers` compiled by
     ``_compiler`` (``torch.compile``, with ``mode=generation.compile_decode_mode`` unless that
     is ``default``; compiled at the first step, one compile for every layer and bucket, again
-    when the mode changes), prefill stays Megatron's.
+    when the mode or ``generation.decode_attention`` changes; with ``decode_attention=flex``
+    the attention's half once per row bucket), prefill stays Megatron's.
 
     Args:
         model: the worker's model chunk (``DistributedDataParallel`` around, with bf16,
@@ -436,7 +437,7 @@ class MegatronDecoder:
     """
 
     _layers = None  # DecodeLayers with generation.compile_decode
-    _layers_mode = None  # the generation.compile_decode_mode _layers were compiled with
+    _layers_mode = None  # the (compile_decode_mode, decode_attention) of _layers
     _stops: Optional[Tuple[torch.Tensor, tuple]] = None  # (stop-id tensor, its ids): _stops_key
     _compiler = staticmethod(torch.compile)  # what compiles them (tests: an eager stand-in)
 
@@ -510,15 +511,16 @@ class MegatronDecoder:
             moved = _tp_any(moved, self._tp_group(), self.device)
         if moved:
             self._graphs, self._weights = {}, weights
-        if cfg.compile_decode and (self._layers is None
-                                   or self._layers_mode != cfg.compile_decode_mode):
+        layers_mode = (cfg.compile_decode_mode, cfg.decode_attention)
+        if cfg.compile_decode and (self._layers is None or self._layers_mode != layers_mode):
             from mcore_rl.megatron.decode_layer import DecodeLayers
 
             compiler = self._compiler
             if cfg.compile_decode_mode != "default":  # torch.compile's own default otherwise
                 compiler = functools.partial(compiler, mode=cfg.compile_decode_mode)
-            self._layers = DecodeLayers(self.gpt.decoder.layers, compile=compiler)
-            self._layers_mode = cfg.compile_decode_mode
+            self._layers = DecodeLayers(self.gpt.decoder.layers, compile=compiler,
+                                        attention=cfg.decode_attention)
+            self._layers_mode = layers_mode
         elif not cfg.compile_decode:
             self._layers = None
         ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]

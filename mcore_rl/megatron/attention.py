@@ -638,13 +638,76 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return torch.bmm(probs, values.reshape(b * ng, s, hn)).reshape(1, b, np_ * hn)
 
 
-def cache_attention(query: torch.Tensor, kv: Tuple, scale: float) -> torch.Tensor:
+def flex_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          attention_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`decode_attention` as one fused attention (``generation.decode_attention=flex``):
+    torch's FlexAttention (``torch.nn.attention.flex_attention``) computes the scores, the mask,
+    the softmax and the weighted sum of the values in one kernel that keeps the scores in
+    registers and the softmax online (FlashAttention, Dao et al. 2022, arXiv:2205.14135;
+    split over the keys for short queries: Flash-Decoding, Dao, Haziza, Massa, Sizov 2023).
+    Inside ``torch.compile`` Inductor generates that kernel (Triton on GPU, a C++ template on
+    CPU); called eagerly, FlexAttention computes the same attention unfused (the tests' check).
+
+    Grouped-query attention as :func:`decode_attention` arranges it: the ``np / ng`` query heads
+    of KV group ``g`` (Megatron's head order) are the ``np / ng`` queries of FlexAttention's head
+    ``g``, so the attention has ``ng`` heads on both sides and no ``enable_gqa`` (the same
+    numbers). The reason is the GPU kernel: Inductor (torch 2.13's ``_use_flex_decoding``) takes
+    its decoding (split-KV) kernel only for static batch and head counts, a query length under
+    128 and, with ``enable_gqa``, a power-of-two number of query heads per KV head
+    (SmolLM2-135M has 3), else the main FlexAttention kernel; hence also the static rows of
+    :class:`~mcore_rl.megatron.decode_layer.DecodeLayers` with ``flex``. The mask is a
+    ``score_mod`` that reads ``attention_mask`` (``-inf`` where True): no block mask is built per
+    call; FlexAttention visits every key block up to the span.
+
+    Not bit for bit :func:`decode_attention`: the kernel keeps the scores and the softmax in
+    fp32 and rounds once, at the output (as FlashAttention, which the training forward uses
+    through SDPA), where :func:`decode_attention` rounds the scores and the probabilities to
+    the input dtype; and it sums in another order. Bound: fp32 on CPU within 1e-5 of
+    :func:`decode_attention` per output element, and the decoder's rollouts equal
+    (``tests/test_flex_decode.py``); bf16 on the GPU: ``scripts/gpu/decode_step_profile.py``'s
+    ``compile+flex`` variant against ``compile``.
+
+    Args:
+        query: ``[1, B, np, hn]``.
+        keys, values: ``[B, ng, S, hn]`` (a row's positions ``0 .. S-1``; the last dim
+            contiguous, views of the cache buffers are fine).
+        attention_mask: ``[B, S]`` bool, ``True`` = masked out; every row keeps at least one
+            key (a row with none would give NaN).
+        scale: softmax scale.
+
+    Returns:
+        ``[1, B, np * hn]`` in the dtype of ``query``.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    b, ng, _, hn = keys.shape
+    q = query[0].view(b, ng, query.shape[2] // ng, hn)  # a group's query heads as its queries
+
+    def masked(score, row, head, q_idx, kv_idx):
+        return torch.where(attention_mask[row, kv_idx], float("-inf"), score)
+
+    out = flex_attention(q, keys, values, score_mod=masked, scale=scale)
+    return out.reshape(1, b, query.shape[2] * hn).to(query.dtype)
+
+
+def cache_attention(query: torch.Tensor, kv: Tuple, scale: float, flex: bool = False
+                    ) -> torch.Tensor:
     """The decode attention of ``query`` ``[1, B, np, d]`` over what :meth:`KVCache.step`
-    returned: :func:`decode_attention` over the rows' keys up to the span, or
-    :func:`shared_decode_attention` with shared prompts. Returns ``[1, B, np * d]``."""
+    returned: :func:`decode_attention` (or with ``flex`` :func:`flex_decode_attention`) over the
+    rows' keys up to the span, or :func:`shared_decode_attention` with shared prompts. Returns
+    ``[1, B, np * d]``.
+
+    Raises:
+        NotImplementedError: ``flex`` with shared prompts (refused at load:
+            ``generation.decode_attention=flex`` with ``generation.shared_prompt_kv``).
+    """
     keys, values, mask, prompt_keys, prompt_values = kv
     if prompt_keys is None:
-        return decode_attention(query, keys, values, mask, scale)
+        attend = flex_decode_attention if flex else decode_attention
+        return attend(query, keys, values, mask, scale)
+    if flex:
+        raise NotImplementedError("generation.decode_attention=flex does not support "
+                                  "generation.shared_prompt_kv")
     return shared_decode_attention(query, prompt_keys, prompt_values, keys, values, mask, scale)
 
 

@@ -20,7 +20,10 @@ limit), and again per row bucket and attended span. Here a layer is
 each taking the layer's weights as arguments (:class:`LayerWeights`, read from Megatron's
 modules in place: nothing is copied) and the layer's constants (:class:`LayerShape`, the same
 for every layer) as keywords. The row and span dimensions are marked dynamic
-(``torch._dynamo.maybe_mark_dynamic``), so a compile is made once per function and KV layout.
+(``torch._dynamo.maybe_mark_dynamic``), so a compile is made once per function and KV layout;
+with ``generation.decode_attention=flex`` (FlexAttention,
+:func:`~mcore_rl.megatron.attention.flex_decode_attention`) :func:`attention_out` keeps its
+rows static, one compile per row bucket (:class:`DecodeLayers`).
 
 Eager, the functions compute what Megatron-Core's layer computes, op for op (``torch.matmul``
 with the transposed weight then ``+ bias``, as its linear layers; ``rms_norm`` as
@@ -59,6 +62,10 @@ class LayerShape:
         qk_eps: the query / key RMSNorms' epsilon, or None without ``qk_layernorm``.
         glu_offset: Megatron's ``glu_linear_offset`` (``up + offset`` in the GLU; 0.0).
         scale: the attention's softmax scale.
+        attention: the decode attention over the cache (``generation.decode_attention``):
+            ``bmm`` (:func:`~mcore_rl.megatron.attention.decode_attention`) or ``flex``
+            (:func:`~mcore_rl.megatron.attention.flex_decode_attention`); set by
+            :class:`DecodeLayers`, not read from the layer.
     """
 
     heads: int
@@ -68,6 +75,7 @@ class LayerShape:
     qk_eps: Optional[float]
     glu_offset: float
     scale: float
+    attention: str = "bmm"
 
 
 class LayerWeights(NamedTuple):
@@ -223,7 +231,8 @@ def attention_out(hidden: torch.Tensor, query: torch.Tensor, kv: Tuple, w: Layer
 
     Args:
         hidden: ``[B, h]`` the layer's input (the residual).
-        query: ``[B, np, d]`` from :func:`attention_in`.
+        query: ``[B, np, d]`` from :func:`attention_in` (or ``[B, ng, np / ng, d]``, the
+            same grouped: :class:`DecodeLayers` passes that with ``flex``).
         kv: the cache's buffers and mask of this step (:meth:`~mcore_rl.megatron.attention.
             KVCache.read`), for :func:`~mcore_rl.megatron.attention.cache_attention`.
         w, shape: the layer's weights and constants.
@@ -233,7 +242,8 @@ def attention_out(hidden: torch.Tensor, query: torch.Tensor, kv: Tuple, w: Layer
     """
     from mcore_rl.megatron.attention import cache_attention
 
-    core = cache_attention(query[None], kv, shape.scale)[0]
+    query = query.flatten(1, -2)  # [B, np, d]
+    core = cache_attention(query[None], kv, shape.scale, flex=shape.attention == "flex")[0]
     hidden = hidden + _linear(core, w.proj, w.proj_bias)
     x = F.rms_norm(hidden, (hidden.shape[-1],), w.ln2, shape.eps)
     gate, up = torch.chunk(_linear(x, w.fc1, w.fc1_bias), 2, dim=-1)
@@ -249,16 +259,32 @@ class DecodeLayers:
         compile: the compiler of the two functions (``torch.compile`` with Inductor by
             default); None runs them eagerly (bit for bit Megatron's layers: the tests' check of
             the functions themselves).
+        attention: ``generation.decode_attention``, ``bmm`` or ``flex``
+            (:attr:`LayerShape.attention`). With ``flex`` the row dimension of
+            :func:`attention_out`'s inputs is static (marked so: one compile of it per row
+            bucket, still one for every layer and span; :func:`attention_in` keeps one compile
+            for all): Inductor takes FlexAttention's decoding (split-KV) kernel only for a
+            static batch, and its CPU template of torch 2.13 does not compile with both the
+            batch and the key length dynamic (a C++ compile error). A decoder of ``R`` rows has
+            ``log2(R / 8) + 1`` row buckets (6 for 256), each a compile counted against
+            torch.compile's recompile limit (8 by default), past which torch runs the function
+            eagerly (a cache grown to more slots recompiled ``attention_in`` once in the tests,
+            not ``attention_out``).
 
     Raises:
         NotImplementedError: from :func:`layer_weights`.
+        ValueError: ``attention`` not ``bmm`` or ``flex``.
     """
 
-    def __init__(self, layers, compile: Optional[Callable] = torch.compile):
+    def __init__(self, layers, compile: Optional[Callable] = torch.compile,
+                 attention: str = "bmm"):
+        if attention not in ("bmm", "flex"):
+            raise ValueError(f"decode attention must be bmm or flex, got {attention!r}")
         read = [layer_weights(layer) for layer in layers]
         self.shape = read[0][0]
         if any(s != self.shape for s, _ in read):
             raise NotImplementedError("compiled decode layers need equal layers")
+        self.shape = dataclasses.replace(self.shape, attention=attention)
         self.numbers = [layer.layer_number for layer in layers]
         self.weights: List[LayerWeights] = [w for _, w in read]
         self._in, self._out = attention_in, attention_out
@@ -282,11 +308,35 @@ class DecodeLayers:
             query = self._in(hidden, w, cos, signed_sin, cache.keys[number],
                              cache.values[number], rows, at, shape=self.shape)
             kv = cache.read(number, rows.shape[0])
+            if self.shape.attention == "flex":  # static rows (class docstring)
+                hidden = self._out(*_static_rows(hidden, query, *kv, groups=self.shape.groups),
+                                   w, shape=self.shape)
+                continue
             _dynamic(query, 0)
             for t in kv:  # rows (or groups) and span of the cache views and the mask
                 _dynamic(t, *(() if t is None else (0, 1) if t.dim() == 2 else (0, 2)))
             hidden = self._out(hidden, query, kv, w, shape=self.shape)
         return hidden[None]
+
+
+def _static_rows(hidden: torch.Tensor, query: torch.Tensor, *kv: Optional[torch.Tensor],
+                 groups: int) -> Tuple:
+    """:func:`attention_out`'s ``hidden``, ``query`` and ``kv`` with the row dimension static
+    (``torch._dynamo.mark_static``) and the span dynamic, as new views of the same tensors: a
+    view carries none of the marks that ``attention_in``'s call or the output of a compiled
+    function (torch's propagated dynamic dims) left on the tensor, which would take
+    precedence over ``mark_static``. The query as ``[B, groups, np / groups, d]`` (grouped, as
+    FlexAttention reads it): Inductor's CPU FlexAttention template (torch 2.13) reads the
+    query's shape from its input buffer, and fails on a view of a 3-d one."""
+    hidden = hidden.view(hidden.shape)
+    query = query.view(query.shape[0], groups, query.shape[1] // groups, query.shape[2])
+    kv = tuple(None if t is None else t.view(t.shape) for t in kv)
+    for t in (hidden, query) + kv:
+        if t is not None:
+            torch._dynamo.mark_static(t, 0)
+    for t in kv:  # the span of the cache views and the mask
+        _dynamic(t, *(() if t is None else (1,) if t.dim() == 2 else (2,)))
+    return hidden, query, kv
 
 
 def _dynamic(t: Optional[torch.Tensor], *dims: int) -> None:

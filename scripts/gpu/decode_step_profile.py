@@ -13,11 +13,14 @@ the compiled RoPE kernel), ``shared`` (``generation.shared_prompt_kv``), ``compi
 ``blocks`` (``generation.block_sampling``: the two-level inverse transform), ``compile+blocks``,
 ``compile+autotune`` (``generation.compile_decode_mode=max-autotune-no-cudagraphs``: Inductor
 autotunes the layers' matrix products, Triton templates against cuBLAS; its warm-up compiles
-longer), ``compile+autotune+blocks``. Per variant: a warm-up call (compiles, captures every
-graph), then ``--repeats`` timed calls (median wall seconds; ms per decode step = wall / 255,
-prefill included), then one call under the torch profiler: kernels and device milliseconds per
-decode step (the call's kernels / 255, prefill's few included) and the top 10 kernels by device
-time.
+longer), ``compile+autotune+blocks``, ``compile+flex`` (``generation.decode_attention=flex``:
+the layers' attention over the KV cache as one FlexAttention kernel, Inductor's split-KV
+decoding kernel, instead of two cuBLAS batched products around a softmax kernel; its attention
+half compiles once per row bucket), ``compile+flex+blocks``. Per variant: a warm-up call
+(compiles, captures every graph), then ``--repeats`` timed calls (median wall seconds; ms per
+decode step = wall / 255, prefill included), then one call under the torch profiler: kernels and
+device milliseconds per decode step (the call's kernels / 255, prefill's few included) and the
+top 10 kernels by device time.
 Each variant's rollout is checked against ``base``'s (same seed): rows whose tokens are all
 equal, and the largest |logprob difference| over each row's tokens up to its first differing
 token (the bound of a variant that is not bit for bit).
@@ -63,7 +66,10 @@ VARIANTS = {"base": {}, "compile": {"compile_decode": True},
             "compile+blocks": {"compile_decode": True, "block_sampling": True},
             "compile+autotune": {"compile_decode": True, "compile_decode_mode": AUTOTUNE},
             "compile+autotune+blocks": {"compile_decode": True, "compile_decode_mode": AUTOTUNE,
-                                        "block_sampling": True}}
+                                        "block_sampling": True},
+            "compile+flex": {"compile_decode": True, "decode_attention": "flex"},
+            "compile+flex+blocks": {"compile_decode": True, "decode_attention": "flex",
+                                    "block_sampling": True}}
 
 
 def _worker(model_dir):

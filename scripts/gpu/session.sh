@@ -137,12 +137,18 @@
 #               PROF37_VARIANTS picks); not by default: compile+autotune
 #               (generation.compile_decode_mode=max-autotune-no-cudagraphs: Inductor's Triton
 #               GEMMs against cuBLAS; a longer first compile) and compile+autotune+blocks, e.g.
-#               PROF37_VARIANTS=base,compile,compile+autotune,compile+autotune+blocks
+#               PROF37_VARIANTS=base,compile,compile+autotune,compile+autotune+blocks;
+#               compile+flex (generation.decode_attention=flex: the cache attention as one
+#               FlexAttention split-KV kernel instead of cuBLAS's two tiny-tile batched GEMMs and
+#               a softmax kernel) and compile+flex+blocks, e.g.
+#               PROF37_VARIANTS=base,compile+blocks,compile+flex,compile+flex+blocks
 #   gsm8k       with GSM8K_VARIANTS="b37 a37": before (today's best, reward scored after
 #               generation) and after (rewards scored while decoding, compile_decode,
 #               shared_prompt_kv); s37, c37, k37: each change alone on top of b37; d37: b37 +
 #               compile_decode + block_sampling (the dec37 branch); e37: b37 + compile_decode
-#               with rewards scored while decoding (the recipes' settings since 2026-11-28)
+#               with rewards scored while decoding (the recipes' settings since 2026-11-28);
+#               f37: b37's overrides + compile_decode + block_sampling + decode_attention=flex,
+#               rewards scored while decoding (the default); g37: the same without flex
 #   arith37     grpo_smollm2_arith, ARITH37_STEPS (40) steps, held-out every 20, one run after the
 #               other: ARITH37_RUNS (before after flex; see the function) - seconds per step and
 #               the held-out curve
@@ -344,7 +350,9 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
         [k37]="$BEST37 reward.score_while_decoding=false generation.shared_prompt_kv=true"
         [a37]="$BEST37 $AFTER37"
         [d37]="$BEST37 reward.score_while_decoding=false generation.compile_decode=true generation.block_sampling=true"
-        [e37]="$BEST37 generation.compile_decode=true")
+        [e37]="$BEST37 generation.compile_decode=true"
+        [f37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=flex"
+        [g37]="$BEST37 generation.compile_decode=true generation.block_sampling=true")
     # base<variant>: the variant on the code in .base/ (a carried `git archive` of an earlier
     # commit's mcore_rl/ bench/ configs/), run from there: before and after on the same machine.
     local name dir
