@@ -25,7 +25,9 @@ Each variant's rollout is checked against ``base``'s (same seed): rows whose tok
 equal, and the largest |logprob difference| over each row's tokens up to its first differing
 token (the bound of a variant that is not bit for bit).
 
-Prints one table, the top kernels per variant, and last a ``RESULT {...}`` JSON line.
+Prints one table, the top kernels per variant, and last a ``RESULT {...}`` JSON line. A
+variant that raises (a compile, a capture) is reported FAILED with its error and the others
+still run (exit status 1); a failing ``base`` ends the run.
 
     python3 scripts/gpu/decode_step_profile.py [--variants base,compile,blocks,compile+blocks]
     SMOKE=1 python3 scripts/gpu/decode_step_profile.py   # CPU: 2 layers, 16 rows, fp32, no profile
@@ -40,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -146,36 +149,46 @@ def main() -> int:
     rows, steps = len(prompts), args.max_new_tokens - 1
     sync = (lambda: None) if SMOKE else torch.cuda.synchronize
     results, outputs = {}, {}
+    failed = []
     for name in variants:
-        cfg = GenerationConfig(temperature=0.7, max_new_tokens=args.max_new_tokens,
-                               batch_size=rows, ignore_eos=True, **VARIANTS[name])
+        try:
+            cfg = GenerationConfig(temperature=0.7, max_new_tokens=args.max_new_tokens,
+                                   batch_size=rows, ignore_eos=True, **VARIANTS[name])
 
-        def generate(cfg=cfg):
-            return worker.generate(prompts, 0, 1, False, decoder=MegatronDecoder, cfg=cfg,
-                                   eos_token_id=[], pad_token_id=0,
-                                   max_total_length=200 + args.max_new_tokens)
+            def generate(cfg=cfg):
+                return worker.generate(prompts, 0, 1, False, decoder=MegatronDecoder, cfg=cfg,
+                                       eos_token_id=[], pad_token_id=0,
+                                       max_total_length=200 + args.max_new_tokens)
 
-        start = time.perf_counter()
-        outputs[name] = generate()  # compiles, captures
-        sync()
-        warm = time.perf_counter() - start
-        seconds = []
-        for _ in range(args.repeats):
             start = time.perf_counter()
-            generate()
+            outputs[name] = generate()  # compiles, captures
             sync()
-            seconds.append(time.perf_counter() - start)
-        wall = statistics.median(seconds)
-        r = {"warmup_s": round(warm, 2), "wall_s": round(wall, 4),
-             "ms_per_step": round(wall / steps * 1e3, 3),
-             "tokens_per_s": round(rows * args.max_new_tokens / wall)}
-        if not SMOKE:
-            prof = _profile(generate)
-            r.update(kernels_per_step=round(prof["kernels"] / steps, 1),
-                     device_ms_per_step=round(prof["device_ms"] / steps, 3), top=prof["top"])
-        r.update(_against(outputs["base"], outputs[name]))
-        results[name] = r
-        print(f"{name}: {json.dumps({k: v for k, v in r.items() if k != 'top'})}", flush=True)
+            warm = time.perf_counter() - start
+            seconds = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                generate()
+                sync()
+                seconds.append(time.perf_counter() - start)
+            wall = statistics.median(seconds)
+            r = {"warmup_s": round(warm, 2), "wall_s": round(wall, 4),
+                 "ms_per_step": round(wall / steps * 1e3, 3),
+                 "tokens_per_s": round(rows * args.max_new_tokens / wall)}
+            if not SMOKE:
+                prof = _profile(generate)
+                r.update(kernels_per_step=round(prof["kernels"] / steps, 1),
+                         device_ms_per_step=round(prof["device_ms"] / steps, 3), top=prof["top"])
+            r.update(_against(outputs["base"], outputs[name]))
+            results[name] = r
+            print(f"{name}: {json.dumps({k: v for k, v in r.items() if k != 'top'})}", flush=True)
+        except Exception as error:  # a variant that fails (a compile, a capture) ends only itself
+            if name == "base":  # every other variant is compared against base's rollout
+                raise
+            traceback.print_exc()
+            failed.append(name)
+            print(f"{name}: FAILED {type(error).__name__}: {' '.join(str(error).split())[:300]}",
+                  flush=True)
+
     print(f"\n== decode step, {rows} rows x {args.max_new_tokens} tokens ({steps} decode steps), "
           f"{SMOLLM2.num_layers} layers")
     cols = ("ms_per_step", "kernels_per_step", "device_ms_per_step", "tokens_per_s", "warmup_s",
@@ -183,13 +196,16 @@ def main() -> int:
     print(f"{'variant':24s}" + "".join(f"{c:>20s}" for c in cols))
     for name, r in results.items():
         print(f"{name:24s}" + "".join(f"{str(r.get(c, '-')):>20s}" for c in cols))
+    for name in failed:
+        print(f"{name:24s}  FAILED (its error above)")
     for name, r in results.items():
         if "top" in r:
             print(f"\n== top 10 kernels, {name} (count per step, device us per step)")
             for kernel, count, us in r["top"]:
                 print(f"  {count / steps:8.1f} {us / steps:10.1f}  {kernel}")
-    print("RESULT " + json.dumps({"rows": rows, "steps": steps, "variants": results}))
-    return 0
+    print("RESULT " + json.dumps({"rows": rows, "steps": steps, "variants": results,
+                                  "failed": failed}))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
