@@ -121,6 +121,36 @@ def _against(base, out) -> dict:
     return {"rows_equal": equal, "max_logprob_diff": worst}
 
 
+def _measure(worker, prompts, cfg, args, steps: int, sync):
+    """One variant: a warm-up call (compiles, captures; its rollout is returned), the median
+    wall seconds of ``args.repeats`` calls, and (on the GPU) one call under the profiler.
+    Returns ``(rollout, figures)``."""
+    def generate():
+        return worker.generate(prompts, 0, 1, False, decoder=MegatronDecoder, cfg=cfg,
+                               eos_token_id=[], pad_token_id=0,
+                               max_total_length=200 + args.max_new_tokens)
+
+    start = time.perf_counter()
+    rollout = generate()
+    sync()
+    warm = time.perf_counter() - start
+    seconds = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        generate()
+        sync()
+        seconds.append(time.perf_counter() - start)
+    wall = statistics.median(seconds)
+    r = {"warmup_s": round(warm, 2), "wall_s": round(wall, 4),
+         "ms_per_step": round(wall / steps * 1e3, 3),
+         "tokens_per_s": round(len(prompts) * args.max_new_tokens / wall)}
+    if not SMOKE:
+        prof = _profile(generate)
+        r.update(kernels_per_step=round(prof["kernels"] / steps, 1),
+                 device_ms_per_step=round(prof["device_ms"] / steps, 3), top=prof["top"])
+    return rollout, r
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="SmolLM2-135M-Instruct HF directory "
@@ -154,33 +184,7 @@ def main() -> int:
         try:
             cfg = GenerationConfig(temperature=0.7, max_new_tokens=args.max_new_tokens,
                                    batch_size=rows, ignore_eos=True, **VARIANTS[name])
-
-            def generate(cfg=cfg):
-                return worker.generate(prompts, 0, 1, False, decoder=MegatronDecoder, cfg=cfg,
-                                       eos_token_id=[], pad_token_id=0,
-                                       max_total_length=200 + args.max_new_tokens)
-
-            start = time.perf_counter()
-            outputs[name] = generate()  # compiles, captures
-            sync()
-            warm = time.perf_counter() - start
-            seconds = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                generate()
-                sync()
-                seconds.append(time.perf_counter() - start)
-            wall = statistics.median(seconds)
-            r = {"warmup_s": round(warm, 2), "wall_s": round(wall, 4),
-                 "ms_per_step": round(wall / steps * 1e3, 3),
-                 "tokens_per_s": round(rows * args.max_new_tokens / wall)}
-            if not SMOKE:
-                prof = _profile(generate)
-                r.update(kernels_per_step=round(prof["kernels"] / steps, 1),
-                         device_ms_per_step=round(prof["device_ms"] / steps, 3), top=prof["top"])
-            r.update(_against(outputs["base"], outputs[name]))
-            results[name] = r
-            print(f"{name}: {json.dumps({k: v for k, v in r.items() if k != 'top'})}", flush=True)
+            outputs[name], r = _measure(worker, prompts, cfg, args, steps, sync)
         except Exception as error:  # a variant that fails (a compile, a capture) ends only itself
             if name == "base":  # every other variant is compared against base's rollout
                 raise
@@ -188,6 +192,10 @@ def main() -> int:
             failed.append(name)
             print(f"{name}: FAILED {type(error).__name__}: {' '.join(str(error).split())[:300]}",
                   flush=True)
+            continue
+        r.update(_against(outputs["base"], outputs[name]))
+        results[name] = r
+        print(f"{name}: {json.dumps({k: v for k, v in r.items() if k != 'top'})}", flush=True)
 
     print(f"\n== decode step, {rows} rows x {args.max_new_tokens} tokens ({steps} decode steps), "
           f"{SMOLLM2.num_layers} layers")
