@@ -48,7 +48,7 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from mcore_rl.megatron.attention import write_kv
+from mcore_rl.megatron.attention import cache_attention, write_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,8 +240,6 @@ def attention_out(hidden: torch.Tensor, query: torch.Tensor, kv: Tuple, w: Layer
     Returns:
         ``[B, h]`` the layer's output.
     """
-    from mcore_rl.megatron.attention import cache_attention
-
     query = query.flatten(1, -2)  # [B, np, d]
     core = cache_attention(query[None], kv, shape.scale, flex=shape.attention == "flex")[0]
     hidden = hidden + _linear(core, w.proj, w.proj_bias)
