@@ -43,8 +43,9 @@ LAYER_SPECS = ("local", "torch", "transformer_engine")
 # captures its own CUDA graphs, so none of the modes that capture them).
 COMPILE_DECODE_MODES = ("default", "max-autotune-no-cudagraphs")
 # generation.decode_attention: the compiled decode layers' attention over the KV cache
-# (mcore_rl.megatron.attention: decode_attention, flex_decode_attention).
-DECODE_ATTENTIONS = ("bmm", "flex")
+# (mcore_rl.megatron.attention: decode_attention, flex_decode_attention;
+# mcore_rl.megatron.flash_decode: flash_decode).
+DECODE_ATTENTIONS = ("bmm", "flex", "triton")
 # *.megatron.fp8 and fp8_recipe: Megatron-Core TransformerConfig's fp8 formats and recipes (its
 # "custom" recipe, which takes a quantizer factory, is not offered).
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -466,14 +467,17 @@ class GenerationConfig:
     # 650 us a step each against cuBLAS's 391 and 306); default stays the default.
     compile_decode_mode: str = one_of("default", COMPILE_DECODE_MODES)
     # backend=megatron: the attention over the KV cache in compile_decode's layers: bmm (two
-    # batched matrix products around a softmax kernel, the scores written to memory) or flex
-    # (torch's FlexAttention: scores, mask, softmax and the weighted sum in one kernel, the
-    # softmax online in fp32; on GPU Inductor's split-KV decoding kernel, flash-decoding).
-    # flex needs compile_decode=true and is not supported with shared_prompt_kv (both refused
-    # at load); its attention half compiles once per row bucket (static rows). Not bit for bit
-    # (bmm rounds scores and probabilities to the model's dtype, flex once at the output): fp32
-    # on CPU within 1e-5 of bmm per output element, rollouts equal (tests); bf16 on the GPU:
-    # scripts/gpu/decode_step_profile.py's compile+flex variant; not on a GPU yet.
+    # batched matrix products around a softmax kernel, the scores written to memory), flex
+    # (torch's FlexAttention in one kernel) or triton (one Triton flash-decoding kernel a layer,
+    # mcore_rl/megatron/flash_decode.py: a program per row and KV group, the scores in
+    # registers, the softmax online in fp32; with shared_prompt_kv too). flex and triton need
+    # compile_decode=true; flex is not supported with shared_prompt_kv (both refused at load);
+    # flex compiles its attention half once per row bucket. Not bit for bit (bmm rounds scores
+    # and probabilities to the model's dtype; flex and triton keep fp32 scores): fp32 on CPU
+    # within 1e-5 of bmm per output element, rollouts equal (tests). One H200, SmolLM2-135M's
+    # shape, 256 rows, with compile_decode and block_sampling: flex 4.63 ms a decode step
+    # against bmm's 3.50 (Inductor took its main FlexAttention kernel, 78 us a layer); triton:
+    # scripts/gpu/decode_step_profile.py's compile+triton variants.
     decode_attention: str = one_of("bmm", DECODE_ATTENTIONS)
     # Sampling (backends hf and megatron, mcore_rl/generation/sampling.py): draw each token by
     # the same inverse transform in two levels, the vocabulary in blocks of 256 (block sums,

@@ -57,8 +57,8 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
     ``generation.num_workers`` nor streaming (``grpo.streaming``, ``ppo.streaming``);
     ``generation.compile_decode`` only for dense local/torch-spec layers at TP=1;
     ``generation.compile_decode_mode`` other than ``default`` only with ``compile_decode``;
-    ``generation.decode_attention=flex`` only with ``compile_decode`` and without
-    ``generation.shared_prompt_kv``;
+    ``generation.decode_attention`` other than ``bmm`` only with ``compile_decode``, ``flex``
+    not with ``generation.shared_prompt_kv``;
     ``generation.cuda_graphs_tp`` only with ``generation.cuda_graphs``."""
     errors = megatron_layout_errors(cfg.policy.megatron)
     if cfg.generation.num_workers:
@@ -83,8 +83,9 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
         errors.append(f"generation.compile_decode_mode={cfg.generation.compile_decode_mode} is "
                       "the torch.compile mode of generation.compile_decode's layers, which is "
                       "false; set generation.compile_decode=true, or compile_decode_mode=default")
-    if cfg.generation.decode_attention == "flex" and not cfg.generation.compile_decode:
-        errors.append("generation.decode_attention=flex is the attention of "
+    attention = cfg.generation.decode_attention
+    if attention != "bmm" and not cfg.generation.compile_decode:
+        errors.append(f"generation.decode_attention={attention} is the attention of "
                       "generation.compile_decode's layers, which is false; set "
                       "generation.compile_decode=true, or decode_attention=bmm")
     if cfg.generation.decode_attention == "flex" and cfg.generation.shared_prompt_kv:

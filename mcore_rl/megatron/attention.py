@@ -690,22 +690,30 @@ def flex_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch
     return out.reshape(1, b, query.shape[2] * hn).to(query.dtype)
 
 
-def cache_attention(query: torch.Tensor, kv: Tuple, scale: float, flex: bool = False
+def cache_attention(query: torch.Tensor, kv: Tuple, scale: float, attention: str = "bmm"
                     ) -> torch.Tensor:
     """The decode attention of ``query`` ``[1, B, np, d]`` over what :meth:`KVCache.step`
-    returned: :func:`decode_attention` (or with ``flex`` :func:`flex_decode_attention`) over the
-    rows' keys up to the span, or :func:`shared_decode_attention` with shared prompts. Returns
-    ``[1, B, np * d]``.
+    returned, by ``attention`` (``generation.decode_attention``): ``bmm``,
+    :func:`decode_attention` over the rows' keys up to the span, or with shared prompts
+    :func:`shared_decode_attention`; ``flex``, :func:`flex_decode_attention`; ``triton``, one
+    fused kernel for both layouts (:func:`mcore_rl.megatron.flash_decode.flash_decode`).
+    Returns ``[1, B, np * d]``.
 
     Raises:
         NotImplementedError: ``flex`` with shared prompts (refused at load:
             ``generation.decode_attention=flex`` with ``generation.shared_prompt_kv``).
     """
     keys, values, mask, prompt_keys, prompt_values = kv
+    if attention == "triton":
+        from mcore_rl.megatron.flash_decode import flash_decode
+
+        b = query.shape[1]
+        return flash_decode(query[0], keys, values, mask, scale, prompt_keys,
+                            prompt_values).view(1, b, -1)
     if prompt_keys is None:
-        attend = flex_decode_attention if flex else decode_attention
+        attend = flex_decode_attention if attention == "flex" else decode_attention
         return attend(query, keys, values, mask, scale)
-    if flex:
+    if attention == "flex":
         raise NotImplementedError("generation.decode_attention=flex does not support "
                                   "generation.shared_prompt_kv")
     return shared_decode_attention(query, prompt_keys, prompt_values, keys, values, mask, scale)

@@ -21,6 +21,8 @@ each taking the layer's weights as arguments (:class:`LayerWeights`, read from M
 modules in place: nothing is copied) and the layer's constants (:class:`LayerShape`, the same
 for every layer) as keywords. The row and span dimensions are marked dynamic
 (``torch._dynamo.maybe_mark_dynamic``), so a compile is made once per function and KV layout;
+with ``generation.decode_attention=triton`` the attention is one fused Triton kernel
+(:func:`~mcore_rl.megatron.flash_decode.flash_decode`, an op torch.compile calls as it is);
 with ``generation.decode_attention=flex`` (FlexAttention,
 :func:`~mcore_rl.megatron.attention.flex_decode_attention`) :func:`attention_out` keeps its
 rows static, one compile per row bucket (:class:`DecodeLayers`).
@@ -63,8 +65,9 @@ class LayerShape:
         glu_offset: Megatron's ``glu_linear_offset`` (``up + offset`` in the GLU; 0.0).
         scale: the attention's softmax scale.
         attention: the decode attention over the cache (``generation.decode_attention``):
-            ``bmm`` (:func:`~mcore_rl.megatron.attention.decode_attention`) or ``flex``
-            (:func:`~mcore_rl.megatron.attention.flex_decode_attention`); set by
+            ``bmm`` (:func:`~mcore_rl.megatron.attention.decode_attention`), ``flex``
+            (:func:`~mcore_rl.megatron.attention.flex_decode_attention`) or ``triton``
+            (:func:`~mcore_rl.megatron.flash_decode.flash_decode`); set by
             :class:`DecodeLayers`, not read from the layer.
     """
 
@@ -241,7 +244,7 @@ def attention_out(hidden: torch.Tensor, query: torch.Tensor, kv: Tuple, w: Layer
         ``[B, h]`` the layer's output.
     """
     query = query.flatten(1, -2)  # [B, np, d]
-    core = cache_attention(query[None], kv, shape.scale, flex=shape.attention == "flex")[0]
+    core = cache_attention(query[None], kv, shape.scale, shape.attention)[0]
     hidden = hidden + _linear(core, w.proj, w.proj_bias)
     x = F.rms_norm(hidden, (hidden.shape[-1],), w.ln2, shape.eps)
     gate, up = torch.chunk(_linear(x, w.fc1, w.fc1_bias), 2, dim=-1)
@@ -257,8 +260,10 @@ class DecodeLayers:
         compile: the compiler of the two functions (``torch.compile`` with Inductor by
             default); None runs them eagerly (bit for bit Megatron's layers: the tests' check of
             the functions themselves).
-        attention: ``generation.decode_attention``, ``bmm`` or ``flex``
-            (:attr:`LayerShape.attention`). With ``flex`` the row dimension of
+        attention: ``generation.decode_attention``, ``bmm``, ``flex`` or ``triton``
+            (:attr:`LayerShape.attention`; ``triton``: an opaque custom op inside the compiled
+            :func:`attention_out`, rows and span dynamic as with ``bmm``). With ``flex`` the
+            row dimension of
             :func:`attention_out`'s inputs is static (marked so: one compile of it per row
             bucket, still one for every layer and span; :func:`attention_in` keeps one compile
             for all): Inductor takes FlexAttention's decoding (split-KV) kernel only for a
@@ -271,13 +276,13 @@ class DecodeLayers:
 
     Raises:
         NotImplementedError: from :func:`layer_weights`.
-        ValueError: ``attention`` not ``bmm`` or ``flex``.
+        ValueError: ``attention`` not ``bmm``, ``flex`` or ``triton``.
     """
 
     def __init__(self, layers, compile: Optional[Callable] = torch.compile,
                  attention: str = "bmm"):
-        if attention not in ("bmm", "flex"):
-            raise ValueError(f"decode attention must be bmm or flex, got {attention!r}")
+        if attention not in ("bmm", "flex", "triton"):
+            raise ValueError(f"decode attention must be bmm, flex or triton, got {attention!r}")
         read = [layer_weights(layer) for layer in layers]
         self.shape = read[0][0]
         if any(s != self.shape for s, _ in read):

@@ -16,7 +16,9 @@ autotunes the layers' matrix products, Triton templates against cuBLAS; its warm
 longer), ``compile+autotune+blocks``, ``compile+flex`` (``generation.decode_attention=flex``:
 the layers' attention over the KV cache as one FlexAttention kernel, Inductor's split-KV
 decoding kernel, instead of two cuBLAS batched products around a softmax kernel; its attention
-half compiles once per row bucket), ``compile+flex+blocks``. Per variant: a warm-up call
+half compiles once per row bucket), ``compile+flex+blocks``, ``compile+triton`` and
+``compile+triton+blocks`` (``generation.decode_attention=triton``: one Triton flash-decoding
+kernel a layer), ``compile+shared+blocks``, ``compile+shared+triton+blocks``. Per variant: a warm-up call
 (compiles, captures every graph), then ``--repeats`` timed calls (median wall seconds; ms per
 decode step = wall / 255, prefill included), then one call under the torch profiler: kernels and
 device milliseconds per decode step (the call's kernels / 255, prefill's few included) and the
@@ -72,7 +74,15 @@ VARIANTS = {"base": {}, "compile": {"compile_decode": True},
                                         "block_sampling": True},
             "compile+flex": {"compile_decode": True, "decode_attention": "flex"},
             "compile+flex+blocks": {"compile_decode": True, "decode_attention": "flex",
-                                    "block_sampling": True}}
+                                    "block_sampling": True},
+            "compile+triton": {"compile_decode": True, "decode_attention": "triton"},
+            "compile+triton+blocks": {"compile_decode": True, "decode_attention": "triton",
+                                      "block_sampling": True},
+            "compile+shared+blocks": {"compile_decode": True, "shared_prompt_kv": True,
+                                      "block_sampling": True},
+            "compile+shared+triton+blocks": {"compile_decode": True, "shared_prompt_kv": True,
+                                             "decode_attention": "triton",
+                                             "block_sampling": True}}
 
 
 def _worker(model_dir):

@@ -141,14 +141,18 @@
 #               compile+flex (generation.decode_attention=flex: the cache attention as one
 #               FlexAttention split-KV kernel instead of cuBLAS's two tiny-tile batched GEMMs and
 #               a softmax kernel) and compile+flex+blocks, e.g.
-#               PROF37_VARIANTS=base,compile+blocks,compile+flex,compile+flex+blocks
+#               PROF37_VARIANTS=base,compile+blocks,compile+flex,compile+flex+blocks; compile+triton,
+#               compile+triton+blocks, compile+shared+blocks, compile+shared+triton+blocks
+#               (generation.decode_attention=triton: one Triton flash-decoding kernel a layer)
 #   gsm8k       with GSM8K_VARIANTS="b37 a37": before (today's best, reward scored after
 #               generation) and after (rewards scored while decoding, compile_decode,
 #               shared_prompt_kv); s37, c37, k37: each change alone on top of b37; d37: b37 +
 #               compile_decode + block_sampling (the dec37 branch); e37: b37 + compile_decode
 #               with rewards scored while decoding (the recipes' settings since 2026-11-28);
 #               f37: b37's overrides + compile_decode + block_sampling + decode_attention=flex,
-#               rewards scored while decoding (the default); g37: the same without flex
+#               rewards scored while decoding (the default); g37: the same without flex; t37:
+#               g37 + decode_attention=triton (one Triton flash-decoding kernel a layer); u37:
+#               t37 + shared_prompt_kv
 #   arith37     grpo_smollm2_arith, ARITH37_STEPS (40) steps, held-out every 20, one run after the
 #               other: ARITH37_RUNS (before after flex; see the function) - seconds per step and
 #               the held-out curve
@@ -352,7 +356,9 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
         [d37]="$BEST37 reward.score_while_decoding=false generation.compile_decode=true generation.block_sampling=true"
         [e37]="$BEST37 generation.compile_decode=true"
         [f37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=flex"
-        [g37]="$BEST37 generation.compile_decode=true generation.block_sampling=true")
+        [g37]="$BEST37 generation.compile_decode=true generation.block_sampling=true"
+        [t37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton"
+        [u37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true")
     # base<variant>: the variant on the code in .base/ (a carried `git archive` of an earlier
     # commit's mcore_rl/ bench/ configs/), run from there: before and after on the same machine.
     local name dir

@@ -1,0 +1,169 @@
+"""One fused decode attention over the KV cache (``generation.decode_attention=triton``): a
+Triton flash-decoding kernel for the compiled decode layers (:mod:`mcore_rl.megatron.decode_layer`,
+issue 37 item 1's hand-fused kernel where the compiler does not fuse).
+
+Why: :func:`~mcore_rl.megatron.attention.decode_attention` is three kernels a layer (scores
+product, softmax, values product; cuBLAS's small tiles, the scores written to memory and read
+back), about 0.9 ms of a 2.4 ms decode step of SmolLM2-135M at 256 rows on one H200
+(bench/RESULTS.md), and torch's FlexAttention took 2.35 ms for the same work (its main kernel,
+not its decoding one). Here one program per (row, KV group) reads that row's keys and values
+once, keeps the ``np / ng`` query heads' scores in registers and the softmax online in fp32
+(FlashAttention, Dao et al. 2022, arXiv:2205.14135, Algorithm 1's running max and sum), and
+writes the output once: one kernel a layer.
+
+With shared prompts (``generation.shared_prompt_kv``, :func:`~mcore_rl.megatron.attention.
+shared_decode_attention`'s layout) a program first walks its group's prompt keys, then its own
+response keys, one online softmax over both; the ``G`` rows of a group are adjacent programs,
+so the prompt's keys come from L2 after the first of them.
+
+The op is ``torch.ops.mcore_rl.flash_decode`` (``torch.library.custom_op``): opaque to
+torch.compile and capturable in a CUDA graph. On CUDA it launches the kernel; on other devices
+it computes the same attention with torch ops in fp32 (:func:`reference_decode`), the kernel's
+arithmetic without its blocking. The kernel itself runs on CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``, tests/test_flash_decode.py).
+
+Numbers: not bit for bit :func:`~mcore_rl.megatron.attention.decode_attention`, which rounds the
+scores and probabilities to the input dtype: here scores are fp32 (bf16 products accumulated in
+fp32), the probabilities are rounded to the values' dtype for the values' product (as
+FlashAttention does), the output once. fp32: within 1e-5 of :func:`reference_decode` per element
+(tests, interpreter); bf16 on the GPU: ``scripts/gpu/decode_step_profile.py``'s
+``compile+triton`` variants against ``base``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+# keys per block of the loop over the span; a program's query heads padded to a block of
+# _BLOCK_Q rows (tl.dot's smallest M)
+_BLOCK_N = 64
+_BLOCK_Q = 16
+
+
+def _kernel():
+    """The Triton kernel (:mod:`mcore_rl.megatron.flash_decode_kernel`), imported at first use:
+    Triton is loaded only where the op runs on CUDA or under the interpreter."""
+    from mcore_rl.megatron.flash_decode_kernel import flash_decode_kernel
+
+    return flash_decode_kernel
+
+
+def _check(query, keys, values, mask, prompt_keys, prompt_values) -> None:
+    """Raise ``ValueError`` naming what does not fit :func:`flash_decode`'s layout."""
+    b, ng, s, d = keys.shape
+    if query.dim() != 3 or query.shape[0] != b or query.shape[1] % ng:
+        raise ValueError(f"flash_decode: query {tuple(query.shape)} is not [B={b}, np, d] with "
+                         f"np a multiple of the {ng} KV groups")
+    if values.shape != keys.shape or query.shape[2] != d:
+        raise ValueError(f"flash_decode: keys {tuple(keys.shape)}, values "
+                         f"{tuple(values.shape)}, query {tuple(query.shape)} differ")
+    sp = 0 if prompt_keys is None else prompt_keys.shape[2]
+    if mask.shape != (b, sp + s) or mask.dtype != torch.bool:
+        raise ValueError(f"flash_decode: mask {tuple(mask.shape)} {mask.dtype} is not bool "
+                         f"[{b}, {sp + s}]")
+    if prompt_keys is not None and (prompt_values is None
+                                    or prompt_values.shape != prompt_keys.shape
+                                    or b % prompt_keys.shape[0]):
+        raise ValueError("flash_decode: prompt keys and values must match and divide the rows")
+
+
+def reference_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor, scale: float,
+                     prompt_keys: Optional[torch.Tensor] = None,
+                     prompt_values: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The kernel's attention with torch ops, in fp32: scores ``q . k * scale`` (masked keys
+    ``-inf``), softmax, weighted sum of the values, rounded once to the query's dtype.
+    Arguments as :func:`flash_decode`. Returns ``[B, np, d]``."""
+    b, ng, s, d = keys.shape
+    nq = query.shape[1] // ng
+    k, v = keys.float(), values.float()
+    if prompt_keys is not None:
+        rows = torch.arange(b, device=keys.device) // (b // prompt_keys.shape[0])
+        k = torch.cat((prompt_keys.float()[rows], k), dim=2)
+        v = torch.cat((prompt_values.float()[rows], v), dim=2)
+    q = query.float().view(b, ng, nq, d)
+    scores = torch.einsum("bgqd,bgsd->bgqs", q, k) * scale
+    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+    out = torch.einsum("bgqs,bgsd->bgqd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(b, ng * nq, d).to(query.dtype)
+
+
+def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+           scale: float, prompt_keys: Optional[torch.Tensor] = None,
+           prompt_values: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run the Triton kernel (on CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``).
+    Arguments and result as :func:`flash_decode`."""
+    _check(query, keys, values, mask, prompt_keys, prompt_values)
+    b, ng, s, d = keys.shape
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"flash_decode: head size {d} is not a power of two >= 16")
+    nq = query.shape[1] // ng
+    if nq > _BLOCK_Q:
+        raise ValueError(f"flash_decode: {nq} query heads per KV group, over {_BLOCK_Q}")
+    for name, t in (("keys", keys), ("values", values), ("query", query)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"flash_decode: {name}' last dim is not contiguous")
+    if keys.stride() != values.stride():
+        raise ValueError("flash_decode: keys and values need the same strides")
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if query.stride() != out.stride():
+        query = query.contiguous()
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    mask_bytes = mask.view(torch.uint8)
+    if prompt_keys is None:
+        pk = pv = keys
+        pstride, sp, group_rows = keys.stride(), 0, 1
+    else:
+        if prompt_keys.stride() != prompt_values.stride() or prompt_keys.stride(-1) != 1:
+            raise ValueError("flash_decode: prompt keys and values need the same strides")
+        pk, pv = prompt_keys, prompt_values
+        pstride, sp, group_rows = prompt_keys.stride(), prompt_keys.shape[2], \
+            b // prompt_keys.shape[0]
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    _kernel()[(b * ng,)](
+        query, keys, values, mask_bytes, pk, pv, out,
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        mask_bytes.stride(0), pstride[0], pstride[1], pstride[2],
+        ng, s, sp, group_rows, nq, scale,
+        D=d, BLOCK_Q=_BLOCK_Q, BLOCK_N=_BLOCK_N, PRECISION=precision,
+        UPCAST=query.device.type != "cuda" and query.dtype != torch.float32)
+    return out
+
+
+@torch.library.custom_op("mcore_rl::flash_decode", mutates_args=())
+def flash_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 mask: torch.Tensor, scale: float, prompt_keys: Optional[torch.Tensor] = None,
+                 prompt_values: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Decode attention of one query per row over the KV cache, fused (module docstring).
+
+    Args:
+        query: ``[B, np, d]`` (Megatron's head order: head ``h`` in KV group ``h // (np /
+            ng)``), the last dim contiguous.
+        keys, values: ``[B, ng, S, d]``, views of the cache buffers (the same strides; last
+            dim contiguous): row ``r``'s keys at positions (or response tokens) ``0 .. S-1``.
+        mask: ``[B, Sp + S]`` bool, True = masked out (``Sp``: the prompt span, 0 without
+            shared prompts); every row keeps at least one key.
+        scale: the softmax scale.
+        prompt_keys, prompt_values: ``[P, ng, Sp, d]`` the groups' shared prompts (rows ``p * G
+            .. p * G + G - 1``, ``G = B / P``, read group ``p``'s), or None.
+
+    Returns:
+        ``[B, np, d]`` in ``query``'s dtype.
+
+    Raises:
+        ValueError: shapes, dtypes or strides outside that layout (named); on CUDA also a head
+            size that is not a power of two >= 16, or more than 16 query heads per KV group.
+    """
+    if query.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return launch(query, keys, values, mask, scale, prompt_keys, prompt_values)
+    _check(query, keys, values, mask, prompt_keys, prompt_values)
+    return reference_decode(query, keys, values, mask, scale, prompt_keys, prompt_values)
+
+
+@flash_decode.register_fake
+def _(query, keys, values, mask, scale, prompt_keys=None, prompt_values=None):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -1,0 +1,74 @@
+"""The Triton kernel of :func:`mcore_rl.megatron.flash_decode.flash_decode` (imported by it at
+first use; ``TRITON_INTERPRET=1`` before this import runs it on CPU tensors). One program per
+(row, KV group): the group's ``nq`` query heads (padded to ``BLOCK_Q`` rows) against the keys in
+blocks of ``BLOCK_N``, an online softmax in fp32 (FlashAttention, Dao et al. 2022,
+arXiv:2205.14135, Algorithm 1), first over the row's group's shared prompt keys (when
+``prompt_span > 0``), then over the row's own keys."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _part(acc, m_i, l_i, q, k_ptr, v_ptr, sk_s, mask_ptr, span, scale,
+          D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+          UPCAST: tl.constexpr):
+    """One part of the keys (prompt or response): the online softmax over ``span`` keys
+    at ``k_ptr``/``v_ptr`` (slot stride ``sk_s``), mask bytes at ``mask_ptr``. ``UPCAST``: the
+    products in fp32 from the same (rounded) operands (Triton's interpreter multiplies
+    16-bit floats' bits as integers)."""
+    d = tl.arange(0, D)
+    for start in range(0, span, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        inside = n < span
+        k = tl.load(k_ptr + n[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0)
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = s * scale  # [BQ, BN] fp32
+        masked = tl.load(mask_ptr + n, mask=inside, other=1) != 0
+        s = tl.where(masked[None, :], float("-inf"), s)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + n[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0)
+        p = p.to(v.dtype)  # rounded for the values' product, as FlashAttention
+        if UPCAST:
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+@triton.jit
+def flash_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr,
+                        sq_b, sq_h, sk_b, sk_g, sk_s, sm_b, spk_b, spk_g, spk_s,
+                        groups, span, prompt_span, group_rows, nq, scale,
+                        D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // groups
+    g = pid % groups
+    h = tl.arange(0, BLOCK_Q)
+    d = tl.arange(0, D)
+    heads = h < nq
+    q_rows = q_ptr + b * sq_b + (g * nq + h[:, None]) * sq_h + d[None, :]
+    q = tl.load(q_rows, mask=heads[:, None], other=0.0)
+    m_i = tl.full([BLOCK_Q], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q], tl.float32)
+    acc = tl.zeros([BLOCK_Q, D], tl.float32)
+    if prompt_span > 0:
+        p = b // group_rows
+        acc, m_i, l_i = _part(acc, m_i, l_i, q, pk_ptr + p * spk_b + g * spk_g,
+                              pv_ptr + p * spk_b + g * spk_g, spk_s, mask_ptr + b * sm_b,
+                              prompt_span, scale, D, BLOCK_N, PRECISION, UPCAST)
+    acc, m_i, l_i = _part(acc, m_i, l_i, q, k_ptr + b * sk_b + g * sk_g,
+                          v_ptr + b * sk_b + g * sk_g, sk_s,
+                          mask_ptr + b * sm_b + prompt_span, span, scale, D, BLOCK_N,
+                          PRECISION, UPCAST)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + b * sq_b + (g * nq + h[:, None]) * sq_h + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=heads[:, None])

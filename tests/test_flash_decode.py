@@ -1,0 +1,188 @@
+"""generation.decode_attention=triton: one fused flash-decoding kernel a layer
+(mcore_rl/megatron/flash_decode.py and its Triton kernel).
+
+- the Triton kernel itself, run on CPU by Triton's interpreter (``TRITON_INTERPRET=1``, in a
+  subprocess: the variable must be set before Triton is imported), against the attention
+  computed another way: ``decode_attention`` (bmm) and ``shared_decode_attention`` in fp32
+  within 1e-5 per element, over ragged masks (a row with one key, a block of masked keys, spans
+  not multiples of the kernel's 64-key block), strided views of a cache, 3 query heads per KV
+  group; bf16 within one bf16 rounding of the fp32 attention of the same inputs;
+- the op's CPU path (the same attention with torch ops, ``reference_decode``) against bmm;
+- the decoder with compile_decode and decode_attention=triton, traced by torch.compile (the
+  captured graph run as it is, the op called inside it), with and without shared prompts: the
+  same tokens as Megatron's layers, logprobs within 5e-5, one compile for every bucket and span;
+- bad input named, and the load-time refusal without compile_decode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_decode_layer import _decoder, _run
+
+from mcore_rl.megatron.attention import decode_attention, shared_decode_attention
+from mcore_rl.megatron.flash_decode import flash_decode, reference_decode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _inputs(dtype, rows=8, ng=3, np_=9, hn=64, span=37, prompt_span=0, groups=2, seed=0):
+    """Query ``[rows, np, hn]``, keys and values ``[rows, ng, span, hn]`` (views of a larger
+    cache), a ragged mask (row 0 keeps only its first key, the last row every key, row 1 its
+    first 70: with span 130 its last 64-key block is all masked) and, with ``prompt_span``,
+    ``groups`` shared prompts ``[groups, ng, prompt_span, hn]`` whose padding is masked."""
+    g = torch.Generator().manual_seed(seed)
+    cache = [torch.randn(rows + 2, ng, span + 11, hn, generator=g).to(dtype) for _ in range(2)]
+    keys, values = (c[:rows, :, :span] for c in cache)
+    query = torch.randn(rows, np_, hn, generator=g).to(dtype)
+    last = torch.randint(0, span, (rows,), generator=g)
+    last[0], last[-1], last[1] = 0, span - 1, min(69, span - 1)
+    mask = torch.arange(span)[None] > last[:, None]
+    prompts = (None, None)
+    if prompt_span:
+        buffers = [torch.randn(groups, ng, prompt_span + 5, hn, generator=g).to(dtype)
+                   for _ in range(2)]
+        prompts = tuple(b[:, :, :prompt_span] for b in buffers)
+        lengths = torch.randint(1, prompt_span + 1, (rows,), generator=g)
+        mask = torch.cat((torch.arange(prompt_span)[None] >= lengths[:, None], mask), dim=1)
+    return (query, keys, values, mask, hn ** -0.5) + prompts
+
+
+def _kernel_checks() -> dict:
+    """Run in a subprocess with TRITON_INTERPRET=1: the kernel against bmm, the shared
+    layout and the fp32 reference; bad input."""
+    from mcore_rl.megatron.flash_decode import launch
+
+    out = {}
+    for span in (37, 130):
+        q, k, v, mask, scale, _, _ = _inputs(torch.float32, span=span)
+        got = launch(q, k, v, mask, scale)
+        bmm = decode_attention(q[None], k, v, mask, scale)[0].view_as(q)
+        out[f"fp32/{span}/bmm"] = float((got - bmm).abs().max())
+        out[f"fp32/{span}/reference"] = float((got - reference_decode(q, k, v, mask,
+                                                                      scale)).abs().max())
+    args = _inputs(torch.float32, span=50, prompt_span=90)
+    q = args[0]
+    got = launch(*args)
+    shared = shared_decode_attention(q[None], args[5], args[6], *args[1:5])[0].view_as(q)
+    out["fp32/shared/bmm"] = float((got - shared).abs().max())
+    args16 = _inputs(torch.bfloat16, span=130)
+    exact = reference_decode(*(t.float() for t in args16[:3]), args16[3], args16[4])
+    got = launch(*args16[:5])
+    out["bf16/dtype"] = str(got.dtype)
+    out["bf16/error"] = float((got.float() - exact).abs().max())
+    out["bf16/scale"] = float(exact.abs().max())
+    errors = []
+    for bad in (lambda: launch(q, args[1], args[2], args[3][:, :10], args[4]),  # mask width
+                lambda: launch(q[:, :8], args[1], args[2], args[3], args[4])):  # 8 heads, 3 groups
+        try:
+            bad()
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def kernel_checks() -> dict:
+    code = (f"import json, sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); "
+            "import test_flash_decode as t; print('RESULT', json.dumps(t._kernel_checks()))")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_kernel_equals_bmm_in_fp32(kernel_checks):
+    for key in ("fp32/37/bmm", "fp32/130/bmm", "fp32/37/reference", "fp32/130/reference",
+                "fp32/shared/bmm"):
+        assert kernel_checks[key] < 1e-5, (key, kernel_checks[key])  # measured <= 8.4e-7
+
+
+def test_kernel_rounds_once_in_bf16(kernel_checks):
+    assert kernel_checks["bf16/dtype"] == "torch.bfloat16"
+    # fp32 scores and softmax, the probabilities rounded for the values' product, the output
+    # rounded once: within a few bf16 units (2^-8 relative) of the largest output
+    assert kernel_checks["bf16/error"] <= 2 ** -6 * kernel_checks["bf16/scale"], kernel_checks
+
+
+def test_kernel_names_bad_input(kernel_checks):
+    first, second = kernel_checks["errors"]
+    assert "mask" in first and "bool" in first
+    assert "multiple of the 3 KV groups" in second
+
+
+def test_op_cpu_path_equals_bmm():
+    for prompt_span in (0, 90):
+        args = _inputs(torch.float32, span=130, prompt_span=prompt_span)
+        q = args[0]
+        got = flash_decode(*args)
+        if prompt_span:
+            want = shared_decode_attention(q[None], args[5], args[6], *args[1:5])[0]
+        else:
+            want = decode_attention(q[None], *args[1:5])[0]
+        assert float((got - want.view_as(q)).abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="flash_decode: mask"):
+        flash_decode(q, args[1], args[2], args[3].int(), args[4], args[5], args[6])
+
+
+def _traced() -> dict:
+    """Rollouts with decode_attention=triton through a torch.compile backend that runs the
+    captured graphs as they are (the op's CPU path inside), against Megatron's layers, fp32,
+    without and with shared prompts."""
+    import functools
+
+    from torch._dynamo import reset
+
+    dec = _decoder("fp32")
+    out = {}
+    for shared in (False, True):
+        megatron = _run(dec, False, shared_prompt_kv=shared)
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        reset()
+        got = _run(dec, functools.partial(torch.compile, backend=backend),
+                   decode_attention="triton", shared_prompt_kv=shared)
+        name = "shared" if shared else "rows"
+        out[name] = {"lengths": len({len(t) for t in megatron[0]}),
+                     "tokens_equal": all(torch.equal(x, y) for x, y in zip(got[0], megatron[0])),
+                     "logprob_diff": max(float((x - y).abs().max())
+                                         for x, y in zip(got[1], megatron[1])),
+                     "graphs": len(graphs),
+                     "op_called": any("flash_decode" in str(gm.code) for gm in graphs)}
+    return out
+
+
+def test_triton_decode_layers_traced_give_megatrons_tokens():
+    (out,) = run_distributed(_traced, 1)
+    for name in ("rows", "shared"):
+        got = out[name]
+        assert got["lengths"] > 3, got  # rows end at different steps: compaction into buckets
+        assert got["tokens_equal"], got
+        assert got["logprob_diff"] < 5e-5, got
+        assert got["op_called"], got
+        assert got["graphs"] == 2, got  # attention_in and attention_out, for every bucket
+
+
+def test_triton_needs_compile_decode():
+    from mcore_rl.config.loader import ConfigError, load_config
+
+    base = ["generation.backend=megatron", "generation.decode_attention=triton"]
+    cfg = load_config("grpo_synthetic", base + ["generation.compile_decode=true",
+                                                "generation.shared_prompt_kv=true"])
+    assert cfg.generation.decode_attention == "triton"
+    with pytest.raises(ConfigError, match="decode_attention=triton is the attention") as e:
+        load_config("grpo_synthetic", base)
+    assert "set generation.compile_decode=true" in str(e.value)
