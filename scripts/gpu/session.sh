@@ -389,13 +389,15 @@ stage_prof37() {
 
 stage_arith37() {  # ARITH37_RUNS of before (the issue-37 switches off), after (the config as is:
     # compile_decode, block_sampling, scoring while decoding), flex (after +
-    # generation.decode_attention=flex), shared (the 2026-11-27 "after": compile + shared KV)
+    # generation.decode_attention=flex), shared (the 2026-11-27 "after": compile + shared KV),
+    # triton (after + decode_attention=triton + shared_prompt_kv)
     local run extra
     for run in ${ARITH37_RUNS:-before after flex}; do
         case $run in
             before) extra="reward.score_while_decoding=false generation.compile_decode=false generation.block_sampling=false" ;;
             after) extra="" ;;
             flex) extra="generation.decode_attention=flex" ;;
+            triton) extra="generation.decode_attention=triton generation.shared_prompt_kv=true" ;;
             shared) extra=$AFTER37 ;;
             *) echo "arith37: unknown run $run"; status=1; continue ;;
         esac
