@@ -93,9 +93,12 @@ def reference_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
            scale: float, prompt_keys: Optional[torch.Tensor] = None,
-           prompt_values: Optional[torch.Tensor] = None) -> torch.Tensor:
+           prompt_values: Optional[torch.Tensor] = None, block_n: int = _BLOCK_N,
+           num_warps: int = 4) -> torch.Tensor:
     """Run the Triton kernel (on CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``).
-    Arguments and result as :func:`flash_decode`."""
+    Arguments and result as :func:`flash_decode`; ``block_n`` keys a block (a power of two
+    >= 16) and ``num_warps`` a program are the kernel's tuning
+    (``scripts/gpu/flash_decode_bench.py``)."""
     _check(query, keys, values, mask, prompt_keys, prompt_values)
     b, ng, s, d = keys.shape
     if d & (d - 1) or d < 16:
@@ -129,7 +132,7 @@ def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         mask_bytes.stride(0), pstride[0], pstride[1], pstride[2],
         ng, s, sp, group_rows, nq, scale,
-        D=d, BLOCK_Q=_BLOCK_Q, BLOCK_N=_BLOCK_N, PRECISION=precision,
+        D=d, BLOCK_Q=_BLOCK_Q, BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps,
         UPCAST=query.device.type != "cuda" and query.dtype != torch.float32)
     return out
 
