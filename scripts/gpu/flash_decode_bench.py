@@ -1,4 +1,4 @@
-"""The decode attention alone on one GPU (issue 37): microseconds a call of the Triton
+"""The decode attention alone on one GPU (issue 37): microseconds a call (in a CUDA graph) of the Triton
 flash-decoding kernel (mcore_rl/megatron/flash_decode.py) per tuning (keys a block, warps a
 program) against bmm (``decode_attention``, compiled: scores product, softmax, values product),
 at SmolLM2-135M's attention (9 query heads, 3 KV groups, head size 64), bf16, 256 rows, for the
@@ -19,16 +19,27 @@ from mcore_rl.megatron.attention import decode_attention  # noqa: E402
 from mcore_rl.megatron.flash_decode import launch, reference_decode  # noqa: E402
 
 
-def _time(fn, n=200) -> float:
-    for _ in range(10):
-        fn()
+def _time(fn, n=20, replays=20) -> float:
+    """Device microseconds a call: ``n`` calls captured in one CUDA graph (as the decoder
+    replays them: no host launch cost), the graph replayed ``replays`` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(n):
-        fn()
+    for _ in range(replays):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / n
+    return start.elapsed_time(end) * 1000 / (n * replays)
 
 
 def main() -> None:
