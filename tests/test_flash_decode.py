@@ -5,7 +5,7 @@
   subprocess: the variable must be set before Triton is imported), against the attention
   computed another way: ``decode_attention`` (bmm) and ``shared_decode_attention`` in fp32
   within 1e-5 per element, over ragged masks (a row with one key, a block of masked keys, spans
-  not multiples of the kernel's 64-key block), strided views of a cache, 3 query heads per KV
+  not multiples of the kernel's 32-key block), strided views of a cache, 3 query heads per KV
   group; bf16 within one bf16 rounding of the fp32 attention of the same inputs;
 - the op's CPU path (the same attention with torch ops, ``reference_decode``) against bmm;
 - the decoder with compile_decode and decode_attention=triton, traced by torch.compile (the
@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _inputs(dtype, rows=8, ng=3, np_=9, hn=64, span=37, prompt_span=0, groups=2, seed=0):
     """Query ``[rows, np, hn]``, keys and values ``[rows, ng, span, hn]`` (views of a larger
     cache), a ragged mask (row 0 keeps only its first key, the last row every key, row 1 its
-    first 70: with span 130 its last 64-key block is all masked) and, with ``prompt_span``,
+    first 70: with span 130 its last 32-key blocks are all masked) and, with ``prompt_span``,
     ``groups`` shared prompts ``[groups, ng, prompt_span, hn]`` whose padding is masked."""
     g = torch.Generator().manual_seed(seed)
     cache = [torch.randn(rows + 2, ng, span + 11, hn, generator=g).to(dtype) for _ in range(2)]

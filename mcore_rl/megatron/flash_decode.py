@@ -37,9 +37,13 @@ from typing import Optional
 
 import torch
 
-# keys per block of the loop over the span; a program's query heads padded to a block of
-# _BLOCK_Q rows (tl.dot's smallest M)
-_BLOCK_N = 64
+# keys per block of the loop over the span and warps a program (the fastest of 16 tunings on
+# one H200 at SmolLM2-135M's attention, 256 rows, in a CUDA graph: 20.0 us a call over rows'
+# own 300 keys, 15.7 us with shared prompts, against 20.0 / 23.9 at 64 keys and 4 warps and
+# bmm's 47.6: scripts/gpu/flash_decode_bench.py); a program's query heads padded to a block
+# of _BLOCK_Q rows (tl.dot's smallest M)
+_BLOCK_N = 32
+_NUM_WARPS = 2
 _BLOCK_Q = 16
 
 
@@ -94,7 +98,7 @@ def reference_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
            scale: float, prompt_keys: Optional[torch.Tensor] = None,
            prompt_values: Optional[torch.Tensor] = None, block_n: int = _BLOCK_N,
-           num_warps: int = 4) -> torch.Tensor:
+           num_warps: int = _NUM_WARPS) -> torch.Tensor:
     """Run the Triton kernel (on CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``).
     Arguments and result as :func:`flash_decode`; ``block_n`` keys a block (a power of two
     >= 16) and ``num_warps`` a program are the kernel's tuning
