@@ -475,9 +475,9 @@ class GenerationConfig:
     # flex compiles its attention half once per row bucket. Not bit for bit (bmm rounds scores
     # and probabilities to the model's dtype; flex and triton keep fp32 scores): fp32 on CPU
     # within 1e-5 of bmm per output element, rollouts equal (tests). One H200, SmolLM2-135M's
-    # shape, 256 rows, with compile_decode and block_sampling: flex 4.63 ms a decode step
-    # against bmm's 3.50 (Inductor took its main FlexAttention kernel, 78 us a layer); triton:
-    # scripts/gpu/decode_step_profile.py's compile+triton variants.
+    # shape, 256 rows, with compile_decode and block_sampling (decode_step_profile.py): bmm
+    # 3.16 ms a decode step, triton 2.80, triton with shared_prompt_kv 2.37; flex 4.63 (Inductor
+    # took its main FlexAttention kernel, 78 us a layer). grpo_smollm2_gsm8k turns triton on.
     decode_attention: str = one_of("bmm", DECODE_ATTENTIONS)
     # Sampling (backends hf and megatron, mcore_rl/generation/sampling.py): draw each token by
     # the same inverse transform in two levels, the vocabulary in blocks of 256 (block sums,
