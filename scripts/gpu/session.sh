@@ -390,7 +390,8 @@ stage_prof37() {
 stage_arith37() {  # ARITH37_RUNS of before (the issue-37 switches off), after (the config as is:
     # compile_decode, block_sampling, scoring while decoding), flex (after +
     # generation.decode_attention=flex), shared (the 2026-11-27 "after": compile + shared KV),
-    # triton (after + decode_attention=triton + shared_prompt_kv)
+    # triton (after + decode_attention=triton + shared_prompt_kv), fast (after + the training
+    # forward's logprobs as the old policy's, no logprob forward, and packed micro-batches)
     local run extra
     for run in ${ARITH37_RUNS:-before after flex}; do
         case $run in
@@ -398,6 +399,7 @@ stage_arith37() {  # ARITH37_RUNS of before (the issue-37 switches off), after (
             after) extra="" ;;
             flex) extra="generation.decode_attention=flex" ;;
             triton) extra="generation.decode_attention=triton generation.shared_prompt_kv=true" ;;
+            fast) extra="loss.prev_logprobs=train_forward policy.sequence_packing=true policy.max_tokens_per_microbatch=32768" ;;
             shared) extra=$AFTER37 ;;
             *) echo "arith37: unknown run $run"; status=1; continue ;;
         esac
