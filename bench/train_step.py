@@ -65,13 +65,15 @@ from typing import Callable, Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mcore_rl.config.schema import (  # noqa: E402 (the config layer imports no TE)
+    FP8_BLOCK_SCALES_ENV, FP8_BLOCK_SCALES_ENV_VALUES, DDPConfig, GenerationConfig, LossConfig,
+    MegatronConfig, ModelArchConfig, OptimizerConfig)
+
 # fp8-blockwise with the config's default block scales (module docstring): TE reads this once,
 # at import, so before anything below can import it
-os.environ.setdefault("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+os.environ.setdefault(FP8_BLOCK_SCALES_ENV, FP8_BLOCK_SCALES_ENV_VALUES["fp32"])
 
 from mcore_rl.algorithms.losses import ClippedPGLoss  # noqa: E402
-from mcore_rl.config.schema import (  # noqa: E402
-    DDPConfig, GenerationConfig, LossConfig, MegatronConfig, ModelArchConfig, OptimizerConfig)
 from mcore_rl.megatron.conversion import arch_to_hf_config  # noqa: E402
 
 # --shape: the model of every measurement. 0.85b: the benchmark's shape. llama8b-<N>l:
