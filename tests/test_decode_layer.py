@@ -109,8 +109,30 @@ def _checks(inductor: bool) -> dict:
     return out
 
 
-def test_decode_layers_equal_megatrons_and_compile_once():
-    (out,) = run_distributed(_checks, 1, False)
+def _fast_checks() -> dict:
+    return {"checks": _checks(False), "modes": _modes()}
+
+
+@pytest.fixture(scope="module")
+def fast():
+    """The checks of the tests not marked slow, in one spawned process."""
+    (out,) = run_distributed(_fast_checks, 1)
+    return out
+
+
+def _slow_checks() -> dict:
+    return {"inductor": _checks(True), "autotuned": _autotuned()}
+
+
+@pytest.fixture(scope="module")
+def slow():
+    """The inductor checks (slow-marked tests), in one spawned process."""
+    (out,) = run_distributed(_slow_checks, 1, timeout_s=2400)
+    return out
+
+
+def test_decode_layers_equal_megatrons_and_compile_once(fast):
+    out = fast["checks"]
     for precision in ("fp32", "bf16"):
         for cache in ("rows", "shared"):
             assert out[f"{precision}/{cache}/eager_equal"], (precision, cache)
@@ -122,8 +144,8 @@ def test_decode_layers_equal_megatrons_and_compile_once():
 
 
 @pytest.mark.slow
-def test_inductor_decode_layers_within_the_bound():
-    (out,) = run_distributed(_checks, 1, True, timeout_s=1800)
+def test_inductor_decode_layers_within_the_bound(slow):
+    out = slow["inductor"]
     assert out["inductor/tokens_equal"]
     assert out["inductor/logprob_diff"] < 5e-5  # 7.9e-6 measured (3x weights: large logits)
 
@@ -147,8 +169,8 @@ def _autotuned() -> dict:
 
 
 @pytest.mark.slow
-def test_autotuned_decode_layers_within_the_bound():
-    (out,) = run_distributed(_autotuned, 1, timeout_s=600)
+def test_autotuned_decode_layers_within_the_bound(slow):
+    out = slow["autotuned"]
     assert out["tokens_equal"]
     assert out["logprob_diff"] < 5e-5  # 7.9e-6 measured on CPU (no GPU GEMM templates there)
 
@@ -186,8 +208,8 @@ def _modes() -> list:
     return out
 
 
-def test_compile_decode_mode_is_passed_to_the_compiler():
-    (out,) = run_distributed(_modes, 1)
+def test_compile_decode_mode_is_passed_to_the_compiler(fast):
+    out = fast["modes"]
     autotune = {"mode": "max-autotune-no-cudagraphs"}
     assert out == [[{}, {}], [autotune, autotune], [], [{}, {}]]  # attention_in, attention_out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,12 +48,23 @@ def _deterministic(records):
             for r in records]
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A 2-step run without periodic checkpoints: the final one (checkpoint.save_final) is its
+    only checkpoint. The first half of the resumed run and the run that eval loads; each test
+    works on a copy of its directory."""
+    out = tmp_path_factory.mktemp("two_steps") / "run"
+    run(load_config("grpo_synthetic", TINY + ["grpo.max_steps=2", "checkpoint.every=0",
+                                              f"run.output_dir={out}"]))
+    return out
+
+
 @pytest.mark.slow
-def test_resume_equals_straight_run(tmp_path):
+def test_resume_equals_straight_run(two_steps, tmp_path):
     straight = tmp_path / "straight"
     run(load_config("grpo_synthetic", TINY + ["grpo.max_steps=4", f"run.output_dir={straight}"]))
     resumed = tmp_path / "resumed"
-    run(load_config("grpo_synthetic", TINY + ["grpo.max_steps=2", f"run.output_dir={resumed}"]))
+    shutil.copytree(two_steps, resumed)  # its first 2 steps, saved at the end (save_final)
     assert (resumed / "checkpoints" / "step_2" / "controller.json").is_file()
     run(load_config("grpo_synthetic", TINY + ["grpo.max_steps=4", f"run.output_dir={resumed}",
                                               "checkpoint.resume=latest"]))
@@ -83,11 +95,10 @@ def test_resume_equals_straight_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_of_a_checkpoint_equals_the_runs_validation(tmp_path, capsys):
+def test_eval_of_a_checkpoint_equals_the_runs_validation(two_steps, tmp_path, capsys):
     out = tmp_path / "run"
+    shutil.copytree(two_steps, out)
     # no periodic checkpoints: the final one (checkpoint.save_final) is what eval loads
-    run(load_config("grpo_synthetic", TINY + ["grpo.max_steps=2", "checkpoint.every=0",
-                                              f"run.output_dir={out}"]))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
     trained = {r["step"]: r["val/accuracy"] for r in read_metrics(out) if "val/accuracy" in r}
     trained_length = {r["step"]: r["val/response_length"] for r in read_metrics(out)

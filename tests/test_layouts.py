@@ -3,8 +3,11 @@ gives what one process gives on the same model and global batch.
 
 One model serves every layout: 4 layers (PP=2 with 2 virtual stages), tied embeddings (the
 last stage holds a copy of the embedding under PP) and a vocabulary of 47 rows (padded to 48
-under TP=2). Each layout is one worker group (spawned once, :func:`_check_layout` runs all
-its checks and shuts it down); the single-process reference runs the same checks. Per
+under TP=2). The layouts of one world size share one spawned worker group
+(:class:`LayoutHost`: each layout's workers are built in the same processes, one layout after
+the other, on fresh Megatron parallel groups; a spawn costs seconds, the checks a fraction of
+one); :func:`_check_layout` builds a layout's workers and runs all its checks, and the
+single-process reference runs the same checks. Per
 layout: the HF export round trip (bit-exact), fixed vs token-budget micro-batches (same
 gradients and logprobs), per-token logprobs, loss, grad norm and every weight after one
 optimizer step against the reference (:mod:`mcore_rl.controller.parity`), tied embedding
@@ -139,6 +142,30 @@ class LayoutProbe(PolicyWorker):
         return out
 
 
+class LayoutHost:
+    """One rank of a worker group that hosts the layouts' workers in turn: :meth:`build` makes
+    a :class:`LayoutProbe` of a layout in this process (the gloo world of the first build
+    stays; Megatron's parallel groups are made anew, as :func:`dist_utils.use_layout` does),
+    and every other call goes to the probe built last."""
+
+    probe = None
+
+    def __init__(self, **spawn):  # rank, world_size, master_addr, master_port
+        self._spawn = spawn
+
+    def build(self, kwargs):
+        from megatron.core import parallel_state
+
+        self.probe = None
+        parallel_state.destroy_model_parallel()  # the previous layout's groups
+        self.probe = LayoutProbe(**kwargs, **self._spawn)
+
+    def __getattr__(self, name):
+        if self.probe is None:
+            raise AttributeError(name)
+        return getattr(self.probe, name)
+
+
 def _kwargs(**megatron):
     return dict(
         hf_path=None, hf_config=arch_to_hf_config(ARCH, VOCAB).to_dict(), vocab_size=VOCAB,
@@ -159,35 +186,35 @@ def _batch(n=ROWS, seed=0):
             "prev_logprobs": near[0] * mask, "reference_logprobs": near[1] * mask}
 
 
-def _check_layout(world_size, megatron):
-    """Every check of one layout on one spawned group; returns what the tests assert on."""
-    group = ProcessWorkerGroup(LayoutProbe, world_size, _kwargs(**megatron))
-    try:
-        dp = DataParallelGroup(group)
-        batch = _batch()
-        out = {"options": group.call("megatron_options"), "rng": group.call("rng_draws"),
-               "export": group.call("get_hf_weights")[0],
-               "grads_fixed": dp.call_sharded("probe_gradients", batch, LOSS, MBS)}
-        group.call("set_token_budget", BUDGET)
-        out["grads_budget"] = dp.call_sharded("probe_gradients", batch, LOSS, MBS)
-        out["logprobs_budget"] = dp.gather_rows("get_logprobs", batch, LP_MBS)
-        group.call("set_token_budget", None)
-        out["tied_before"] = group.call("tied_copies")
-        out["record"] = parity.record_step(dp, batch, LOSS, MBS, LP_MBS)
-        for _ in range(TIED_STEPS):
-            dp.train(batch, LOSS, MBS)
-        out["tied_after"] = group.call("tied_copies")
-        out["replicated"] = group.call("replicated_params")
-        return out
-    finally:
-        group.shutdown()
+def _check_layout(group, megatron):
+    """Every check of one layout on a :class:`LayoutHost` group; returns what the tests assert
+    on."""
+    group.call("build", _kwargs(**megatron))
+    dp = DataParallelGroup(group)
+    batch = _batch()
+    out = {"options": group.call("megatron_options"), "rng": group.call("rng_draws"),
+           "export": group.call("get_hf_weights")[0],
+           "grads_fixed": dp.call_sharded("probe_gradients", batch, LOSS, MBS)}
+    group.call("set_token_budget", BUDGET)
+    out["grads_budget"] = dp.call_sharded("probe_gradients", batch, LOSS, MBS)
+    out["logprobs_budget"] = dp.gather_rows("get_logprobs", batch, LP_MBS)
+    group.call("set_token_budget", None)
+    out["tied_before"] = group.call("tied_copies")
+    out["record"] = parity.record_step(dp, batch, LOSS, MBS, LP_MBS)
+    for _ in range(TIED_STEPS):
+        dp.train(batch, LOSS, MBS)
+    out["tied_after"] = group.call("tied_copies")
+    out["replicated"] = group.call("replicated_params")
+    return out
 
 
 @pytest.fixture(scope="module")
 def results():
     """``results(name)``: the checks of layout ``name`` ("reference": one process), run on
-    first use and kept for the module (a failed layout re-raises in each of its tests)."""
-    cache = {}
+    first use and kept for the module (a failed layout re-raises in each of its tests). One
+    :class:`LayoutHost` group per world size serves its layouts; a layout that fails ends its
+    group (a rank may be left waiting in a collective), and the next layout starts a new one."""
+    cache, hosts = {}, {}
 
     def get(name):
         if name not in cache:
@@ -195,14 +222,21 @@ def results():
                                (1, {"layer_spec": "torch"}) if name == "reference_torch" else
                                LAYOUTS[name])
             try:
-                cache[name] = _check_layout(world, megatron)
+                if world not in hosts:
+                    hosts[world] = ProcessWorkerGroup(LayoutHost, world, {})
+                cache[name] = _check_layout(hosts[world], megatron)
             except Exception as e:  # noqa: BLE001 -- re-raised by every test of this layout
                 cache[name] = e
+                group = hosts.pop(world, None)
+                if group is not None:
+                    group.shutdown()
         if isinstance(cache[name], Exception):
             raise cache[name]
         return cache[name]
 
-    return get
+    yield get
+    for group in hosts.values():
+        group.shutdown()
 
 
 def _by(records, *keys):

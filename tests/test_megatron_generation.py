@@ -36,8 +36,17 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [20], [3, 4, 30, 31, 32, 
 GEN = GenerationConfig(temperature=0.7, max_new_tokens=10, batch_size=3)
 
 
+class _PolicyWorker(PolicyWorker):
+    """The policy worker, and :meth:`run` to call a module-level function in its process
+    (checks of the decoder's collectives on the group's Megatron groups, no spawn of their
+    own)."""
+
+    def run(self, fn, *args):
+        return fn(*args)
+
+
 def _group(checkpoint, world_size, **megatron) -> DataParallelGroup:
-    return DataParallelGroup(ProcessWorkerGroup(PolicyWorker, world_size, dict(
+    return DataParallelGroup(ProcessWorkerGroup(_PolicyWorker, world_size, dict(
         hf_path=checkpoint, hf_config=arch_to_hf_config(ARCH, VOCAB).to_dict(), vocab_size=VOCAB,
         temperature=GEN.temperature, arch=ARCH, megatron=MegatronConfig(**megatron),
         optimizer=OptimizerConfig(), device="cpu", seed=7, total_optimizer_steps=10,
@@ -870,11 +879,9 @@ def _tp_any_on_each_rank():
             _tp_any(True, group, cpu)]
 
 
-def test_tp_agreement_on_moved_weights_is_an_or_over_the_tp_group():
-    from dist_utils import run_distributed
-
-    assert run_distributed(_tp_any_on_each_rank, 2, tensor_model_parallel_size=2) == \
-        [[True, False, True]] * 2
+def test_tp_agreement_on_moved_weights_is_an_or_over_the_tp_group(groups):
+    # on the TP=2 group's ranks (their Megatron TP group: the decoder's)
+    assert groups["tp2_local"].call("run", _tp_any_on_each_rank) == [[True, False, True]] * 2
 
 
 def test_stop_ids_of_a_graph_key_are_read_once_per_tensor():

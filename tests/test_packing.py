@@ -337,8 +337,8 @@ def _all_checks() -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(_all_checks, 2)
+def results(spawned):
+    return [r["model"] for r in spawned]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -419,6 +419,7 @@ def _worker_checks(tp: int) -> dict:
 
 
 def _all_worker_checks() -> dict:
+    use_layout()
     out = {"dp2": _worker_checks(1)}
     use_layout(tensor_model_parallel_size=2)
     out["tp2"] = _worker_checks(2)
@@ -426,8 +427,8 @@ def _all_worker_checks() -> dict:
 
 
 @pytest.fixture(scope="module")
-def worker_results():
-    return run_distributed(_all_worker_checks, 2)
+def worker_results(spawned):
+    return [r["workers"] for r in spawned]
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2"])
@@ -533,9 +534,21 @@ def _cp_checks() -> dict:
     return out
 
 
+def _every_check() -> dict:
+    """The model, worker and context-parallel checks, one after the other on the same 2
+    processes (each switches to its layouts with use_layout and seeds its own data)."""
+    return {"model": _all_checks(), "workers": _all_worker_checks(), "cp": _cp_checks()}
+
+
 @pytest.fixture(scope="module")
-def cp_results():
-    return run_distributed(_cp_checks, 2)
+def spawned():
+    """One spawn of 2 gloo processes for every distributed check of the module."""
+    return run_distributed(_every_check, 2)
+
+
+@pytest.fixture(scope="module")
+def cp_results(spawned):
+    return [r["cp"] for r in spawned]
 
 
 @pytest.mark.parametrize("kind", ["policy", "value"])

@@ -26,7 +26,10 @@ from mcore_rl.utils.logging import read_metrics
 
 CPU = ["cluster.use_ray=false", "cluster.device=cpu", "logging.progress=false",
        "logging.tensorboard=false"]
-STEPS = 300
+# Measured (held-out pair accuracy, cosine schedule over the run): 300 steps 0.495 -> 0.765
+# (100) -> 0.935 (200) -> 0.970; 200 steps 0.495 -> 0.720 (50) -> 0.900 (100) -> 0.925 (150)
+# -> 0.945.
+STEPS = 200
 # A short RL run of the default config with a learned reward: no warm start, few prompts.
 RL = CPU + ["sft.steps=0", "data.synthetic.max_value=9", "data.synthetic.num_train=80",
             "data.synthetic.num_test=20", "generation.logprob_canary_prompts=0"]
