@@ -7,7 +7,7 @@
   within 1e-5 per element, over ragged masks (a row with one key, a block of masked keys, spans
   not multiples of the kernel's 32-key block), strided views of a cache, 3 query heads per KV
   group; bf16 within one bf16 rounding of the fp32 attention of the same inputs;
-- the op's CPU path (the same attention with torch ops, ``reference_decode``) against bmm;
+- the op's CPU path (``reference_decode``: bmm on fp32 copies) against bmm, and its error;
 - the decoder with compile_decode and decode_attention=triton, traced by torch.compile (the
   captured graph run as it is, the op called inside it), with and without shared prompts: the
   same tokens as Megatron's layers, logprobs within 5e-5, one compile for every bucket and span;

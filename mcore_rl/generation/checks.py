@@ -88,7 +88,7 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
         errors.append(f"generation.decode_attention={attention} is the attention of "
                       "generation.compile_decode's layers, which is false; set "
                       "generation.compile_decode=true, or decode_attention=bmm")
-    if cfg.generation.decode_attention == "flex" and cfg.generation.shared_prompt_kv:
+    if attention == "flex" and cfg.generation.shared_prompt_kv:
         errors.append("generation.decode_attention=flex does not support "
                       "generation.shared_prompt_kv=true (the shared prompt's two-part attention "
                       "is bmm's only); set decode_attention=bmm, or shared_prompt_kv=false")

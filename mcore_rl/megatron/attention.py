@@ -695,21 +695,15 @@ def cache_attention(query: torch.Tensor, kv: Tuple, scale: float, attention: str
     """The decode attention of ``query`` ``[1, B, np, d]`` over what :meth:`KVCache.step`
     returned, by ``attention`` (``generation.decode_attention``): ``bmm``,
     :func:`decode_attention` over the rows' keys up to the span, or with shared prompts
-    :func:`shared_decode_attention`; ``flex``, :func:`flex_decode_attention`; ``triton``, one
-    fused kernel for both layouts (:func:`mcore_rl.megatron.flash_decode.flash_decode`).
-    Returns ``[1, B, np * d]``.
+    :func:`shared_decode_attention`; ``flex``, :func:`flex_decode_attention` (``triton`` is
+    :mod:`mcore_rl.megatron.decode_layer`'s call of
+    :func:`mcore_rl.megatron.flash_decode.flash_decode`). Returns ``[1, B, np * d]``.
 
     Raises:
         NotImplementedError: ``flex`` with shared prompts (refused at load:
             ``generation.decode_attention=flex`` with ``generation.shared_prompt_kv``).
     """
     keys, values, mask, prompt_keys, prompt_values = kv
-    if attention == "triton":
-        from mcore_rl.megatron.flash_decode import flash_decode
-
-        b = query.shape[1]
-        return flash_decode(query[0], keys, values, mask, scale, prompt_keys,
-                            prompt_values).view(1, b, -1)
     if prompt_keys is None:
         attend = flex_decode_attention if attention == "flex" else decode_attention
         return attend(query, keys, values, mask, scale)

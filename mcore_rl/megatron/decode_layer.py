@@ -50,7 +50,9 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from mcore_rl.config.schema import DECODE_ATTENTIONS
 from mcore_rl.megatron.attention import cache_attention, write_kv
+from mcore_rl.megatron.flash_decode import flash_decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,14 +239,20 @@ def attention_out(hidden: torch.Tensor, query: torch.Tensor, kv: Tuple, w: Layer
         query: ``[B, np, d]`` from :func:`attention_in` (or ``[B, ng, np / ng, d]``, the
             same grouped: :class:`DecodeLayers` passes that with ``flex``).
         kv: the cache's buffers and mask of this step (:meth:`~mcore_rl.megatron.attention.
-            KVCache.read`), for :func:`~mcore_rl.megatron.attention.cache_attention`.
+            KVCache.read`), for :func:`~mcore_rl.megatron.attention.cache_attention` (or
+            :func:`~mcore_rl.megatron.flash_decode.flash_decode` with ``triton``).
         w, shape: the layer's weights and constants.
 
     Returns:
         ``[B, h]`` the layer's output.
     """
     query = query.flatten(1, -2)  # [B, np, d]
-    core = cache_attention(query[None], kv, shape.scale, shape.attention)[0]
+    if shape.attention == "triton":
+        keys, values, mask, prompt_keys, prompt_values = kv
+        core = flash_decode(query, keys, values, mask, shape.scale, prompt_keys,
+                            prompt_values).flatten(1)
+    else:
+        core = cache_attention(query[None], kv, shape.scale, shape.attention)[0]
     hidden = hidden + _linear(core, w.proj, w.proj_bias)
     x = F.rms_norm(hidden, (hidden.shape[-1],), w.ln2, shape.eps)
     gate, up = torch.chunk(_linear(x, w.fc1, w.fc1_bias), 2, dim=-1)
@@ -263,8 +271,7 @@ class DecodeLayers:
         attention: ``generation.decode_attention``, ``bmm``, ``flex`` or ``triton``
             (:attr:`LayerShape.attention`; ``triton``: an opaque custom op inside the compiled
             :func:`attention_out`, rows and span dynamic as with ``bmm``). With ``flex`` the
-            row dimension of
-            :func:`attention_out`'s inputs is static (marked so: one compile of it per row
+            row dimension of :func:`attention_out`'s inputs is static (marked so: one compile of it per row
             bucket, still one for every layer and span; :func:`attention_in` keeps one compile
             for all): Inductor takes FlexAttention's decoding (split-KV) kernel only for a
             static batch, and its CPU template of torch 2.13 does not compile with both the
@@ -281,8 +288,9 @@ class DecodeLayers:
 
     def __init__(self, layers, compile: Optional[Callable] = torch.compile,
                  attention: str = "bmm"):
-        if attention not in ("bmm", "flex", "triton"):
-            raise ValueError(f"decode attention must be bmm, flex or triton, got {attention!r}")
+        if attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"decode attention must be one of {DECODE_ATTENTIONS}, got "
+                             f"{attention!r}")
         read = [layer_weights(layer) for layer in layers]
         self.shape = read[0][0]
         if any(s != self.shape for s, _ in read):

@@ -18,7 +18,7 @@ so the prompt's keys come from L2 after the first of them.
 
 The op is ``torch.ops.mcore_rl.flash_decode`` (``torch.library.custom_op``): opaque to
 torch.compile and capturable in a CUDA graph. On CUDA it launches the kernel; on other devices
-it computes the same attention with torch ops in fp32 (:func:`reference_decode`), the kernel's
+it computes the same attention unfused in fp32 (:func:`reference_decode`), the kernel's
 arithmetic without its blocking. The kernel itself runs on CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``, tests/test_flash_decode.py).
 
@@ -36,6 +36,8 @@ import os
 from typing import Optional
 
 import torch
+
+from mcore_rl.megatron.attention import decode_attention, shared_decode_attention
 
 # keys per block of the loop over the span and warps a program (the fastest of 16 tunings on
 # one H200 at SmolLM2-135M's attention, 256 rows, in a CUDA graph: 20.0 us a call over rows'
@@ -78,21 +80,18 @@ def reference_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                      mask: torch.Tensor, scale: float,
                      prompt_keys: Optional[torch.Tensor] = None,
                      prompt_values: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The kernel's attention with torch ops, in fp32: scores ``q . k * scale`` (masked keys
-    ``-inf``), softmax, weighted sum of the values, rounded once to the query's dtype.
-    Arguments as :func:`flash_decode`. Returns ``[B, np, d]``."""
-    b, ng, s, d = keys.shape
-    nq = query.shape[1] // ng
-    k, v = keys.float(), values.float()
-    if prompt_keys is not None:
-        rows = torch.arange(b, device=keys.device) // (b // prompt_keys.shape[0])
-        k = torch.cat((prompt_keys.float()[rows], k), dim=2)
-        v = torch.cat((prompt_values.float()[rows], v), dim=2)
-    q = query.float().view(b, ng, nq, d)
-    scores = torch.einsum("bgqd,bgsd->bgqs", q, k) * scale
-    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    out = torch.einsum("bgqs,bgsd->bgqd", torch.softmax(scores, dim=-1), v)
-    return out.reshape(b, ng * nq, d).to(query.dtype)
+    """The kernel's attention computed by the unfused decode attentions on fp32 copies of the
+    inputs (:func:`~mcore_rl.megatron.attention.decode_attention`, or
+    :func:`~mcore_rl.megatron.attention.shared_decode_attention` with shared prompts: scores,
+    softmax and the weighted sum all in fp32), rounded once to the query's dtype. Arguments as
+    :func:`flash_decode`. Returns ``[B, np, d]``."""
+    q, k, v = query.float()[None], keys.float(), values.float()
+    if prompt_keys is None:
+        out = decode_attention(q, k, v, mask, scale)
+    else:
+        out = shared_decode_attention(q, prompt_keys.float(), prompt_values.float(), k, v, mask,
+                                      scale)
+    return out.view(query.shape).to(query.dtype)
 
 
 def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
