@@ -359,6 +359,7 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
         [g37]="$BEST37 generation.compile_decode=true generation.block_sampling=true"
         [t37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton"
         [u37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true")
+    [ -n "${PROFILE_ONLY:-}" ] && { echo "${variant_args[$PROFILE_ONLY]}"; return; }
     # base<variant>: the variant on the code in .base/ (a carried `git archive` of an earlier
     # commit's mcore_rl/ bench/ configs/), run from there: before and after on the same machine.
     local name dir
@@ -423,12 +424,16 @@ stage_decode37() {  # megatron before/after, vLLM today and at its best, 256 x 5
     grep -h -E "tokens/s|PASS|FAIL|Error|failed" "$RES"/decode37_*.log | tail -n 16
 }
 
-stage_profile() {  # the GSM8K step (mbs 64/128) under the torch profiler: one call per method
+stage_profile() {  # the GSM8K step under the torch profiler, one call per method: PROFILE_VARIANT
+    # (a gsm8k variant's overrides, e.g. u37; default the mbs 64/128 step)
+    local set="policy.micro_batch_size=64 policy.logprob_micro_batch_size=128"
+    [ -n "${PROFILE_VARIANT:-}" ] && set=$(PROFILE_ONLY=$PROFILE_VARIANT stage_gsm8k)
     rm -rf "$RES/profile"
+    # shellcheck disable=SC2086
     MCORE_RL_PROFILE_DIR=$RES/profile MCORE_RL_PROFILE_CALLS=4 NAME=gsm8k_profiled \
         MODE="gsm8k profiled" STEPS=5 timeout 300 bash bench/peers/mcore_rl_step.sh "$MODEL" \
-        "$DATA/train.jsonl" "$DATA/test.jsonl" logging.progress=false \
-        policy.micro_batch_size=64 policy.logprob_micro_batch_size=128 > /dev/null 2>&1 || status=1
+        "$DATA/train.jsonl" "$DATA/test.jsonl" logging.progress=false $set > /dev/null 2>&1 \
+        || status=1
     rm -f "$OUT"/gsm8k_profiled.json
     for f in "$RES"/profile/rank0_*.txt; do [ -f "$f" ] && head -n 1 "$f"; done
 }
