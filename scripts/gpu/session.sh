@@ -25,6 +25,8 @@
 #               GSM8K_TIMEOUT seconds a variant (240); base<variant> runs a variant on the code
 #               in .base/ (`git archive <commit> mcore_rl bench configs | tar -x -C .base`, carried)
 #   profile     the mbs64 GSM8K step with MCORE_RL_PROFILE_DIR (a profiler table per worker call)
+#   syncs       the GSM8K step (SYNCS_VARIANT, u37) with every host-device synchronization counted
+#               by its call stack (scripts/gpu/sync_sources/sitecustomize.py)
 #   trl         TRL 1.16 GRPOTrainer on the same step, its own generation (bench/peers)
 #   memory      the memory planner against measured peaks (scripts/gpu/memory_check.py):
 #               predicted vs measured per phase for grpo_synthetic_gpu, SmolLM2 (grpo_gsm8k and
@@ -436,6 +438,20 @@ stage_profile() {  # the GSM8K step under the torch profiler, one call per metho
         || status=1
     rm -f "$OUT"/gsm8k_profiled.json
     for f in "$RES"/profile/rank0_*.txt; do [ -f "$f" ] && head -n 1 "$f"; done
+}
+
+stage_syncs() {  # where the GSM8K step's host-device synchronizations come from: the
+    # SYNCS_VARIANT (u37) step with scripts/gpu/sync_sources/ on PYTHONPATH, counted per stack
+    local set
+    set=$(PROFILE_ONLY=${SYNCS_VARIANT:-u37} stage_gsm8k)
+    rm -rf "$RES/syncs"
+    # shellcheck disable=SC2086
+    MCORE_RL_SYNC_SOURCES=$RES/syncs PYTHONPATH=$PWD/scripts/gpu/sync_sources:/tmp/site:$PWD \
+        NAME=gsm8k_syncs MODE="gsm8k syncs" STEPS=${SYNCS_STEPS:-5} timeout 300 bash \
+        bench/peers/mcore_rl_step.sh "$MODEL" "$DATA/train.jsonl" "$DATA/test.jsonl" \
+        logging.progress=false $set > /dev/null 2>&1 || status=1
+    rm -f "$OUT"/gsm8k_syncs.json
+    for f in "$RES"/syncs/syncs_*.txt; do [ -f "$f" ] && { echo "== $f"; head -n 25 "$f" | cut -c1-400; }; done
 }
 
 stage_trl() {
