@@ -20,11 +20,13 @@
 #               same, packed in 64k-token micro-batches), fwd128 (fwd with 128-row train
 #               micro-batches), fwdc (fwd with policy.megatron.compile_layers), fwdrw (fwd with 14
 #               reward processes), fwd2 (fwd128 + compile_layers + 14 reward processes), best
-#               (fwdpk with 14 reward processes), hf
+#               (fwdpk with 14 reward processes), issue 37's b37 ... u37 (stage_gsm8k's table),
+#               u37c (u37 with policy.megatron.compile_layers), hf
 #               and vllm (mbs64 with those rollout backends; vllm after the vllm stage);
 #               GSM8K_TIMEOUT seconds a variant (240); base<variant> runs a variant on the code
 #               in .base/ (`git archive <commit> mcore_rl bench configs | tar -x -C .base`, carried)
-#   profile     the mbs64 GSM8K step with MCORE_RL_PROFILE_DIR (a profiler table per worker call)
+#   profile     the GSM8K step with MCORE_RL_PROFILE_DIR (a profiler table per worker call):
+#               PROFILE_VARIANT's overrides (a gsm8k variant), mbs64 without
 #   syncs       the GSM8K step (SYNCS_VARIANT, u37) with every host-device synchronization counted
 #               by its call stack (scripts/gpu/sync_sources/sitecustomize.py)
 #   trl         TRL 1.16 GRPOTrainer on the same step, its own generation (bench/peers)
@@ -360,7 +362,8 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
         [f37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=flex"
         [g37]="$BEST37 generation.compile_decode=true generation.block_sampling=true"
         [t37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton"
-        [u37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true")
+        [u37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true"
+        [u37c]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true policy.megatron.compile_layers=true")
     [ -n "${PROFILE_ONLY:-}" ] && { echo "${variant_args[$PROFILE_ONLY]}"; return; }
     # base<variant>: the variant on the code in .base/ (a carried `git archive` of an earlier
     # commit's mcore_rl/ bench/ configs/), run from there: before and after on the same machine.
