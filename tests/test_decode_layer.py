@@ -8,9 +8,12 @@ same prompts with Megatron's layers and with the decode-layer functions:
   shared-prompt caches);
 - traced by torch.compile (a backend that runs the captured graph as it is, so the numbers stay
   eager's): still bit for bit, with one compile per function for every layer, row bucket and
-  attended span (and one more for the shared-prompt attention);
+  attended span (two of attention_in: the first layer's, without a previous MLP output to add;
+  and one more for the shared-prompt attention);
 - compiled by Inductor (CPU C++ kernels; slow): the same tokens, logprobs within 5e-5 (fp32;
-  7.9e-6 measured).
+  7.9e-6 measured), and no residual add taken into an ``addmm`` (Inductor's post-grad pattern
+  ``addmm``, which CPU applies as CUDA does: the generated code's ``addmm`` calls add the QKV
+  bias only).
 
 generation.compile_decode_mode: torch.compile's ``mode`` (none for ``default``), a new compile
 when it changes; refused at load without compile_decode; max-autotune-no-cudagraphs by Inductor
@@ -100,13 +103,30 @@ def _checks(inductor: bool) -> dict:
         out[f"traced/{shared}/equal"] = _same(got, megatron[shared])
         out[f"traced/{shared}/graphs"] = len(graphs)
     if inductor:
+        from torch._inductor.utils import run_and_get_code
+
         reset()
-        got = _run(dec, torch.compile)
+        got, codes = run_and_get_code(_run, dec, torch.compile)
+        out["inductor/addmm_inputs"] = _addmm_inputs(codes)
         out["inductor/tokens_equal"] = all(torch.equal(x, y) for x, y in zip(got[0],
                                                                            megatron[False][0]))
         out["inductor/logprob_diff"] = max(float((x - y).abs().max())
                                            for x, y in zip(got[1], megatron[False][1]))
     return out
+
+
+def _addmm_inputs(codes) -> list:
+    """The shape (as Inductor's generated Python asserts it: ``(128, )``) of the added input of
+    every ``extern_kernels.addmm`` call in ``codes`` (the compiled functions' generated code),
+    or ``"not an input"`` for a buffer computed in the graph (a residual stream's sum)."""
+    import re
+
+    shapes = []
+    for code in codes:
+        asserted = dict(re.findall(r"assert_size_stride\((\w+), (\([^)]*\))", code))
+        for name in re.findall(r"extern_kernels\.addmm\((\w+),", code):
+            shapes.append(asserted.get(name, "not an input"))
+    return shapes
 
 
 def _fast_checks() -> dict:
@@ -137,10 +157,11 @@ def test_decode_layers_equal_megatrons_and_compile_once(fast):
         for cache in ("rows", "shared"):
             assert out[f"{precision}/{cache}/eager_equal"], (precision, cache)
             assert len(out[f"{precision}/{cache}/lengths"]) > 3  # rows end at different steps
-    # one graph for attention_in and one for attention_out over 3 layers, row buckets 32 .. 8
-    # and spans 128 and 256; the shared-prompt cache adds one for its attention
-    assert out["traced/False/equal"] and out["traced/False/graphs"] == 2
-    assert out["traced/True/equal"] and out["traced/True/graphs"] == 3
+    # two graphs for attention_in (the first layer's: no previous MLP output to add) and one for
+    # attention_out over 3 layers, row buckets 32 .. 8 and spans 128 and 256; the shared-prompt
+    # cache adds one for its attention
+    assert out["traced/False/equal"] and out["traced/False/graphs"] == 3
+    assert out["traced/True/equal"] and out["traced/True/graphs"] == 4
 
 
 @pytest.mark.slow
@@ -148,6 +169,17 @@ def test_inductor_decode_layers_within_the_bound(slow):
     out = slow["inductor"]
     assert out["inductor/tokens_equal"]
     assert out["inductor/logprob_diff"] < 5e-5  # 7.9e-6 measured (3x weights: large logits)
+
+
+@pytest.mark.slow
+def test_inductor_takes_no_residual_add_into_addmm(slow):
+    """Inductor's post-grad pattern ``addmm`` (torch/_inductor/fx_passes/post_grad.py) would
+    turn ``residual + x @ W`` into ``addmm(residual, x, W)`` (on CUDA a copy of the residual
+    before the GEMM); decode_layer keeps the residual adds out of it (attention_out's
+    docstring). The model's only added bias is the QKV layer's (``[128]``): every ``addmm`` adds
+    it, one a compile of attention_in (the pattern on CPU as on CUDA: the check sees it)."""
+    shapes = slow["inductor"]["inductor/addmm_inputs"]
+    assert shapes and all(s == "(128, )" for s in shapes), shapes  # before: [B, h] residuals too
 
 
 def _autotuned() -> dict:

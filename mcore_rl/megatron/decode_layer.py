@@ -8,19 +8,24 @@ that differ between layers (the KV cache of its ``layer_number``), on which torc
 specializes, so it would compile once per layer (30 for SmolLM2-135M, over its recompile
 limit), and again per row bucket and attended span. Here a layer is
 
-- :func:`attention_in`: input RMSNorm, the QKV projection (+ bias), the split into query / key /
-  value heads, the query and key RMSNorms (``qk_layernorm``), RoPE, and the KV-cache write
+- :func:`attention_in`: the previous layer's MLP residual add (none for the first layer), input
+  RMSNorm, the QKV projection (+ bias), the split into query / key / value heads, the query and
+  key RMSNorms (``qk_layernorm``), RoPE, and the KV-cache write
   (:func:`~mcore_rl.megatron.attention.write_kv` into the layer's buffers, passed in: Inductor
   stores the rotated key and the value at their cache slots from the kernel that computes
   them, in place, where the eager write was two ``index_put`` kernels a layer after it);
 - :func:`attention_out`: the decode attention over the cache
   (:func:`~mcore_rl.megatron.attention.cache_attention`), the output projection (+ bias), the
-  residual add, the pre-MLP RMSNorm, the SwiGLU MLP (+ biases), the residual add;
+  residual add, the pre-MLP RMSNorm, the SwiGLU MLP (+ biases), whose output it returns
+  beside the residual stream: the MLP's residual add is the next layer's (in
+  :func:`attention_in`) or, after the last layer, :class:`DecodeLayers`' (one eager add);
 
 each taking the layer's weights as arguments (:class:`LayerWeights`, read from Megatron's
 modules in place: nothing is copied) and the layer's constants (:class:`LayerShape`, the same
 for every layer) as keywords. The row and span dimensions are marked dynamic
-(``torch._dynamo.maybe_mark_dynamic``), so a compile is made once per function and KV layout;
+(``torch._dynamo.maybe_mark_dynamic``), so a compile is made once per function and KV layout
+(twice for :func:`attention_in`: the first layer's, without a previous MLP output to add, and
+the others');
 with ``generation.decode_attention=triton`` the attention is one fused Triton kernel
 (:func:`~mcore_rl.megatron.flash_decode.flash_decode`, an op torch.compile calls as it is);
 with ``generation.decode_attention=flex`` (FlexAttention,
@@ -34,7 +39,10 @@ unfused GLU, ``silu(gate) * (up + glu_linear_offset)``; RoPE as
 :func:`mcore_rl.megatron.rope.rotate`): bit for bit (tests). Compiled, Inductor fuses the
 elementwise work between the matrix products (norms, bias and residual adds, RoPE, SwiGLU,
 the attention's mask and softmax) into a few kernels, whose intermediate rounding differs from
-the eager ops': the bound is stated and tested where it is used.
+the eager ops': the bound is stated and tested where it is used. Each residual add is fused
+with the RMSNorm after it (the pre-MLP one, or the next layer's input one), not taken into the
+matrix product before it: written so that Inductor's ``addmm`` pattern does not match it (on
+CUDA a copy of the residual before the GEMM; :func:`attention_out` says how and why).
 
 Supported: dense layers of the ``local`` / ``torch`` specs (RMSNorm, SwiGLU, RoPE with
 non-interleaved halves, optional QKV bias and QK RMSNorm) at tensor parallelism 1; anything
@@ -184,17 +192,22 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor])
     return out if bias is None else out + bias
 
 
-def attention_in(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
-                 signed_sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 rows: torch.Tensor, at: torch.Tensor, *, shape: LayerShape) -> torch.Tensor:
-    """The attention's inputs of one decode step (the one-token sequence dimension of
-    Megatron's ``[1, B, ...]`` tensors dropped: the same products), the key and value written
-    into the layer's KV cache (:func:`~mcore_rl.megatron.attention.write_kv`; compiled, the
-    write is part of the kernel that computes the key's RoPE instead of two indexed writes
-    after it).
+def attention_in(residual: torch.Tensor, delta: Optional[torch.Tensor], w: LayerWeights,
+                 cos: torch.Tensor, signed_sin: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, rows: torch.Tensor, at: torch.Tensor, *,
+                 shape: LayerShape) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The layer's input (the previous layer's MLP residual add) and the attention's inputs of
+    one decode step (the one-token sequence dimension of Megatron's ``[1, B, ...]`` tensors
+    dropped: the same products), the key and value written into the layer's KV cache
+    (:func:`~mcore_rl.megatron.attention.write_kv`; compiled, the write is part of the kernel
+    that computes the key's RoPE instead of two indexed writes after it).
 
     Args:
-        hidden: ``[B, h]`` the layer's input (the residual stream).
+        residual: ``[B, h]`` the previous layer's residual stream after its attention (its
+            :func:`attention_out`'s ``hidden``), or the first layer's input.
+        delta: ``[B, h]`` the previous layer's MLP output (:func:`attention_out`'s
+            ``mlp_out``), added to ``residual`` here (compiled: in the input RMSNorm's kernel),
+            or None for the first layer (``residual`` is then the layer's input).
         w: the layer's weights.
         cos, signed_sin: ``[B, 1, d_rot]`` in ``hidden``'s dtype, each row's RoPE cosine and
             sine with its first half negated (:func:`mcore_rl.megatron.rope.cos_sin`).
@@ -204,8 +217,13 @@ def attention_in(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
         shape: the layer's constants.
 
     Returns:
-        ``query [B, np, d]``, RoPE applied (the key too, before its write).
+        ``(hidden [B, h], query [B, np, d])``: the layer's input ``residual + delta``
+        (``residual`` itself without a delta), the residual of :func:`attention_out`; the
+        query, RoPE applied (the key too, before its write).
     """
+    # The previous layer's bias-dropout-add, as Megatron's: the product (+ bias), rounded,
+    # then + residual (here rather than in that layer's attention_out: see attention_out).
+    hidden = residual if delta is None else residual + delta
     x = F.rms_norm(hidden, (hidden.shape[-1],), w.ln1, shape.eps)
     mixed = _linear(x, w.qkv, w.qkv_bias)
     per_group = shape.heads // shape.groups
@@ -217,7 +235,7 @@ def attention_in(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
         query = F.rms_norm(query, (d,), w.q_ln, shape.qk_eps)
         key = F.rms_norm(key, (d,), w.k_ln, shape.qk_eps)
     write_kv(keys, values, rows, at, _rope(key, cos, signed_sin), value)
-    return _rope(query, cos, signed_sin)
+    return hidden, _rope(query, cos, signed_sin)
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -230,12 +248,31 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
 
 
 def attention_out(hidden: torch.Tensor, query: torch.Tensor, kv: Tuple, w: LayerWeights, *,
-                  shape: LayerShape) -> torch.Tensor:
-    """The rest of the layer: attention over the cache, output projection, residual, MLP,
-    residual.
+                  shape: LayerShape) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rest of the layer: attention over the cache, output projection, residual, MLP; the
+    MLP's residual add is left to the next layer's :func:`attention_in` (or, after the last
+    layer, to :class:`DecodeLayers`).
+
+    Why the residual adds are written so (compiled; eager, the values are the same): Inductor's
+    post-grad pattern ``addmm`` (``torch/_inductor/fx_passes/post_grad.py``, function ``addmm``,
+    checked by ``is_valid_addmm_fusion`` / ``should_prefer_unfused_addmm``) rewrites
+    ``add(residual, aten.mm(x, W))`` into ``aten.addmm(residual, x, W)`` whenever the sum has a
+    user that is not pointwise (an RMSNorm's reduction, or the graph's output), and CUDA's
+    ``addmm`` copies ``residual`` into its output before the GEMM (a device-to-device memcpy,
+    two a layer). So
+
+    - the MLP's sum is not formed here: ``mlp_out`` is returned, and the next layer's
+      :func:`attention_in` adds it in its input RMSNorm's kernel;
+    - the attention's product is computed on ``[1, B, np d]`` (Megatron's ``[s, b, h]``
+      layout): ``torch.matmul`` of a 3-d input is an ``aten.mm`` of its ``[B, np d]`` view
+      viewed back to ``[1, B, h]``, so the add's operand is that view, not a bare ``aten.mm``,
+      and the pattern does not match; the add is fused with the pre-MLP RMSNorm.
+
+    The unfused form rounds as Megatron's eager layer does (the product, rounded, then
+    bias-dropout-add), where ``addmm`` rounds once.
 
     Args:
-        hidden: ``[B, h]`` the layer's input (the residual).
+        hidden: ``[B, h]`` the layer's input (the residual), :func:`attention_in`'s.
         query: ``[B, np, d]`` from :func:`attention_in` (or ``[B, ng, np / ng, d]``, the
             same grouped: :class:`DecodeLayers` passes that with ``flex``).
         kv: the cache's buffers and mask of this step (:meth:`~mcore_rl.megatron.attention.
@@ -244,19 +281,21 @@ def attention_out(hidden: torch.Tensor, query: torch.Tensor, kv: Tuple, w: Layer
         w, shape: the layer's weights and constants.
 
     Returns:
-        ``[B, h]`` the layer's output.
+        ``(hidden [B, h], mlp_out [B, h])``: the residual stream after the attention's residual
+        add, and the MLP's output (``fc2``'s product, + bias); the layer's output is their sum.
     """
     query = query.flatten(1, -2)  # [B, np, d]
     if shape.attention == "triton":
         keys, values, mask, prompt_keys, prompt_values = kv
         core = flash_decode(query, keys, values, mask, shape.scale, prompt_keys,
-                            prompt_values).flatten(1)
+                            prompt_values).flatten(1)[None]
     else:
-        core = cache_attention(query[None], kv, shape.scale, shape.attention)[0]
-    hidden = hidden + _linear(core, w.proj, w.proj_bias)
+        core = cache_attention(query[None], kv, shape.scale, shape.attention)
+    # [1, B, np d] @ [np d, h]: not a bare aten.mm for Inductor's addmm pattern (docstring)
+    hidden = (hidden[None] + _linear(core, w.proj, w.proj_bias))[0]
     x = F.rms_norm(hidden, (hidden.shape[-1],), w.ln2, shape.eps)
     gate, up = torch.chunk(_linear(x, w.fc1, w.fc1_bias), 2, dim=-1)
-    return hidden + _linear(F.silu(gate) * (up + shape.glu_offset), w.fc2, w.fc2_bias)
+    return hidden, _linear(F.silu(gate) * (up + shape.glu_offset), w.fc2, w.fc2_bias)
 
 
 class DecodeLayers:
@@ -272,8 +311,8 @@ class DecodeLayers:
             (:attr:`LayerShape.attention`; ``triton``: an opaque custom op inside the compiled
             :func:`attention_out`, rows and span dynamic as with ``bmm``). With ``flex`` the
             row dimension of :func:`attention_out`'s inputs is static (marked so: one compile of it per row
-            bucket, still one for every layer and span; :func:`attention_in` keeps one compile
-            for all): Inductor takes FlexAttention's decoding (split-KV) kernel only for a
+            bucket, still one for every layer and span; :func:`attention_in` keeps its two
+            compiles for all): Inductor takes FlexAttention's decoding (split-KV) kernel only for a
             static batch, and its CPU template of torch 2.13 does not compile with both the
             batch and the key length dynamic (a C++ compile error). A decoder of ``R`` rows has
             ``log2(R / 8) + 1`` row buckets (6 for 256), each a compile counted against
@@ -314,20 +353,24 @@ class DecodeLayers:
         rows, at = cache.target(hidden.shape[0])  # the same for every layer of the step
         for t in (cos, signed_sin, rows, at):
             _dynamic(t, 0)
+        delta = None  # the previous layer's MLP output, added in the next attention_in
         for number, w in zip(self.numbers, self.weights):
             _dynamic(hidden, 0)
-            query = self._in(hidden, w, cos, signed_sin, cache.keys[number],
-                             cache.values[number], rows, at, shape=self.shape)
+            _dynamic(delta, 0)
+            hidden, query = self._in(hidden, delta, w, cos, signed_sin, cache.keys[number],
+                                     cache.values[number], rows, at, shape=self.shape)
             kv = cache.read(number, rows.shape[0])
             if self.shape.attention == "flex":  # static rows (class docstring)
-                hidden = self._out(*_static_rows(hidden, query, *kv, groups=self.shape.groups),
-                                   w, shape=self.shape)
+                hidden, delta = self._out(
+                    *_static_rows(hidden, query, *kv, groups=self.shape.groups), w,
+                    shape=self.shape)
                 continue
+            _dynamic(hidden, 0)
             _dynamic(query, 0)
             for t in kv:  # rows (or groups) and span of the cache views and the mask
                 _dynamic(t, *(() if t is None else (0, 1) if t.dim() == 2 else (0, 2)))
-            hidden = self._out(hidden, query, kv, w, shape=self.shape)
-        return hidden[None]
+            hidden, delta = self._out(hidden, query, kv, w, shape=self.shape)
+        return (hidden + delta)[None]  # the last layer's MLP residual add (eager)
 
 
 def _static_rows(hidden: torch.Tensor, query: torch.Tensor, *kv: Optional[torch.Tensor],
