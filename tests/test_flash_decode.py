@@ -173,7 +173,8 @@ def test_triton_decode_layers_traced_give_megatrons_tokens():
         assert got["tokens_equal"], got
         assert got["logprob_diff"] < 5e-5, got
         assert got["op_called"], got
-        assert got["graphs"] == 2, got  # attention_in and attention_out, for every bucket
+        # attention_in, attention_out and the sampler (Sampler.step), for every bucket
+        assert got["graphs"] == 3, got
 
 
 def test_triton_needs_compile_decode():
