@@ -9,7 +9,8 @@ same prompts with Megatron's layers and with the decode-layer functions:
 - traced by torch.compile (a backend that runs the captured graph as it is, so the numbers stay
   eager's): still bit for bit, with one compile per function for every layer, row bucket and
   attended span (two of attention_in: the first layer's, without a previous MLP output to add;
-  and one more for the shared-prompt attention);
+  and one more for the shared-prompt attention), and one of the decode step's sampler for every
+  row bucket;
 - compiled by Inductor (CPU C++ kernels; slow): the same tokens, logprobs within 5e-5 (fp32;
   7.9e-6 measured), and no residual add taken into an ``addmm`` (Inductor's post-grad pattern
   ``addmm``, which CPU applies as CUDA does: the generated code's ``addmm`` calls add the QKV
@@ -59,7 +60,9 @@ def _decoder(precision: str, arch: ModelArchConfig = ARCH):
     with torch.no_grad():  # larger weights than the init's: rows end at different steps
         for p in chunk.parameters():
             p.mul_(3.0)
-    return MegatronDecoder(chunk, megatron, VOCAB)
+    dec = MegatronDecoder(chunk, megatron, VOCAB)
+    dec._sampler_on_cpu = True  # the sampler compiled too, as on CUDA (Inductor: VOCAB is small)
+    return dec
 
 
 def _run(dec, compiler, **overrides):
@@ -157,11 +160,11 @@ def test_decode_layers_equal_megatrons_and_compile_once(fast):
         for cache in ("rows", "shared"):
             assert out[f"{precision}/{cache}/eager_equal"], (precision, cache)
             assert len(out[f"{precision}/{cache}/lengths"]) > 3  # rows end at different steps
-    # two graphs for attention_in (the first layer's: no previous MLP output to add) and one for
-    # attention_out over 3 layers, row buckets 32 .. 8 and spans 128 and 256; the shared-prompt
-    # cache adds one for its attention
-    assert out["traced/False/equal"] and out["traced/False/graphs"] == 3
-    assert out["traced/True/equal"] and out["traced/True/graphs"] == 4
+    # two graphs for attention_in (the first layer's: no previous MLP output to add), one for
+    # attention_out over 3 layers, and one for the sampler (Sampler.step), over row buckets
+    # 32 .. 8 and spans 128 and 256; the shared-prompt cache adds one for its attention
+    assert out["traced/False/equal"] and out["traced/False/graphs"] == 4
+    assert out["traced/True/equal"] and out["traced/True/graphs"] == 5
 
 
 @pytest.mark.slow
@@ -243,7 +246,8 @@ def _modes() -> list:
 def test_compile_decode_mode_is_passed_to_the_compiler(fast):
     out = fast["modes"]
     autotune = {"mode": "max-autotune-no-cudagraphs"}
-    assert out == [[{}, {}], [autotune, autotune], [], [{}, {}]]  # attention_in, attention_out
+    # attention_in, attention_out, the sampler
+    assert out == [[{}, {}, {}], [autotune] * 3, [], [{}, {}, {}]]
 
 
 def test_compile_decode_mode_defaults_and_is_refused_without_compile_decode():

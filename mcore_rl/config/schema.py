@@ -450,13 +450,19 @@ class GenerationConfig:
     # backend=megatron: each decode step's layers run as two functions of tensors compiled by
     # torch.compile (Inductor: norms, RoPE, bias and residual adds, SwiGLU, the attention's mask
     # and softmax fused between the matrix products; one compile for every layer and CUDA-graph
-    # bucket, made at the first decode step). Dense local/torch-spec layers at TP=1. Not bit
-    # for bit (fused kernels round intermediates differently): the same tokens and logprobs
-    # within 5e-5 of the eager decoder in fp32 on CPU (tests; 7.9e-6 measured); bf16 on the
-    # GPU: scripts/gpu/decode_step_profile.py (rows and logprobs against the eager decoder).
+    # bucket, made at the first decode step). Dense local/torch-spec layers at TP=1. On CUDA
+    # the decode step's sampler (temperature, log-softmax, top-p, block_sampling's sums and
+    # draw) is compiled too, with the same mode, one compile for every bucket (the prefill's
+    # first tokens and the CPU sample eagerly: mcore_rl/generation/megatron.py). Not bit for
+    # bit (fused kernels round intermediates differently): the same tokens and logprobs
+    # within 5e-5 of the eager decoder in fp32 on CPU (tests; 7.9e-6 measured); the compiled
+    # sampler alone: logprobs within 1e-5 + float32 eps x the largest |logit| / temperature,
+    # tokens apart only where a draw is within float32 rounding of a cdf boundary
+    # (tests/test_sampling_compile.py); bf16 on the GPU: scripts/gpu/decode_step_profile.py
+    # (rows and logprobs against the eager decoder).
     compile_decode: bool = False
-    # backend=megatron: the torch.compile mode of compile_decode's layer functions: default
-    # (Inductor's fusions, the matrix products cuBLAS's), or max-autotune-no-cudagraphs
+    # backend=megatron: the torch.compile mode of compile_decode's layer functions and sampler:
+    # default (Inductor's fusions, the matrix products cuBLAS's), or max-autotune-no-cudagraphs
     # (Inductor also autotunes the matrix products, Triton GEMM templates against cuBLAS, and
     # may fuse epilogues such as the residual add into them; the decoder captures its own CUDA
     # graphs).

@@ -44,7 +44,9 @@ are scored while the rest decode; ``generation.shared_prompt_kv`` lays a chunk's
 (equal consecutive prompts, :func:`_prompt_groups`) in groups of slots that read one copy of
 the prompt's keys and values (prefilled once per group; compaction by whole groups);
 ``generation.compile_decode`` runs a decode step's layers through
-:class:`~mcore_rl.megatron.decode_layer.DecodeLayers`, compiled once for every layer and bucket.
+:class:`~mcore_rl.megatron.decode_layer.DecodeLayers`, compiled once for every layer and bucket,
+and on CUDA compiles its sampler (:meth:`~mcore_rl.generation.sampling.Sampler.step`) with
+them.
 
 Why not Megatron-Core's inference engines or CUDA graphs: its static-batching KV cache keeps one
 sequence offset for the whole batch (prompt tokens past the shortest prompt were fed one position
@@ -418,7 +420,18 @@ class MegatronDecoder:
     ``_compiler`` (``torch.compile``, with ``mode=generation.compile_decode_mode`` unless that
     is ``default``; compiled at the first step, one compile for every layer and bucket, again
     when the mode or ``generation.decode_attention`` changes; with ``decode_attention=flex``
-    the attention's half once per row bucket), prefill stays Megatron's.
+    the attention's half once per row bucket), prefill stays Megatron's. On CUDA the decode
+    step's sampler is compiled too, by the same compiler and mode
+    (:meth:`~mcore_rl.generation.sampling.Sampler.step`: one compile for every bucket, greedy
+    and sampled two, again when the layers are recompiled or ``temperature``, ``top_p`` or
+    ``block_sampling`` change; logprobs within float32 rounding of the eager sampler's, tokens
+    the same except at rounding boundaries of the cdf); the prefill's first tokens are sampled
+    eagerly (any row count; a compile at one row would be another entry against the
+    recompile limit). On the CPU the sampler stays eager: Inductor's C++ kernels (torch 2.13)
+    compute it wrong with dynamic rows under the pinned AVX2 arithmetic
+    (:func:`mcore_rl.megatron.cpu_backend.pin_arithmetic`) at a 49,152-token vocabulary (loops
+    of 16 floats over 8-float vectors; right with ``torch._inductor.config.cpp.simdlen=256``,
+    as ``tests/test_sampling_compile.py`` compiles it).
 
     Args:
         model: the worker's model chunk (``DistributedDataParallel`` around, with bf16,
@@ -438,8 +451,11 @@ class MegatronDecoder:
 
     _layers = None  # DecodeLayers with generation.compile_decode
     _layers_mode = None  # the (compile_decode_mode, decode_attention) of _layers
+    _sampler: Optional[Sampler] = None  # with generation.compile_decode: compiled with _layers
+    _sampling = None  # the (temperature, top_p, block_sampling) of _sampler
+    _sampler_on_cpu = False  # compile _sampler on the CPU too (tests: with a tracing backend)
     _stops: Optional[Tuple[torch.Tensor, tuple]] = None  # (stop-id tensor, its ids): _stops_key
-    _compiler = staticmethod(torch.compile)  # what compiles them (tests: an eager stand-in)
+    _compiler = staticmethod(torch.compile)  # what compiles both (tests: an eager stand-in)
 
     def __init__(self, model: torch.nn.Module, megatron: MegatronConfig, vocab_size: int):
         from megatron.core.utils import unwrap_model
@@ -498,7 +514,6 @@ class MegatronDecoder:
         """
         from mcore_rl.megatron.attention import kv_cache_attention
 
-        sampler = Sampler(cfg)
         tp = self.megatron.tensor_model_parallel_size
         graphs = decode_graphs(cfg, self.device, tp, self.gpt.config.num_moe_experts is not None)
         weights = tuple(p.data_ptr() for p in self.gpt.parameters())
@@ -512,17 +527,27 @@ class MegatronDecoder:
         if moved:
             self._graphs, self._weights = {}, weights
         layers_mode = (cfg.compile_decode_mode, cfg.decode_attention)
+        compiler = self._compiler
+        if cfg.compile_decode_mode != "default":  # torch.compile's own default otherwise
+            compiler = functools.partial(compiler, mode=cfg.compile_decode_mode)
         if cfg.compile_decode and (self._layers is None or self._layers_mode != layers_mode):
             from mcore_rl.megatron.decode_layer import DecodeLayers
 
-            compiler = self._compiler
-            if cfg.compile_decode_mode != "default":  # torch.compile's own default otherwise
-                compiler = functools.partial(compiler, mode=cfg.compile_decode_mode)
             self._layers = DecodeLayers(self.gpt.decoder.layers, compile=compiler,
                                         attention=cfg.decode_attention)
             self._layers_mode = layers_mode
-        elif not cfg.compile_decode:
-            self._layers = None
+            self._sampler = None  # compiled anew with the layers' compiler and mode
+        sampling = (cfg.temperature, cfg.top_p, cfg.block_sampling)
+        if not cfg.compile_decode:
+            self._layers = self._sampler = None
+            sampler = Sampler(cfg)
+        elif self._sampler is None or self._sampling != sampling:
+            on = self.device.type == "cuda" or self._sampler_on_cpu  # class docstring
+            self._sampler = Sampler(cfg, compile=compiler if on else None)
+            self._sampling, sampler = sampling, self._sampler
+        else:
+            check_sampling(cfg)  # as Sampler(cfg) does
+            sampler = self._sampler
         ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
         # One id: compared as an int (the one-turn path, unchanged); several (or none:
         # generation.ignore_eos) a device tensor.
@@ -833,7 +858,10 @@ class MegatronDecoder:
         logits = self._logits(self._decode_hidden(tokens, rope))
         column = steps[:, None]
         noise = None if greedy else s.uniforms[:bucket].gather(1, column).squeeze(1)
-        token, logprob = sampler(logits, noise)
+        # compiled with generation.compile_decode (Sampler.step; eager otherwise), run compiled
+        # inside _inference_mode as the layers are (_decode_hidden)
+        with torch.compiler.set_stance("default"):
+            token, logprob = sampler.step(logits, noise)
         s.out_tokens[:bucket].scatter_(1, column, token[:, None])
         s.out_logprobs[:bucket].scatter_(1, column, logprob[:, None])
         running = ~done

@@ -22,7 +22,7 @@ backend gives each row's request the seed :func:`row_seed` and samples with vLLM
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -98,18 +98,49 @@ class Sampler:
             Degeneration", sec. 3.1; transformers' ``TopPLogitsWarper``); 1 disables it. Its
             ``block_sampling`` draws by :func:`block_inverse` (the probabilities then ``exp``
             of the logprobs, without top-p) instead of :func:`scan_inverse`.
+        compile: the compiler of :meth:`step` (``generation.compile_decode``: the megatron
+            decoder passes the compiler and mode of its compiled decode layers), or None: the
+            sampler runs eagerly, :meth:`step` is :meth:`__call__`.
+
+    Compiled (:meth:`step`): one compiled callable per sampler, the row dimension of its inputs
+    marked dynamic (``torch._dynamo.maybe_mark_dynamic``), so one compile serves every row
+    bucket of the decoder; greedy (``uniforms`` None) and sampled calls are two graphs, each
+    counted against torch.compile's recompile limit (8 by default) of :meth:`__call__`'s code,
+    as are other configurations' samplers. Inductor fuses the float cast, the temperature, the
+    log-softmax, the ``exp`` and the block sums into a few passes over ``[n, V]``. Not bit for
+    bit :meth:`__call__` (the fused log-softmax rounds otherwise): a token's logprob within
+    ``1e-5 + eps max_i |logits_i| / temperature`` of the eager one (float32's ``eps``; <= 8.9e-6
+    for logits of spread <= 4), tokens the same except where the draw lies within float32
+    rounding of a cdf boundary (as between :func:`block_inverse` and :func:`scan_inverse`),
+    greedy tokens the same (``tests/test_sampling_compile.py``: Inductor's CPU kernels with
+    AVX2-wide vectors; with torch 2.13's default width under the pinned AVX2 arithmetic they
+    compute it wrong, so the megatron decoder compiles it on CUDA only). Top-p (transformers'
+    ``TopPLogitsWarper``: a sort, a scan and a scatter) compiles in the same graph.
 
     Raises:
         ValueError: ``generation.temperature`` or ``generation.top_p`` out of range
             (:func:`check_sampling`).
     """
 
-    def __init__(self, cfg: GenerationConfig):
+    def __init__(self, cfg: GenerationConfig, compile: Optional[Callable] = None):
         check_sampling(cfg)
         self.temperature = float(cfg.temperature)
         self.top_p = float(cfg.top_p)
         self.blocks = bool(cfg.block_sampling)
         self._top_p = TopPLogitsWarper(cfg.top_p) if cfg.top_p < 1 else None
+        self._compiled = None if compile is None else compile(self.__call__)
+
+    def step(self, logits: torch.Tensor,
+             uniforms: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`__call__` compiled (with a ``compile``; eager without), the row dimension of
+        ``logits`` and ``uniforms`` marked dynamic: the megatron decoder's decode steps (class
+        docstring: the bound against the eager call)."""
+        if self._compiled is None:
+            return self(logits, uniforms)
+        for t in (logits, uniforms):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return self._compiled(logits, uniforms)
 
     def __call__(self, logits: torch.Tensor,
                  uniforms: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
