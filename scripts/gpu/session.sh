@@ -386,11 +386,17 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
 BEST37="policy.sequence_packing=true policy.max_tokens_per_microbatch=65536 loss.prev_logprobs=train_forward reward.num_workers=14"
 AFTER37="generation.compile_decode=true generation.shared_prompt_kv=true"
 
-stage_prof37() {
-    timeout "${PROF37_TIMEOUT:-540}" python3 scripts/gpu/decode_step_profile.py \
-        --variants "${PROF37_VARIANTS:-base,compile,shared,compile+shared,blocks,compile+blocks}" \
-        > "$RES/prof37.log" 2>&1 || status=1
-    echo "== prof37"; quiet < "$RES/prof37.log" | grep -v "^RESULT" | tail -n 60
+stage_prof37() {  # PROF37_BASE=1: first the same on the code in .base/ (a copy of this script
+    # in .base/scripts/gpu/: it imports the checkout it sits in), log prof37_base.log
+    local dir name
+    for dir in ${PROF37_BASE:+.base} .; do
+        name=prof37${PROF37_BASE:+$([ "$dir" = .base ] && echo _base)}
+        (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout "${PROF37_TIMEOUT:-540}" python3 \
+            scripts/gpu/decode_step_profile.py \
+            --variants "${PROF37_VARIANTS:-base,compile,shared,compile+shared,blocks,compile+blocks}") \
+            > "$RES/$name.log" 2>&1 || status=1
+        echo "== $name"; quiet < "$RES/$name.log" | grep -v "^RESULT" | tail -n 40
+    done
 }
 
 stage_arith37() {  # ARITH37_RUNS of before (the issue-37 switches off), after (the config as is:
