@@ -30,7 +30,7 @@ from mcore_rl.data.batch import Batch
 from mcore_rl.data.microbatching import ROW_INDEX, gather_rows, make_microbatches, shapes_vary
 from mcore_rl.data.packing import (CU_SEQLENS, MAX_SEQLEN, PACKED_IDS, PACKED_POSITIONS,
                                    computed_tokens, make_packed_microbatches)
-from mcore_rl.megatron import context_parallel, multi_tensor, parallel, rope
+from mcore_rl.megatron import context_parallel, parallel, rope
 from mcore_rl.workers.checkpointing import CheckpointMixin
 from mcore_rl.workers.offload import OffloadLifecycleMixin, requires_device_state
 from mcore_rl.workers.train_step import LossOutput, TrainStepMixin
@@ -199,7 +199,6 @@ class MegatronTrainWorker(TrainStepMixin, OffloadLifecycleMixin, CheckpointMixin
         from megatron.core.utils import get_model_config
 
         bf16 = self.megatron_cfg.precision == "bf16"
-        multi_tensor.use_foreach_fallbacks()  # without Apex / TE: no host sync a parameter
         self.optimizer = get_megatron_optimizer(
             MOptimizerConfig(
                 optimizer=o.name,
