@@ -131,7 +131,8 @@ def test_compiled_sampler_is_the_eager_one_within_rounding(inductor, vocab, n, t
                     gaps.append(float((cdf.gather(1, low[:, None])[:, 0] -
                                        u[differ].double()).abs().max()))
         print(f"\n{vocab=} {dtype} T={temperature} top_p={top_p} blocks={blocks}: logprob diff "
-              f"max {max(ratio):.3f} of the bound; by spread {worst}; tokens apart (uniforms not at the ends) {apart}, largest gap {max(gaps):.3g}")
+              f"max {max(ratio):.3f} of the bound; by spread {worst}; tokens apart (uniforms "
+              f"not at the ends) {apart}, largest gap {max(gaps):.3g}")
         assert max(gaps) < 1e-6 and apart <= n // 250
         assert max(ratio) <= 1.0, max(ratio)
     # one compile for every row count: sampled and greedy, fp32 and bf16 logits

@@ -310,15 +310,15 @@ class DecodeLayers:
         attention: ``generation.decode_attention``, ``bmm``, ``flex`` or ``triton``
             (:attr:`LayerShape.attention`; ``triton``: an opaque custom op inside the compiled
             :func:`attention_out`, rows and span dynamic as with ``bmm``). With ``flex`` the
-            row dimension of :func:`attention_out`'s inputs is static (marked so: one compile of it per row
-            bucket, still one for every layer and span; :func:`attention_in` keeps its two
-            compiles for all): Inductor takes FlexAttention's decoding (split-KV) kernel only for a
-            static batch, and its CPU template of torch 2.13 does not compile with both the
-            batch and the key length dynamic (a C++ compile error). A decoder of ``R`` rows has
-            ``log2(R / 8) + 1`` row buckets (6 for 256), each a compile counted against
-            torch.compile's recompile limit (8 by default), past which torch runs the function
-            eagerly (a cache grown to more slots recompiled ``attention_in`` once in the tests,
-            not ``attention_out``).
+            row dimension of :func:`attention_out`'s inputs is static (marked so: one compile
+            of it per row bucket, still one for every layer and span; :func:`attention_in`
+            keeps its two compiles for all): Inductor takes FlexAttention's decoding (split-KV)
+            kernel only for a static batch, and its CPU template of torch 2.13 does not
+            compile with both the batch and the key length dynamic (a C++ compile error). A
+            decoder of ``R`` rows has ``log2(R / 8) + 1`` row buckets (6 for 256), each a
+            compile counted against torch.compile's recompile limit (8 by default), past which
+            torch runs the function eagerly (a cache grown to more slots recompiled
+            ``attention_in`` once in the tests, not ``attention_out``).
 
     Raises:
         NotImplementedError: from :func:`layer_weights`.
