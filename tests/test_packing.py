@@ -177,6 +177,35 @@ def test_packed_rope_matches_megatron_per_sequence_rope(interleaved):
         torch.testing.assert_close(gb, ga, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_packed_positions_count_from_each_sequence_start(dtype):
+    """packed_positions gives each token its index within its sequence (a per-sequence arange,
+    computed another way), with empty sequences and a padding tail past ``cu_seqlens[-1]``;
+    traced for Inductor, ``searchsorted`` gets ``cu_seqlens`` itself as its boundaries, not a
+    slice of it (torch 2.11's lowering fails on a sliced view: NotImplementedError SliceView,
+    seen on the GPU with policy.megatron.compile_layers)."""
+    from mcore_rl.megatron.rope import packed_positions
+
+    for lengths, tail in (([10, 4, 1, 1], 0), ([3, 0, 7, 0, 6], 0), ([5], 0), ([2, 3], 4)):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
+        ref = torch.cat([torch.arange(n) for n in lengths]
+                        + [torch.arange(lengths[-1], lengths[-1] + tail)])
+        got = packed_positions(cu, sum(lengths) + tail)
+        assert got.dtype == torch.int64 and torch.equal(got, ref), (lengths, got, ref)
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    cu = torch.tensor([0, 3, 10, 16], dtype=dtype)
+    compiled = torch.compile(packed_positions, backend=keep, fullgraph=True)
+    assert torch.equal(compiled(cu, 16), packed_positions(cu, 16))
+    (search,) = [n for n in graphs[0].graph.nodes if n.target is torch.searchsorted]
+    assert search.args[0].op == "placeholder"  # the input itself, no slice in between
+
+
 class _Rank:
     def __init__(self, size, rank):
         self._size, self._rank = size, rank

@@ -103,10 +103,13 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
         int64 ``[total]`` on ``cu_seqlens``'s device: ``i - cu_seqlens[j]`` for token ``i`` of
         sequence ``j``.
     """
-    idx = torch.arange(total, device=cu_seqlens.device)
-    starts = cu_seqlens.to(torch.int64)
-    doc = torch.searchsorted(starts[1:], idx, right=True).clamp_(max=starts.numel() - 2)
-    return idx - starts[doc]
+    idx = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    # doc(i) = (starts <= i) - 1, searched in cu_seqlens itself: searching its ends
+    # (cu_seqlens[1:], a view) fails in torch 2.11's Inductor (searchsorted's lowering reads
+    # the boundaries' strides, which a SliceView lacks) inside policy.megatron.compile_layers
+    doc = torch.searchsorted(cu_seqlens, idx, right=True).sub_(1)
+    doc = doc.clamp_(max=cu_seqlens.numel() - 2)
+    return (idx - cu_seqlens[doc]).to(torch.int64)
 
 
 def packed_rope(original, t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
