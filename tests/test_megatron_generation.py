@@ -741,15 +741,13 @@ class _FakeGraphs:
                 fakes.log.append(("replay", *self.args[:2]))
                 real_step(*self.args)
 
-        @contextlib.contextmanager
-        def graph(g, pool=None, stream=None, capture_error_mode="global"):
-            assert capture_error_mode == "thread_local"
-            if fakes.fail:
-                raise RuntimeError("operation not permitted when stream is capturing")
-            fakes.capturing = g
-            try:
-                yield
-            finally:
+            def capture_begin(self, pool=None, capture_error_mode="global"):
+                assert capture_error_mode == "thread_local" and pool == "pool"
+                if fakes.fail:
+                    raise RuntimeError("operation not permitted when stream is capturing")
+                fakes.capturing = self
+
+            def capture_end(self):
                 fakes.capturing = None
 
         def step(*args):
@@ -764,7 +762,7 @@ class _FakeGraphs:
         for name, value in (("graph_pool_handle", lambda: "pool"), ("Stream", lambda: stream),
                             ("current_stream", lambda: stream),
                             ("stream", lambda s: contextlib.nullcontext()), ("CUDAGraph", Graph),
-                            ("graph", graph)):
+                            ("synchronize", lambda: None)):
             monkeypatch.setattr(torch.cuda, name, value)
 
 

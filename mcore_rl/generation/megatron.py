@@ -908,15 +908,29 @@ class MegatronDecoder:
         torch.cuda.current_stream().wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream,
-                                  capture_error_mode="thread_local"):
-                self._step(bucket, span, greedy, sampler, eos)
+            self._capture(graph, lambda: self._step(bucket, span, greedy, sampler, eos))
         except Exception as e:
             off = "cuda_graphs_tp" if self.megatron.tensor_model_parallel_size > 1 else \
                 "cuda_graphs"
             raise RuntimeError(f"capturing a decode step as a CUDA graph failed ({e}); "
                                f"set generation.{off}=false to decode eagerly") from e
         self._graphs[key] = graph
+
+    def _capture(self, graph: "torch.cuda.CUDAGraph", step) -> None:
+        """Capture ``step()`` into ``graph`` on the capture stream, in the decoder's graph pool:
+        what ``torch.cuda.graph`` does without its ``torch.cuda.empty_cache()`` and host-cache
+        emptying at every capture. Those return the last training step's cached blocks (and
+        the pinned blocks of :meth:`_Slots.to_device`) to the driver, which the next training
+        step and decode step allocate again (``cudaFree`` / ``cudaMalloc`` / ``cudaHostAlloc``,
+        each a wait for the device; 316 ``cudaFree`` in one GSM8K generate call on one H200,
+        bench/RESULTS.md) while captures go on for new (rows, span) buckets."""
+        torch.cuda.synchronize()  # as torch.cuda.graph: the warm-up's work is done
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                step()
+            finally:
+                graph.capture_end()
 
 
 class MegatronGenerationBackend(GenerationBackend):
