@@ -78,6 +78,29 @@ def _kernel_checks() -> dict:
     out["bf16/dtype"] = str(got.dtype)
     out["bf16/error"] = float((got.float() - exact).abs().max())
     out["bf16/scale"] = float(exact.abs().max())
+    # the loops stopped after each row's last kept key against the whole span walked: the
+    # same bits (rows and shared layouts, fp32 and bf16; masks with holes inside too)
+    same = {}
+    for name, case in (("rows/fp32", _inputs(torch.float32, span=130)),
+                       ("rows/bf16", args16),
+                       ("shared/fp32", args),
+                       ("shared/bf16", _inputs(torch.bfloat16, span=70, prompt_span=100))):
+        holes = case[3].clone()
+        holes[2:, 0] = True  # every row from 2 keeps a later key (masks keep a prefix or more)
+        for mask, tag in ((case[3], ""), (holes, "/holes")):
+            whole = launch(*case[:3], mask, *case[4:], tail_skip=False)
+            same[name + tag] = bool(torch.equal(launch(*case[:3], mask, *case[4:]), whole))
+    out["tail_skip_equal"] = same
+    # and it reads nothing past the block of a row's last kept key: values there set to NaN
+    # reach the output of the whole walk (0 * NaN) but not of the stopped one
+    q32, k32, v32, mask32, scale32 = _inputs(torch.float32, span=130)[:5]
+    poisoned, k32 = v32.clone(), k32.clone()  # keys and values: the same strides
+    kept = torch.arange(130)[None].expand_as(mask32).masked_fill(mask32, -1).amax(1) + 1
+    for r, n in enumerate(kept.tolist()):
+        poisoned[r, :, -(-n // 32) * 32:] = float("nan")
+    out["tail_skip_nan_rows"] = [
+        int(launch(q32, k32, poisoned, mask32, scale32, tail_skip=t).isnan().any(-1).any(-1).sum())
+        for t in (True, False)]
     errors = []
     for bad in (lambda: launch(q, args[1], args[2], args[3][:, :10], args[4]),  # mask width
                 lambda: launch(q[:, :8], args[1], args[2], args[3], args[4])):  # 8 heads, 3 groups
@@ -112,6 +135,15 @@ def test_kernel_rounds_once_in_bf16(kernel_checks):
     # fp32 scores and softmax, the probabilities rounded for the values' product, the output
     # rounded once: within a few bf16 units (2^-8 relative) of the largest output
     assert kernel_checks["bf16/error"] <= 2 ** -6 * kernel_checks["bf16/scale"], kernel_checks
+
+
+def test_kernel_stops_after_the_last_kept_key_bit_for_bit(kernel_checks):
+    """Stopping each row's loops after its last kept key (a span bucket's masked padding is
+    not read) gives the same bits as walking the whole span."""
+    assert kernel_checks["tail_skip_equal"] and all(kernel_checks["tail_skip_equal"].values()), \
+        kernel_checks["tail_skip_equal"]
+    stopped, whole = kernel_checks["tail_skip_nan_rows"]
+    assert stopped == 0 and whole > 0, (stopped, whole)  # the padding is not read at all
 
 
 def test_kernel_names_bad_input(kernel_checks):

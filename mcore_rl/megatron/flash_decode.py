@@ -9,7 +9,9 @@ back), about 0.9 ms of a 2.4 ms decode step of SmolLM2-135M at 256 rows on one H
 not its decoding one). Here one program per (row, KV group) reads that row's keys and values
 once, keeps the ``np / ng`` query heads' scores in registers and the softmax online in fp32
 (FlashAttention, Dao et al. 2022, arXiv:2205.14135, Algorithm 1's running max and sum), and
-writes the output once: one kernel a layer.
+writes the output once: one kernel a layer. A row's loops stop after the last key its mask
+keeps: the decoder's spans are powers of two (a CUDA graph a bucket), so up to half of a span is
+padding that is masked whole; skipping it changes no bit of the result.
 
 With shared prompts (``generation.shared_prompt_kv``, :func:`~mcore_rl.megatron.attention.
 shared_decode_attention`'s layout) a program first walks its group's prompt keys, then its own
@@ -42,8 +44,11 @@ from mcore_rl.megatron.attention import decode_attention, shared_decode_attentio
 # keys per block of the loop over the span and warps a program (the fastest of 16 tunings on
 # one H200 at SmolLM2-135M's attention, 256 rows, in a CUDA graph: 20.0 us a call over rows'
 # own 300 keys, 15.7 us with shared prompts, against 20.0 / 23.9 at 64 keys and 4 warps and
-# bmm's 47.6: scripts/gpu/flash_decode_bench.py); a program's query heads padded to a block
-# of _BLOCK_Q rows (tl.dot's smallest M)
+# bmm's 47.6: scripts/gpu/flash_decode_bench.py). With the loops stopped after each row's last
+# kept key (tail_skip, 2026-11-28, sixth session): 15.3 / 14.2 us, and 18.8 against 26.6 at the
+# GSM8K step's power-of-two spans (prompts 256, responses 256 at token 160); 64 keys and 2 warps
+# were within 1.2 us of it either way. A program's query heads padded to a block of _BLOCK_Q
+# rows (tl.dot's smallest M)
 _BLOCK_N = 32
 _NUM_WARPS = 2
 _BLOCK_Q = 16
@@ -97,11 +102,13 @@ def reference_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
            scale: float, prompt_keys: Optional[torch.Tensor] = None,
            prompt_values: Optional[torch.Tensor] = None, block_n: int = _BLOCK_N,
-           num_warps: int = _NUM_WARPS) -> torch.Tensor:
+           num_warps: int = _NUM_WARPS, tail_skip: bool = True) -> torch.Tensor:
     """Run the Triton kernel (on CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``).
     Arguments and result as :func:`flash_decode`; ``block_n`` keys a block (a power of two
     >= 16) and ``num_warps`` a program are the kernel's tuning
-    (``scripts/gpu/flash_decode_bench.py``)."""
+    (``scripts/gpu/flash_decode_bench.py``); ``tail_skip``: each row's loops stop after the
+    last key its mask keeps (the same result bit for bit, :mod:`.flash_decode_kernel`; False
+    walks the whole span, as before)."""
     _check(query, keys, values, mask, prompt_keys, prompt_values)
     b, ng, s, d = keys.shape
     if d & (d - 1) or d < 16:
@@ -136,7 +143,8 @@ def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
         mask_bytes.stride(0), pstride[0], pstride[1], pstride[2],
         ng, s, sp, group_rows, nq, scale,
         D=d, BLOCK_Q=_BLOCK_Q, BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps,
-        UPCAST=query.device.type != "cuda" and query.dtype != torch.float32)
+        UPCAST=query.device.type != "cuda" and query.dtype != torch.float32,
+        TAIL_SKIP=tail_skip, SPAN_P2=1 << (max(s, sp, 1) - 1).bit_length())
     return out
 
 

@@ -3,22 +3,39 @@ first use; ``TRITON_INTERPRET=1`` before this import runs it on CPU tensors). On
 (row, KV group): the group's ``nq`` query heads (padded to ``BLOCK_Q`` rows) against the keys in
 blocks of ``BLOCK_N``, an online softmax in fp32 (FlashAttention, Dao et al. 2022,
 arXiv:2205.14135, Algorithm 1), first over the row's group's shared prompt keys (when
-``prompt_span > 0``), then over the row's own keys."""
+``prompt_span > 0``), then over the row's own keys. With ``TAIL_SKIP`` each part's loop stops
+after the last key the row's mask keeps (found from one load of its mask bytes, ``SPAN_P2`` wide):
+the blocks after it are masked whole, and their online-softmax update would leave the running
+max, sum and output unchanged (``exp(-inf) = 0``, ``alpha = exp(0) = 1``), so the result is the
+same bit for bit while a span bucket's padding (a prompt span rounded up to a power of two, a
+response span ahead of the step) costs no loads."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
+def _kept(mask_ptr, span, SPAN_P2: tl.constexpr):
+    """One past the last of the ``span`` keys at ``mask_ptr`` that the mask keeps (0: none)."""
+    n = tl.arange(0, SPAN_P2)
+    keep = tl.load(mask_ptr + n, mask=n < span, other=1) == 0
+    return tl.max(tl.where(keep, n + 1, 0), 0)
+
+
+@triton.jit
 def _part(acc, m_i, l_i, q, k_ptr, v_ptr, sk_s, mask_ptr, span, scale,
           D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-          UPCAST: tl.constexpr):
+          UPCAST: tl.constexpr, TAIL_SKIP: tl.constexpr, SPAN_P2: tl.constexpr):
     """One part of the keys (prompt or response): the online softmax over ``span`` keys
-    at ``k_ptr``/``v_ptr`` (slot stride ``sk_s``), mask bytes at ``mask_ptr``. ``UPCAST``: the
-    products in fp32 from the same (rounded) operands (Triton's interpreter multiplies
-    16-bit floats' bits as integers)."""
+    at ``k_ptr``/``v_ptr`` (slot stride ``sk_s``), mask bytes at ``mask_ptr``; with
+    ``TAIL_SKIP`` only up to the last key kept (module docstring). ``UPCAST``: the products in
+    fp32 from the same (rounded) operands (Triton's interpreter multiplies 16-bit floats' bits
+    as integers)."""
     d = tl.arange(0, D)
-    for start in range(0, span, BLOCK_N):
+    end = span
+    if TAIL_SKIP:
+        end = _kept(mask_ptr, span, SPAN_P2)
+    for start in range(0, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < span
         k = tl.load(k_ptr + n[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0)
@@ -49,7 +66,8 @@ def flash_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr,
                         sq_b, sq_h, sk_b, sk_g, sk_s, sm_b, spk_b, spk_g, spk_s,
                         groups, span, prompt_span, group_rows, nq, scale,
                         D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, TAIL_SKIP: tl.constexpr,
+                        SPAN_P2: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // groups
     g = pid % groups
@@ -65,11 +83,12 @@ def flash_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr,
         p = b // group_rows
         acc, m_i, l_i = _part(acc, m_i, l_i, q, pk_ptr + p * spk_b + g * spk_g,
                               pv_ptr + p * spk_b + g * spk_g, spk_s, mask_ptr + b * sm_b,
-                              prompt_span, scale, D, BLOCK_N, PRECISION, UPCAST)
+                              prompt_span, scale, D, BLOCK_N, PRECISION, UPCAST, TAIL_SKIP,
+                              SPAN_P2)
     acc, m_i, l_i = _part(acc, m_i, l_i, q, k_ptr + b * sk_b + g * sk_g,
                           v_ptr + b * sk_b + g * sk_g, sk_s,
                           mask_ptr + b * sm_b + prompt_span, span, scale, D, BLOCK_N,
-                          PRECISION, UPCAST)
+                          PRECISION, UPCAST, TAIL_SKIP, SPAN_P2)
     out = acc / l_i[:, None]
     tl.store(out_ptr + b * sq_b + (g * nq + h[:, None]) * sq_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=heads[:, None])

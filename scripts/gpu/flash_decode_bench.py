@@ -3,7 +3,9 @@ flash-decoding kernel (mcore_rl/megatron/flash_decode.py) per tuning (keys a blo
 program) against bmm (``decode_attention``, compiled: scores product, softmax, values product),
 at SmolLM2-135M's attention (9 query heads, 3 KV groups, head size 64), bf16, 256 rows, for the
 rows' own keys (span 300) and the shared-prompt layout (32 prompts of 150 keys, groups of 8,
-response span 150). Prints a table; each kernel checked against the fp32 reference.
+response span 150; and the GSM8K step's power-of-two buckets), each tuning with and without
+``tail_skip`` (the loops stopped after a row's last kept key). Prints a table; each kernel
+checked against the fp32 reference.
 
     python3 scripts/gpu/flash_decode_bench.py
 """
@@ -60,6 +62,14 @@ def main() -> None:
                       torch.arange(sr, device=dev)[None] > last[:, None] - span // 2), 1)
     layouts["shared"] = (cache[0][:, :, :sr], cache[1][:, :, :sr], mask,
                          prompt[0][:, :, :sp], prompt[1][:, :, :sp])
+    # the GSM8K step's buckets: prompt span 256 (each group's prompt 90-210 tokens), response
+    # span 256 at response token 160 of every row (the decoder's power-of-two spans)
+    sp = sr = 256
+    plen = torch.randint(90, 211, (32,), device=dev, generator=g).repeat_interleave(8)
+    mask = torch.cat((torch.arange(sp, device=dev)[None] >= plen[:, None],
+                      (torch.arange(sr, device=dev) > 160)[None].expand(b, sr)), 1)
+    layouts["buckets"] = (cache[0][:, :, :sr], cache[1][:, :, :sr], mask,
+                          prompt[0][:, :, :sp], prompt[1][:, :, :sp])
     bmm = torch.compile(decode_attention)
     print(f"{'layout':8s} {'kernel':24s} {'us/call':>9s} {'max err':>9s}")
     for name, (k, v, m, pk, pv) in layouts.items():
@@ -68,18 +78,19 @@ def main() -> None:
             us = _time(lambda: bmm(q[None], k, v, m, scale))
             err = (bmm(q[None], k, v, m, scale)[0].view_as(q).float() - ref).abs().max()
             print(f"{name:8s} {'bmm (compiled)':24s} {us:9.1f} {float(err):9.4f}")
-        for block_n in (16, 32, 64, 128):
-            for warps in (1, 2, 4, 8):
+        for block_n, warps in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4)):
+            for tail in (False, True):
                 def call():
-                    return launch(q, k, v, m, scale, pk, pv, block_n=block_n, num_warps=warps)
+                    return launch(q, k, v, m, scale, pk, pv, block_n=block_n, num_warps=warps,
+                                  tail_skip=tail)
+                label = f"triton n={block_n} w={warps}{' skip' if tail else ''}"
                 try:
                     err = (call().float() - ref).abs().max()
                     us = _time(call)
                 except Exception as e:  # a tuning that does not compile
-                    print(f"{name:8s} triton n={block_n} w={warps}: FAILED {e}"[:200])
+                    print(f"{name:8s} {label}: FAILED {e}"[:200])
                     continue
-                print(f"{name:8s} {f'triton n={block_n} w={warps}':24s} {us:9.1f} "
-                      f"{float(err):9.4f}")
+                print(f"{name:8s} {label:24s} {us:9.1f} {float(err):9.4f}")
 
 
 if __name__ == "__main__":
