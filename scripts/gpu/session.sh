@@ -22,7 +22,9 @@
 #               reward processes), fwd2 (fwd128 + compile_layers + 14 reward processes), best
 #               (fwdpk with 14 reward processes), issue 37's b37 ... u37 (stage_gsm8k's table),
 #               u37c (u37 with policy.megatron.compile_layers), u37m (u37 in one 128k-token
-#               micro-batch), u37cm (both), u37h (u37 with 96k-token micro-batches), hf
+#               micro-batch), u37cm (both), u37h (u37 with 96k-token micro-batches: the recipe),
+#               u37hk (u37h with Inductor's combo kernels), u37ha (u37h with
+#               compile_decode_mode=max-autotune-no-cudagraphs), hf
 #               and vllm (mbs64 with those rollout backends; vllm after the vllm stage);
 #               GSM8K_TIMEOUT seconds a variant (240); base<variant> runs a variant on the code
 #               in .base/ (`git archive <commit> mcore_rl bench configs | tar -x -C .base`, carried);
@@ -369,23 +371,29 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
         [u37m]="${BEST37/65536/131072} cluster.gpu_memory_gb=140 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true"
         [u37h]="${BEST37/65536/98304} generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true"
         [u37cm]="${BEST37/65536/131072} cluster.gpu_memory_gb=140 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true policy.megatron.compile_layers=true")
+    # Inductor settings of a variant (scripts/gpu/run_hooks/): u37hk = u37h with
+    # Inductor's combo kernels (independent kernels of a graph launched as one: the decode
+    # layer's query RoPE beside the key's RoPE and cache write)
+    declare -A variant_env=([u37hk]="combo_kernels=True")
+    variant_args[u37hk]=${variant_args[u37h]}
+    variant_args[u37ha]="${variant_args[u37h]} generation.compile_decode_mode=max-autotune-no-cudagraphs"
     [ -n "${PROFILE_ONLY:-}" ] && { echo "${variant_args[$PROFILE_ONLY]}"; return; }
     # base<variant>: the variant on the code in .base/ (a carried `git archive` of an earlier
     # commit's mcore_rl/ bench/ configs/), run from there: before and after on the same machine.
-    # GSM8K_CAPTURE_TIMES=1: the RL step of every CUDA-graph capture (scripts/gpu/capture_times/)
+    # GSM8K_CAPTURE_TIMES=1: the RL step of every CUDA-graph capture (scripts/gpu/run_hooks/)
     local name dir site
     local own=GSM8K_VARIANTS_GPU${CUDA_VISIBLE_DEVICES:-}
     for v in ${!own:-${GSM8K_VARIANTS:-mbs64 packed}}; do
         name=gsm8k_$v${CUDA_VISIBLE_DEVICES:+_gpu$CUDA_VISIBLE_DEVICES}  # gpuN: stages side by side
         dir=$PWD
-        site=/tmp/site
-        [ -n "${GSM8K_CAPTURE_TIMES:-}" ] && site=$PWD/scripts/gpu/capture_times:/tmp/site
+        site=$PWD/scripts/gpu/run_hooks:/tmp/site
         [[ $v == base* ]] && { dir=$PWD/.base; v=${v#base}; }
         rm -rf "$RES/captures_$name"
         # shellcheck disable=SC2086
         (cd "$dir" && PYTHONPATH=$site:$dir NAME=$name MODE="${name#gsm8k_}" \
             MCORE_RL_CAPTURE_TIMES=${GSM8K_CAPTURE_TIMES:+$RES/captures_$name} \
             MCORE_RL_CAPTURE_METRICS=/tmp/peer_$name/metrics.jsonl \
+            MCORE_RL_INDUCTOR="${variant_env[$v]:-}" \
             timeout "${GSM8K_TIMEOUT:-240}" bash $step "$MODEL" "$DATA/train.jsonl" \
             "$DATA/test.jsonl" logging.progress=false ${variant_args[$v]}) > /dev/null 2>&1 || status=1
         cp "/tmp/peer_$name/metrics.jsonl" "$RES/$name.metrics.jsonl" 2>/dev/null
