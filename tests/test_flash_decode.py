@@ -101,6 +101,7 @@ def _kernel_checks() -> dict:
     out["tail_skip_nan_rows"] = [
         int(launch(q32, k32, poisoned, mask32, scale32, tail_skip=t).isnan().any(-1).any(-1).sum())
         for t in (True, False)]
+    out["rope"] = _rope_kernel_checks()
     errors = []
     for bad in (lambda: launch(q, args[1], args[2], args[3][:, :10], args[4]),  # mask width
                 lambda: launch(q[:, :8], args[1], args[2], args[3], args[4])):  # 8 heads, 3 groups
@@ -109,6 +110,46 @@ def _kernel_checks() -> dict:
         except ValueError as e:
             errors.append(str(e))
     out["errors"] = errors
+    return out
+
+
+def _rope_kernel_checks() -> dict:
+    """The fused kernel (RoPE, cache write, attention: launch_rope) against its parts run one
+    after the other (rope_rows, the indexed write, launch) on copies of the same cache, rows
+    and shared layouts, fp32 and bf16 (run with TRITON_INTERPRET=1): the output's max
+    difference and its scale, the written keys' max relative difference, values equal."""
+    from mcore_rl.megatron.flash_decode import launch, launch_rope, rope_rows
+    from mcore_rl.megatron.rope import cos_sin
+
+    out = {}
+    for name, dtype, prompt_span in (("rows/fp32", torch.float32, 0),
+                                     ("rows/bf16", torch.bfloat16, 0),
+                                     ("shared/fp32", torch.float32, 90),
+                                     ("shared/bf16", torch.bfloat16, 90)):
+        q, keys, values, mask, scale, pk, pv = _inputs(dtype, span=70, prompt_span=prompt_span)
+        b, ng, span, d = keys.shape
+        # each row's new key goes to its last kept slot (the decoder's mask keeps it)
+        at = torch.arange(span)[None].expand(b, span).masked_fill(mask[:, -span:], -1).amax(1)
+        g = torch.Generator().manual_seed(1)
+        qkv = torch.randn(b, ng, (q.shape[1] // ng + 2) * d, generator=g).to(dtype)
+        angles = torch.rand(b, d // 2, generator=g) * 6.0
+        cos, signed = cos_sin(torch.cat((angles, angles), -1), dtype)
+        fused_k, fused_v = keys.clone(), values.clone()
+        got = launch_rope(qkv, cos, signed, at, fused_k, fused_v, mask, scale, pk, pv)
+        parts_k, parts_v = keys.clone(), values.clone()
+        nq = qkv.shape[2] // d - 2
+        query, key, value = torch.split(qkv, [nq * d, d, d], dim=2)
+        rows = torch.arange(b)
+        parts_k[rows, :, at] = rope_rows(key, cos, signed)
+        parts_v[rows, :, at] = value
+        want = launch(rope_rows(query.reshape(b, -1, d), cos, signed), parts_k, parts_v, mask,
+                      scale, pk, pv)
+        out[name] = {"output": float((got.float() - want.float()).abs().max()),
+                     "output_scale": float(want.float().abs().max()),
+                     "keys": float(((fused_k.float() - parts_k.float()).abs()
+                                    / parts_k.float().abs().clamp(min=1e-30)).max()),
+                     "values": bool(torch.equal(fused_v, parts_v)),
+                     "written": bool(not torch.equal(fused_k, keys))}
     return out
 
 
@@ -146,6 +187,22 @@ def test_kernel_stops_after_the_last_kept_key_bit_for_bit(kernel_checks):
     assert stopped == 0 and whole > 0, (stopped, whole)  # the padding is not read at all
 
 
+def test_fused_rope_kernel_equals_its_parts(kernel_checks):
+    """triton_rope's kernel (the query and key rotated, the key and value written into the
+    cache, the attention) against RoPE, the indexed write and the attention kernel run one
+    after the other: fp32 bit for bit; bf16 within one rounding of the rotated keys (Triton's
+    interpreter rounds fp32 to bf16 otherwise than torch: 0.0156 on values of ~2 in a direct
+    check; a GPU's cvt.rn rounds as torch does) and the output within 4 bf16 ulps of its
+    scale."""
+    for name, got in kernel_checks["rope"].items():
+        assert got["values"] and got["written"], (name, got)
+        if name.endswith("fp32"):
+            assert got["output"] == 0.0 and got["keys"] == 0.0, (name, got)
+        else:
+            assert got["keys"] <= 2.0 ** -7, (name, got)
+            assert got["output"] <= 2.0 ** -6 * got["output_scale"], (name, got)
+
+
 def test_kernel_names_bad_input(kernel_checks):
     first, second = kernel_checks["errors"]
     assert "mask" in first and "bool" in first
@@ -166,10 +223,11 @@ def test_op_cpu_path_equals_bmm():
         flash_decode(q, args[1], args[2], args[3].int(), args[4], args[5], args[6])
 
 
-def _traced() -> dict:
-    """Rollouts with decode_attention=triton through a torch.compile backend that runs the
-    captured graphs as they are (the op's CPU path inside), against Megatron's layers, fp32,
-    without and with shared prompts."""
+def _traced(attention: str = "triton") -> dict:
+    """Rollouts with decode_attention=``attention`` (triton or triton_rope) through a
+    torch.compile backend that runs the captured graphs as they are (the op's CPU path inside,
+    or between them with triton_rope), against Megatron's layers, fp32, without and with shared
+    prompts."""
     import functools
 
     from torch._dynamo import reset
@@ -186,7 +244,7 @@ def _traced() -> dict:
 
         reset()
         got = _run(dec, functools.partial(torch.compile, backend=backend),
-                   decode_attention="triton", shared_prompt_kv=shared)
+                   decode_attention=attention, shared_prompt_kv=shared)
         name = "shared" if shared else "rows"
         out[name] = {"lengths": len({len(t) for t in megatron[0]}),
                      "tokens_equal": all(torch.equal(x, y) for x, y in zip(got[0], megatron[0])),
@@ -197,17 +255,44 @@ def _traced() -> dict:
     return out
 
 
-def test_triton_decode_layers_traced_give_megatrons_tokens():
-    (out,) = run_distributed(_traced, 1)
+@pytest.mark.parametrize("attention", ["triton", "triton_rope"])
+def test_triton_decode_layers_traced_give_megatrons_tokens(attention):
+    """With triton_rope the op (RoPE, the cache write, the attention) runs between the
+    compiled attention_in and projection_mlp, outside the graphs."""
+    (out,) = run_distributed(_traced, 1, attention)
     for name in ("rows", "shared"):
         got = out[name]
         assert got["lengths"] > 3, got  # rows end at different steps: compaction into buckets
         assert got["tokens_equal"], got
         assert got["logprob_diff"] < 5e-5, got
-        assert got["op_called"], got
+        assert got["op_called"] == (attention == "triton"), got
         # attention_in (twice: the first layer's has no previous MLP output to add),
-        # attention_out and the sampler (Sampler.step), for every bucket
+        # attention_out (projection_mlp with triton_rope) and the sampler (Sampler.step), for
+        # every bucket
         assert got["graphs"] == 4, got
+
+
+def _qk_norm_refusal() -> str:
+    import dataclasses
+
+    from test_decode_layer import ARCH
+
+    from mcore_rl.megatron.decode_layer import DecodeLayers
+
+    dec = _decoder("fp32", dataclasses.replace(ARCH, family="qwen3", qkv_bias=False))
+    DecodeLayers(dec.gpt.decoder.layers, compile=None, attention="triton")  # accepted
+    try:
+        DecodeLayers(dec.gpt.decoder.layers, compile=None, attention="triton_rope")
+    except NotImplementedError as e:
+        return str(e)
+    return ""
+
+
+def test_triton_rope_refuses_query_and_key_norms():
+    """A layer with qk_layernorm (Qwen3) normalizes the query and key before RoPE, which the
+    fused kernel does not: refused by name, triton named as the way out."""
+    (message,) = run_distributed(_qk_norm_refusal, 1)
+    assert "qk_layernorm" in message and "use triton" in message, message
 
 
 def test_triton_needs_compile_decode():

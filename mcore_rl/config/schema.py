@@ -45,7 +45,7 @@ COMPILE_DECODE_MODES = ("default", "max-autotune-no-cudagraphs")
 # generation.decode_attention: the compiled decode layers' attention over the KV cache
 # (mcore_rl.megatron.attention: decode_attention, flex_decode_attention;
 # mcore_rl.megatron.flash_decode: flash_decode).
-DECODE_ATTENTIONS = ("bmm", "flex", "triton")
+DECODE_ATTENTIONS = ("bmm", "flex", "triton", "triton_rope")
 # *.megatron.fp8 and fp8_recipe: Megatron-Core TransformerConfig's fp8 formats and recipes (its
 # "custom" recipe, which takes a quantizer factory, is not offered).
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -484,6 +484,10 @@ class GenerationConfig:
     # shape, 256 rows, with compile_decode and block_sampling (decode_step_profile.py): bmm
     # 3.16 ms a decode step, triton 2.80, triton with shared_prompt_kv 2.37; flex 4.63 (Inductor
     # took its main FlexAttention kernel, 78 us a layer). grpo_smollm2_gsm8k turns triton on.
+    # triton_rope: triton's kernel with the query and key RoPE and the KV-cache write inside
+    # (mcore_rl/megatron/flash_decode.py, flash_decode_rope: 8 kernels a layer instead of 10),
+    # for layers without qk_layernorm and with RoPE over the whole head; its query and key are
+    # rounded once after an fp32 RoPE, as the compiled layer's. Not measured on a GPU yet.
     decode_attention: str = one_of("bmm", DECODE_ATTENTIONS)
     # Sampling (backends hf and megatron, mcore_rl/generation/sampling.py): draw each token by
     # the same inverse transform in two levels, the vocabulary in blocks of 256 (block sums,

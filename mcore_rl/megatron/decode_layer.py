@@ -28,6 +28,10 @@ for every layer) as keywords. The row and span dimensions are marked dynamic
 the others');
 with ``generation.decode_attention=triton`` the attention is one fused Triton kernel
 (:func:`~mcore_rl.megatron.flash_decode.flash_decode`, an op torch.compile calls as it is);
+with ``triton_rope`` that kernel also takes over the query and key RoPE and the KV-cache write
+(:func:`~mcore_rl.megatron.flash_decode.flash_decode_rope`, called between the compiled
+:func:`attention_in`, which then stops at the QKV projection, and :func:`projection_mlp`, the
+rest of :func:`attention_out`: two kernels a layer fewer);
 with ``generation.decode_attention=flex`` (FlexAttention,
 :func:`~mcore_rl.megatron.attention.flex_decode_attention`) :func:`attention_out` keeps its
 rows static, one compile per row bucket (:class:`DecodeLayers`).
@@ -60,7 +64,7 @@ import torch.nn.functional as F
 
 from mcore_rl.config.schema import DECODE_ATTENTIONS
 from mcore_rl.megatron.attention import cache_attention, write_kv
-from mcore_rl.megatron.flash_decode import flash_decode
+from mcore_rl.megatron.flash_decode import flash_decode, flash_decode_rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +80,9 @@ class LayerShape:
         scale: the attention's softmax scale.
         attention: the decode attention over the cache (``generation.decode_attention``):
             ``bmm`` (:func:`~mcore_rl.megatron.attention.decode_attention`), ``flex``
-            (:func:`~mcore_rl.megatron.attention.flex_decode_attention`) or ``triton``
-            (:func:`~mcore_rl.megatron.flash_decode.flash_decode`); set by
+            (:func:`~mcore_rl.megatron.attention.flex_decode_attention`), ``triton``
+            (:func:`~mcore_rl.megatron.flash_decode.flash_decode`) or ``triton_rope``
+            (:func:`~mcore_rl.megatron.flash_decode.flash_decode_rope`); set by
             :class:`DecodeLayers`, not read from the layer.
     """
 
@@ -219,7 +224,10 @@ def attention_in(residual: torch.Tensor, delta: Optional[torch.Tensor], w: Layer
     Returns:
         ``(hidden [B, h], query [B, np, d])``: the layer's input ``residual + delta``
         (``residual`` itself without a delta), the residual of :func:`attention_out`; the
-        query, RoPE applied (the key too, before its write).
+        query, RoPE applied (the key too, before its write). With ``shape.attention ==
+        "triton_rope"`` the projection's output ``[B, ng, (np / ng + 2) d]`` instead of the
+        query, nothing rotated or written: :func:`~mcore_rl.megatron.flash_decode.
+        flash_decode_rope` does both in its kernel.
     """
     # The previous layer's bias-dropout-add, as Megatron's: the product (+ bias), rounded,
     # then + residual (here rather than in that layer's attention_out: see attention_out).
@@ -229,6 +237,8 @@ def attention_in(residual: torch.Tensor, delta: Optional[torch.Tensor], w: Layer
     per_group = shape.heads // shape.groups
     d = shape.head_dim
     mixed = mixed.view(mixed.shape[0], shape.groups, (per_group + 2) * d)
+    if shape.attention == "triton_rope":  # RoPE and the cache write in the attention's kernel
+        return hidden, mixed
     query, key, value = torch.split(mixed, [per_group * d, d, d], dim=2)
     query = query.reshape(query.size(0), -1, d)
     if w.q_ln is not None:
@@ -291,7 +301,24 @@ def attention_out(hidden: torch.Tensor, query: torch.Tensor, kv: Tuple, w: Layer
                             prompt_values).flatten(1)[None]
     else:
         core = cache_attention(query[None], kv, shape.scale, shape.attention)
-    # [1, B, np d] @ [np d, h]: not a bare aten.mm for Inductor's addmm pattern (docstring)
+    return projection_mlp(hidden, core, w, shape=shape)
+
+
+def projection_mlp(hidden: torch.Tensor, core: torch.Tensor, w: LayerWeights, *,
+                   shape: LayerShape) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_out` after the attention: the output projection (+ bias), the
+    residual add, the pre-MLP RMSNorm and the SwiGLU MLP (+ biases).
+
+    Args:
+        hidden: ``[B, h]`` the layer's input (the residual).
+        core: ``[1, B, np d]`` the attention's output (Megatron's ``[s, b, h]`` layout, which
+            keeps the residual add out of Inductor's ``addmm``: :func:`attention_out`).
+        w, shape: the layer's weights and constants.
+
+    Returns:
+        ``(hidden [B, h], mlp_out [B, h])`` as :func:`attention_out`.
+    """
+    # [1, B, np d] @ [np d, h]: not a bare aten.mm for Inductor's addmm pattern (attention_out)
     hidden = (hidden[None] + _linear(core, w.proj, w.proj_bias))[0]
     x = F.rms_norm(hidden, (hidden.shape[-1],), w.ln2, shape.eps)
     gate, up = torch.chunk(_linear(x, w.fc1, w.fc1_bias), 2, dim=-1)
@@ -307,9 +334,11 @@ class DecodeLayers:
         compile: the compiler of the two functions (``torch.compile`` with Inductor by
             default); None runs them eagerly (bit for bit Megatron's layers: the tests' check of
             the functions themselves).
-        attention: ``generation.decode_attention``, ``bmm``, ``flex`` or ``triton``
-            (:attr:`LayerShape.attention`; ``triton``: an opaque custom op inside the compiled
-            :func:`attention_out`, rows and span dynamic as with ``bmm``). With ``flex`` the
+        attention: ``generation.decode_attention``, ``bmm``, ``flex``, ``triton`` or
+            ``triton_rope`` (:attr:`LayerShape.attention`; ``triton``: an opaque custom op
+            inside the compiled :func:`attention_out`, rows and span dynamic as with ``bmm``;
+            ``triton_rope``: its fused-RoPE op between the compiled :func:`attention_in` and
+            :func:`projection_mlp`, module docstring). With ``flex`` the
             row dimension of :func:`attention_out`'s inputs is static (marked so: one compile
             of it per row bucket, still one for every layer and span; :func:`attention_in`
             keeps its two compiles for all): Inductor takes FlexAttention's decoding (split-KV)
@@ -321,8 +350,9 @@ class DecodeLayers:
             ``attention_in`` once in the tests, not ``attention_out``).
 
     Raises:
-        NotImplementedError: from :func:`layer_weights`.
-        ValueError: ``attention`` not ``bmm``, ``flex`` or ``triton``.
+        NotImplementedError: from :func:`layer_weights`; ``triton_rope`` with query and key
+            norms (``qk_layernorm``).
+        ValueError: ``attention`` not one of ``DECODE_ATTENTIONS``.
     """
 
     def __init__(self, layers, compile: Optional[Callable] = torch.compile,
@@ -337,10 +367,16 @@ class DecodeLayers:
         self.shape = dataclasses.replace(self.shape, attention=attention)
         self.numbers = [layer.layer_number for layer in layers]
         self.weights: List[LayerWeights] = [w for _, w in read]
-        self._in, self._out = attention_in, attention_out
+        if attention == "triton_rope" and self.weights[0].q_ln is not None:
+            raise NotImplementedError("generation.decode_attention=triton_rope does not support "
+                                      "query and key norms (qk_layernorm); use triton")
+        self._in, self._out, self._mlp = attention_in, attention_out, projection_mlp
         if compile is not None:
             self._in = compile(attention_in)
-            self._out = compile(attention_out)
+            if attention == "triton_rope":
+                self._mlp = compile(projection_mlp)
+            else:
+                self._out = compile(attention_out)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                  cache) -> torch.Tensor:
@@ -359,6 +395,10 @@ class DecodeLayers:
             _dynamic(delta, 0)
             hidden, query = self._in(hidden, delta, w, cos, signed_sin, cache.keys[number],
                                      cache.values[number], rows, at, shape=self.shape)
+            if self.shape.attention == "triton_rope":  # the op between two compiled parts
+                hidden, delta = self._rope_attention(hidden, query, w, cos, signed_sin, at,
+                                                     cache, number)
+                continue
             kv = cache.read(number, rows.shape[0])
             if self.shape.attention == "flex":  # static rows (class docstring)
                 hidden, delta = self._out(
@@ -371,6 +411,28 @@ class DecodeLayers:
                 _dynamic(t, *(() if t is None else (0, 1) if t.dim() == 2 else (0, 2)))
             hidden, delta = self._out(hidden, query, kv, w, shape=self.shape)
         return (hidden + delta)[None]  # the last layer's MLP residual add (eager)
+
+    def _rope_attention(self, hidden, qkv, w, cos, signed_sin, at, cache, number):
+        """``decode_attention=triton_rope``: :func:`~mcore_rl.megatron.flash_decode.
+        flash_decode_rope` on :func:`attention_in`'s projection output ``qkv`` (called as it
+        is, between the compiled :func:`attention_in` and :func:`projection_mlp`: the op writes
+        the cache in place, which a compiled graph would have to functionalize), then the rest
+        of the layer. Returns ``(hidden, mlp_out)`` as :func:`attention_out`.
+
+        Raises:
+            NotImplementedError: RoPE over part of the head (``rotary_percent < 1``)."""
+        b = hidden.shape[0]
+        if cos.shape[-1] != self.shape.head_dim:
+            raise NotImplementedError("generation.decode_attention=triton_rope needs RoPE over "
+                                      f"the whole head ({cos.shape[-1]} of "
+                                      f"{self.shape.head_dim} channels); use triton")
+        keys, values, mask, prompt_keys, prompt_values = cache.read(number, b)
+        core = flash_decode_rope(qkv, cos.view(b, -1), signed_sin.view(b, -1), at, keys, values,
+                                 mask, self.shape.scale, prompt_keys, prompt_values)
+        _dynamic(hidden, 0)
+        core = core.flatten(1)[None]
+        _dynamic(core, 1)
+        return self._mlp(hidden, core, w, shape=self.shape)
 
 
 def _static_rows(hidden: torch.Tensor, query: torch.Tensor, *kv: Optional[torch.Tensor],

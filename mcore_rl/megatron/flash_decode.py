@@ -18,6 +18,11 @@ shared_decode_attention`'s layout) a program first walks its group's prompt keys
 response keys, one online softmax over both; the ``G`` rows of a group are adjacent programs,
 so the prompt's keys come from L2 after the first of them.
 
+:func:`flash_decode_rope` (``generation.decode_attention=triton_rope``) starts from the QKV
+projection's output instead: each program also rotates its group's queries and key (RoPE in
+fp32, rounded once, as the compiled layer does) and writes the key and value into the cache
+before it attends, where the compiled layer spent two more kernels a layer on that.
+
 The op is ``torch.ops.mcore_rl.flash_decode`` (``torch.library.custom_op``): opaque to
 torch.compile and capturable in a CUDA graph. On CUDA it launches the kernel; on other devices
 it computes the same attention unfused in fp32 (:func:`reference_decode`), the kernel's
@@ -99,16 +104,11 @@ def reference_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return out.view(query.shape).to(query.dtype)
 
 
-def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-           scale: float, prompt_keys: Optional[torch.Tensor] = None,
-           prompt_values: Optional[torch.Tensor] = None, block_n: int = _BLOCK_N,
-           num_warps: int = _NUM_WARPS, tail_skip: bool = True) -> torch.Tensor:
-    """Run the Triton kernel (on CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``).
-    Arguments and result as :func:`flash_decode`; ``block_n`` keys a block (a power of two
-    >= 16) and ``num_warps`` a program are the kernel's tuning
-    (``scripts/gpu/flash_decode_bench.py``); ``tail_skip``: each row's loops stop after the
-    last key its mask keeps (the same result bit for bit, :mod:`.flash_decode_kernel`; False
-    walks the whole span, as before)."""
+def _attention_args(query, keys, values, mask, prompt_keys, prompt_values, block_n, num_warps,
+                    tail_skip):
+    """Check the layout (:func:`_check`, and what the kernel needs beyond it) and return the
+    attention's arguments after the output strides, as both kernels take them: the mask bytes,
+    prompt keys and values, their strides, the spans and sizes, and the constexpr keywords."""
     _check(query, keys, values, mask, prompt_keys, prompt_values)
     b, ng, s, d = keys.shape
     if d & (d - 1) or d < 16:
@@ -116,14 +116,11 @@ def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     nq = query.shape[1] // ng
     if nq > _BLOCK_Q:
         raise ValueError(f"flash_decode: {nq} query heads per KV group, over {_BLOCK_Q}")
-    for name, t in (("keys", keys), ("values", values), ("query", query)):
+    for name, t in (("keys", keys), ("values", values)):
         if t.stride(-1) != 1:
             raise ValueError(f"flash_decode: {name}' last dim is not contiguous")
     if keys.stride() != values.stride():
         raise ValueError("flash_decode: keys and values need the same strides")
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if query.stride() != out.stride():
-        query = query.contiguous()
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
     mask_bytes = mask.view(torch.uint8)
@@ -136,15 +133,88 @@ def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
         pk, pv = prompt_keys, prompt_values
         pstride, sp, group_rows = prompt_keys.stride(), prompt_keys.shape[2], \
             b // prompt_keys.shape[0]
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    _kernel()[(b * ng,)](
-        query, keys, values, mask_bytes, pk, pv, out,
-        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        mask_bytes.stride(0), pstride[0], pstride[1], pstride[2],
-        ng, s, sp, group_rows, nq, scale,
-        D=d, BLOCK_Q=_BLOCK_Q, BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps,
-        UPCAST=query.device.type != "cuda" and query.dtype != torch.float32,
-        TAIL_SKIP=tail_skip, SPAN_P2=1 << (max(s, sp, 1) - 1).bit_length())
+    args = (keys.stride(0), keys.stride(1), keys.stride(2), mask_bytes.stride(0), pstride[0],
+            pstride[1], pstride[2], ng, s, sp, group_rows, nq)
+    meta = dict(D=d, BLOCK_Q=_BLOCK_Q, BLOCK_N=block_n, num_warps=num_warps,
+                PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+                UPCAST=query.device.type != "cuda" and query.dtype != torch.float32,
+                TAIL_SKIP=tail_skip, SPAN_P2=1 << (max(s, sp, 1) - 1).bit_length())
+    return mask_bytes, pk, pv, args, meta
+
+
+def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+           scale: float, prompt_keys: Optional[torch.Tensor] = None,
+           prompt_values: Optional[torch.Tensor] = None, block_n: int = _BLOCK_N,
+           num_warps: int = _NUM_WARPS, tail_skip: bool = True) -> torch.Tensor:
+    """Run the Triton kernel (on CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``).
+    Arguments and result as :func:`flash_decode`; ``block_n`` keys a block (a power of two
+    >= 16) and ``num_warps`` a program are the kernel's tuning
+    (``scripts/gpu/flash_decode_bench.py``); ``tail_skip``: each row's loops stop after the
+    last key its mask keeps (the same result bit for bit, :mod:`.flash_decode_kernel`; False
+    walks the whole span, as before)."""
+    if query.stride(-1) != 1:
+        raise ValueError("flash_decode: query' last dim is not contiguous")
+    mask_bytes, pk, pv, args, meta = _attention_args(query, keys, values, mask, prompt_keys,
+                                                     prompt_values, block_n, num_warps,
+                                                     tail_skip)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if query.stride() != out.stride():
+        query = query.contiguous()
+    b, ng = keys.shape[:2]
+    _kernel()[(b * ng,)](query, keys, values, mask_bytes, pk, pv, out, query.stride(0),
+                         query.stride(1), *args, scale, **meta)
+    return out
+
+
+def _split_qkv(qkv: torch.Tensor, keys: torch.Tensor):
+    """``qkv`` ``[B, ng, (nq + 2) d]`` (the QKV projection's output, Megatron's per-group
+    layout) as its query ``[B, ng nq, d]``, key and value ``[B, ng, d]``; ``ValueError``
+    naming a shape that does not match ``keys`` ``[B, ng, S, d]``."""
+    b, ng, _, d = keys.shape
+    if qkv.dim() != 3 or qkv.shape[:2] != (b, ng) or qkv.shape[2] % d or qkv.shape[2] < 3 * d:
+        raise ValueError(f"flash_decode_rope: qkv {tuple(qkv.shape)} is not [B={b}, ng={ng}, "
+                         f"(np / ng + 2) * {d}]")
+    nq = qkv.shape[2] // d - 2
+    query, key, value = torch.split(qkv, [nq * d, d, d], dim=2)
+    return query.reshape(b, ng * nq, d), key, value
+
+
+def rope_rows(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``t`` ``[B, heads, d]`` with each row's ``cos`` and ``signed_sin`` ``[B, d]``
+    (:func:`mcore_rl.megatron.rope.cos_sin`'s: the sine's first half negated), as the fused
+    kernel computes it: ``t * cos + cat(t2, t1) * signed_sin`` in fp32, rounded once to
+    ``t``'s dtype (RoFormer, Su et al. 2021, eq. 34)."""
+    x, c, s = t.float(), cos.float()[:, None], signed_sin.float()[:, None]
+    half = t.shape[-1] // 2
+    return (x * c + torch.cat((x[..., half:], x[..., :half]), dim=-1) * s).to(t.dtype)
+
+
+def launch_rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                scale: float, prompt_keys: Optional[torch.Tensor] = None,
+                prompt_values: Optional[torch.Tensor] = None, block_n: int = _BLOCK_N,
+                num_warps: int = _NUM_WARPS, tail_skip: bool = True) -> torch.Tensor:
+    """Run the fused kernel (``flash_decode_rope_kernel``: RoPE, the KV-cache write and the
+    attention in one launch) on CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
+    Arguments and result as :func:`flash_decode_rope`; tuning as :func:`launch`."""
+    query, _, _ = _split_qkv(qkv, keys)
+    b, ng, _, d = keys.shape
+    if qkv.stride(-1) != 1 or qkv.stride(1) != qkv.shape[2]:
+        raise ValueError("flash_decode_rope: qkv's groups are not contiguous rows")
+    if cos.shape != (b, d) or signed_sin.shape != cos.shape or cos.stride() != signed_sin.stride() \
+            or cos.stride(-1) != 1 or at.shape != (b,):
+        raise ValueError(f"flash_decode_rope: cos, signed_sin must be [B={b}, d={d}] with the "
+                         f"same strides and at [B], got {tuple(cos.shape)}, "
+                         f"{tuple(signed_sin.shape)}, {tuple(at.shape)}")
+    mask_bytes, pk, pv, args, meta = _attention_args(query, keys, values, mask, prompt_keys,
+                                                     prompt_values, block_n, num_warps,
+                                                     tail_skip)
+    out = torch.empty(query.shape, dtype=qkv.dtype, device=qkv.device)
+    from mcore_rl.megatron.flash_decode_kernel import flash_decode_rope_kernel
+
+    flash_decode_rope_kernel[(b * ng,)](
+        qkv, cos, signed_sin, at, keys, values, mask_bytes, pk, pv, out, qkv.stride(0),
+        qkv.stride(1), cos.stride(0), out.stride(0), out.stride(1), *args, scale, **meta)
     return out
 
 
@@ -181,3 +251,56 @@ def flash_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 @flash_decode.register_fake
 def _(query, keys, values, mask, scale, prompt_keys=None, prompt_values=None):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("mcore_rl::flash_decode_rope", mutates_args=("keys", "values"))
+def flash_decode_rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                      at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor, scale: float,
+                      prompt_keys: Optional[torch.Tensor] = None,
+                      prompt_values: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A decode step's attention from the QKV projection's output: RoPE of the query and key,
+    the key and value written into the cache, and :func:`flash_decode`'s attention, in one
+    kernel on CUDA (``generation.decode_attention=triton_rope``; where the compiled decode
+    layer spent two more kernels a layer on RoPE and the cache write). Elsewhere the same
+    arithmetic unfused: :func:`rope_rows`, the write, :func:`reference_decode`.
+
+    Args:
+        qkv: ``[B, ng, (np / ng + 2) d]`` the QKV projection's output (+ bias) of one token a
+            row, Megatron's layout (each KV group's queries, then its key, then its value), the
+            last two dims contiguous.
+        cos, signed_sin: ``[B, d]`` each row's RoPE cosine and sine with its first half negated
+            (:func:`mcore_rl.megatron.rope.cos_sin`; a rotary dimension of the whole head), the
+            same strides, last dim contiguous.
+        at: ``[B]`` int64, the slot of row ``r``'s new key and value in ``keys[r]`` /
+            ``values[r]`` (:meth:`~mcore_rl.megatron.attention.KVCache.target`; ``< S``, as
+            the decoder's spans hold every row's step).
+        keys, values: ``[B, ng, S, d]`` views of the cache buffers from their first row and
+            slot (written at ``at`` in place, then read as :func:`flash_decode` reads them);
+            ``mask``, ``scale``, ``prompt_keys``, ``prompt_values`` as :func:`flash_decode`'s
+            (the mask keeps each row's slot ``at``).
+
+    Returns:
+        ``[B, np, d]`` in ``qkv``'s dtype: the attention's output.
+
+    Raises:
+        ValueError: shapes, dtypes or strides outside that layout (named), as
+            :func:`flash_decode`.
+    """
+    if qkv.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return launch_rope(qkv, cos, signed_sin, at, keys, values, mask, scale, prompt_keys,
+                           prompt_values)
+    query, key, value = _split_qkv(qkv, keys)
+    _check(query, keys, values, mask, prompt_keys, prompt_values)
+    rows = torch.arange(keys.shape[0], device=keys.device)
+    keys[rows, :, at] = rope_rows(key, cos, signed_sin)
+    values[rows, :, at] = value
+    return reference_decode(rope_rows(query, cos, signed_sin), keys, values, mask, scale,
+                            prompt_keys, prompt_values)
+
+
+@flash_decode_rope.register_fake
+def _(qkv, cos, signed_sin, at, keys, values, mask, scale, prompt_keys=None,
+      prompt_values=None):
+    b, ng, _, d = keys.shape
+    return qkv.new_empty(b, qkv.shape[2] // d * ng - 2 * ng, d)

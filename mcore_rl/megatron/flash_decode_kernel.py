@@ -62,20 +62,18 @@ def _part(acc, m_i, l_i, q, k_ptr, v_ptr, sk_s, mask_ptr, span, scale,
 
 
 @triton.jit
-def flash_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr,
-                        sq_b, sq_h, sk_b, sk_g, sk_s, sm_b, spk_b, spk_g, spk_s,
-                        groups, span, prompt_span, group_rows, nq, scale,
-                        D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, TAIL_SKIP: tl.constexpr,
-                        SPAN_P2: tl.constexpr):
-    pid = tl.program_id(0)
-    b = pid // groups
-    g = pid % groups
+def _attend(q, b, g, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr, so_b, so_h, sk_b, sk_g,
+            sk_s, sm_b, spk_b, spk_g, spk_s, span, prompt_span, group_rows, nq, scale,
+            D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+            PRECISION: tl.constexpr, UPCAST: tl.constexpr, TAIL_SKIP: tl.constexpr,
+            SPAN_P2: tl.constexpr):
+    """Row ``b``'s KV group ``g``: the queries ``q`` ``[BLOCK_Q, D]`` (heads past ``nq`` zero)
+    over the group's shared prompt keys (``prompt_span > 0``), then the row's own, one online
+    softmax; the output heads stored at ``out_ptr`` (row stride ``so_b``, head stride
+    ``so_h``)."""
     h = tl.arange(0, BLOCK_Q)
     d = tl.arange(0, D)
     heads = h < nq
-    q_rows = q_ptr + b * sq_b + (g * nq + h[:, None]) * sq_h + d[None, :]
-    q = tl.load(q_rows, mask=heads[:, None], other=0.0)
     m_i = tl.full([BLOCK_Q], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, D], tl.float32)
@@ -90,5 +88,64 @@ def flash_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr,
                           mask_ptr + b * sm_b + prompt_span, span, scale, D, BLOCK_N,
                           PRECISION, UPCAST, TAIL_SKIP, SPAN_P2)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + b * sq_b + (g * nq + h[:, None]) * sq_h + d[None, :],
+    tl.store(out_ptr + b * so_b + (g * nq + h[:, None]) * so_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=heads[:, None])
+
+
+@triton.jit
+def flash_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr,
+                        sq_b, sq_h, sk_b, sk_g, sk_s, sm_b, spk_b, spk_g, spk_s,
+                        groups, span, prompt_span, group_rows, nq, scale,
+                        D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, TAIL_SKIP: tl.constexpr,
+                        SPAN_P2: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // groups
+    g = pid % groups
+    h = tl.arange(0, BLOCK_Q)
+    d = tl.arange(0, D)
+    q_rows = q_ptr + b * sq_b + (g * nq + h[:, None]) * sq_h + d[None, :]
+    q = tl.load(q_rows, mask=(h < nq)[:, None], other=0.0)
+    _attend(q, b, g, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr, sq_b, sq_h, sk_b, sk_g,
+            sk_s, sm_b, spk_b, spk_g, spk_s, span, prompt_span, group_rows, nq, scale, D,
+            BLOCK_Q, BLOCK_N, PRECISION, UPCAST, TAIL_SKIP, SPAN_P2)
+
+
+@triton.jit
+def flash_decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, at_ptr, k_ptr, v_ptr, mask_ptr, pk_ptr,
+                             pv_ptr, out_ptr, sx_b, sx_g, sc_b, so_b, so_h, sk_b, sk_g, sk_s,
+                             sm_b, spk_b, spk_g, spk_s, groups, span, prompt_span, group_rows,
+                             nq, scale, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                             UPCAST: tl.constexpr, TAIL_SKIP: tl.constexpr,
+                             SPAN_P2: tl.constexpr):
+    """:func:`flash_decode_kernel` from the QKV projection's output: the program of row ``b``,
+    group ``g`` rotates its group's key (RoPE, Su et al. 2021, eq. 34, non-interleaved halves:
+    ``t * cos + cat(t2, t1) * signed_sin`` in fp32, rounded once to the cache's dtype) and writes
+    it with the value at the row's slot ``at[b]`` of the cache, then (after a barrier: its own
+    threads read that slot back) rotates its ``nq`` queries and attends as
+    :func:`flash_decode_kernel` does."""
+    pid = tl.program_id(0)
+    b = pid // groups
+    g = pid % groups
+    h = tl.arange(0, BLOCK_Q)
+    d = tl.arange(0, D)
+    rot = (d + D // 2) % D  # cat(t2, t1)'s columns
+    cos = tl.load(cos_ptr + b * sc_b + d).to(tl.float32)
+    sin = tl.load(sin_ptr + b * sc_b + d).to(tl.float32)
+    base = qkv_ptr + b * sx_b + g * sx_g
+    key = tl.load(base + nq * D + d).to(tl.float32) * cos \
+        + tl.load(base + nq * D + rot).to(tl.float32) * sin
+    slot = tl.load(at_ptr + b)
+    cache = b * sk_b + g * sk_g + slot * sk_s + d
+    tl.store(k_ptr + cache, key.to(k_ptr.dtype.element_ty))
+    tl.store(v_ptr + cache, tl.load(base + (nq + 1) * D + d))
+    tl.debug_barrier()  # the slot is read back below, by other threads of this program
+    heads = (h < nq)[:, None]
+    q = tl.load(base + h[:, None] * D + d[None, :], mask=heads, other=0.0).to(tl.float32) \
+        * cos[None, :] \
+        + tl.load(base + h[:, None] * D + rot[None, :], mask=heads, other=0.0).to(tl.float32) \
+        * sin[None, :]
+    _attend(q.to(k_ptr.dtype.element_ty), b, g, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr,
+            out_ptr, so_b, so_h, sk_b, sk_g, sk_s, sm_b, spk_b, spk_g, spk_s, span, prompt_span,
+            group_rows, nq, scale, D, BLOCK_Q, BLOCK_N, PRECISION, UPCAST, TAIL_SKIP, SPAN_P2)
