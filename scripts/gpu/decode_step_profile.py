@@ -18,7 +18,9 @@ the layers' attention over the KV cache as one FlexAttention kernel, Inductor's 
 decoding kernel, instead of two cuBLAS batched products around a softmax kernel; its attention
 half compiles once per row bucket), ``compile+flex+blocks``, ``compile+triton`` and
 ``compile+triton+blocks`` (``generation.decode_attention=triton``: one Triton flash-decoding
-kernel a layer), ``compile+shared+blocks``, ``compile+shared+triton+blocks``. Per variant: a warm-up call
+kernel a layer), ``compile+shared+blocks``, ``compile+shared+triton+blocks``,
+``compile+shared+rope+blocks`` (``decode_attention=triton_rope``: RoPE and the KV-cache write in
+the attention's kernel, 8 kernels a layer instead of 10). Per variant: a warm-up call
 (compiles, captures every graph), then ``--repeats`` timed calls (median wall seconds; ms per
 decode step = wall / 255, prefill included), then one call under the torch profiler: kernels and
 device milliseconds per decode step (the call's kernels / 255, prefill's few included) and the
@@ -82,7 +84,10 @@ VARIANTS = {"base": {}, "compile": {"compile_decode": True},
                                       "block_sampling": True},
             "compile+shared+triton+blocks": {"compile_decode": True, "shared_prompt_kv": True,
                                              "decode_attention": "triton",
-                                             "block_sampling": True}}
+                                             "block_sampling": True},
+            "compile+shared+rope+blocks": {"compile_decode": True, "shared_prompt_kv": True,
+                                           "decode_attention": "triton_rope",
+                                           "block_sampling": True}}
 
 
 def _worker(model_dir):

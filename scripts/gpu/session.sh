@@ -24,7 +24,8 @@
 #               u37c (u37 with policy.megatron.compile_layers), u37m (u37 in one 128k-token
 #               micro-batch), u37cm (both), u37h (u37 with 96k-token micro-batches: the recipe),
 #               u37hk (u37h with Inductor's combo kernels), u37ha (u37h with
-#               compile_decode_mode=max-autotune-no-cudagraphs), hf
+#               compile_decode_mode=max-autotune-no-cudagraphs), u37hr (u37h with
+#               decode_attention=triton_rope), hf
 #               and vllm (mbs64 with those rollout backends; vllm after the vllm stage);
 #               GSM8K_TIMEOUT seconds a variant (240); base<variant> runs a variant on the code
 #               in .base/ (`git archive <commit> mcore_rl bench configs | tar -x -C .base`, carried);
@@ -377,6 +378,7 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
     declare -A variant_env=([u37hk]="combo_kernels=True")
     variant_args[u37hk]=${variant_args[u37h]}
     variant_args[u37ha]="${variant_args[u37h]} generation.compile_decode_mode=max-autotune-no-cudagraphs"
+    variant_args[u37hr]="${variant_args[u37h]/decode_attention=triton/decode_attention=triton_rope}"
     [ -n "${PROFILE_ONLY:-}" ] && { echo "${variant_args[$PROFILE_ONLY]}"; return; }
     # base<variant>: the variant on the code in .base/ (a carried `git archive` of an earlier
     # commit's mcore_rl/ bench/ configs/), run from there: before and after on the same machine.
