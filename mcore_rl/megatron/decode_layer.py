@@ -331,7 +331,7 @@ class DecodeLayers:
 
     Args:
         layers: Megatron's ``TransformerLayer`` modules, in order.
-        compile: the compiler of the two functions (``torch.compile`` with Inductor by
+        compile: the compiler of the functions (``torch.compile`` with Inductor by
             default); None runs them eagerly (bit for bit Megatron's layers: the tests' check of
             the functions themselves).
         attention: ``generation.decode_attention``, ``bmm``, ``flex``, ``triton`` or
