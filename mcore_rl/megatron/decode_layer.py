@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from mcore_rl.config.schema import DECODE_ATTENTIONS
 from mcore_rl.megatron.attention import cache_attention, write_kv
 from mcore_rl.megatron.flash_decode import flash_decode, flash_decode_rope
+from mcore_rl.megatron.rope import rotate_with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,17 +245,8 @@ def attention_in(residual: torch.Tensor, delta: Optional[torch.Tensor], w: Layer
     if w.q_ln is not None:
         query = F.rms_norm(query, (d,), w.q_ln, shape.qk_eps)
         key = F.rms_norm(key, (d,), w.k_ln, shape.qk_eps)
-    write_kv(keys, values, rows, at, _rope(key, cos, signed_sin), value)
-    return hidden, _rope(query, cos, signed_sin)
-
-
-def _rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """:func:`mcore_rl.megatron.rope.rotate`'s arithmetic with its cosine and signed sine."""
-    rot = cos.shape[-1]
-    head, rest = (t, None) if rot == t.shape[-1] else (t[..., :rot], t[..., rot:])
-    half = rot // 2
-    out = head * cos + torch.cat((head[..., half:], head[..., :half]), dim=-1) * signed_sin
-    return out if rest is None else torch.cat((out, rest), dim=-1)
+    write_kv(keys, values, rows, at, rotate_with(key, cos, signed_sin), value)
+    return hidden, rotate_with(query, cos, signed_sin)
 
 
 def attention_out(hidden: torch.Tensor, query: torch.Tensor, kv: Tuple, w: LayerWeights, *,

@@ -44,7 +44,8 @@ from typing import Optional
 
 import torch
 
-from mcore_rl.megatron.attention import decode_attention, shared_decode_attention
+from mcore_rl.megatron.attention import decode_attention, shared_decode_attention, write_kv
+from mcore_rl.megatron.rope import rotate_with
 
 # keys per block of the loop over the span and warps a program (the fastest of 16 tunings on
 # one H200 at SmolLM2-135M's attention, 256 rows, in a CUDA graph: 20.0 us a call over rows'
@@ -59,12 +60,12 @@ _NUM_WARPS = 2
 _BLOCK_Q = 16
 
 
-def _kernel():
-    """The Triton kernel (:mod:`mcore_rl.megatron.flash_decode_kernel`), imported at first use:
-    Triton is loaded only where the op runs on CUDA or under the interpreter."""
-    from mcore_rl.megatron.flash_decode_kernel import flash_decode_kernel
+def _kernel(name: str = "flash_decode_kernel"):
+    """A Triton kernel of :mod:`mcore_rl.megatron.flash_decode_kernel` by name, imported at
+    first use: Triton is loaded only where the op runs on CUDA or under the interpreter."""
+    from mcore_rl.megatron import flash_decode_kernel
 
-    return flash_decode_kernel
+    return getattr(flash_decode_kernel, name)
 
 
 def _check(query, keys, values, mask, prompt_keys, prompt_values) -> None:
@@ -184,9 +185,7 @@ def rope_rows(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> t
     (:func:`mcore_rl.megatron.rope.cos_sin`'s: the sine's first half negated), as the fused
     kernel computes it: ``t * cos + cat(t2, t1) * signed_sin`` in fp32, rounded once to
     ``t``'s dtype (RoFormer, Su et al. 2021, eq. 34)."""
-    x, c, s = t.float(), cos.float()[:, None], signed_sin.float()[:, None]
-    half = t.shape[-1] // 2
-    return (x * c + torch.cat((x[..., half:], x[..., :half]), dim=-1) * s).to(t.dtype)
+    return rotate_with(t.float(), cos.float()[:, None], signed_sin.float()[:, None]).to(t.dtype)
 
 
 def launch_rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -210,9 +209,7 @@ def launch_rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                                                      prompt_values, block_n, num_warps,
                                                      tail_skip)
     out = torch.empty(query.shape, dtype=qkv.dtype, device=qkv.device)
-    from mcore_rl.megatron.flash_decode_kernel import flash_decode_rope_kernel
-
-    flash_decode_rope_kernel[(b * ng,)](
+    _kernel("flash_decode_rope_kernel")[(b * ng,)](
         qkv, cos, signed_sin, at, keys, values, mask_bytes, pk, pv, out, qkv.stride(0),
         qkv.stride(1), cos.stride(0), out.stride(0), out.stride(1), *args, scale, **meta)
     return out
@@ -292,9 +289,8 @@ def flash_decode_rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Te
                            prompt_values)
     query, key, value = _split_qkv(qkv, keys)
     _check(query, keys, values, mask, prompt_keys, prompt_values)
-    rows = torch.arange(keys.shape[0], device=keys.device)
-    keys[rows, :, at] = rope_rows(key, cos, signed_sin)
-    values[rows, :, at] = value
+    write_kv(keys, values, torch.arange(keys.shape[0], device=keys.device), at,
+             rope_rows(key, cos, signed_sin), value)
     return reference_decode(rope_rows(query, cos, signed_sin), keys, values, mask, scale,
                             prompt_keys, prompt_values)
 

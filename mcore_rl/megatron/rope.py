@@ -83,11 +83,26 @@ def rotate(original, t: torch.Tensor, freqs: torch.Tensor, *args, **kwargs) -> t
             or set(kwargs) - {"rotary_interleaved", "mla_rotary_interleaved", "mscale",
                               "multi_latent_attention"}:
         return original(t, freqs, *args, **kwargs)
-    rot_dim = freqs.shape[-1]
+    cos, signed = _cos_sin(freqs, t.dtype, float(kwargs.get("mscale", 1.0)))
+    return rotate_with(t, cos, signed)
+
+
+def rotate_with(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate`'s arithmetic with a given cosine and signed sine (:func:`cos_sin`'s):
+    ``t * cos + cat(t2, t1) * signed_sin`` over the first ``d_rot`` channels (RoFormer, Su et
+    al. 2021, eq. 34, non-interleaved halves), the other ``d - d_rot`` passed through.
+
+    Args:
+        t: ``[..., d]`` queries or keys; ``cos``, ``signed_sin``: ``[..., d_rot]``
+            broadcastable to ``t[..., :d_rot]`` (``d_rot <= d``, even).
+
+    Returns:
+        ``t``'s shape, in the dtype the products promote to (``t``'s for ``cos`` in it).
+    """
+    rot_dim = cos.shape[-1]
     head, rest = (t, None) if rot_dim == t.shape[-1] else (t[..., :rot_dim], t[..., rot_dim:])
-    cos, signed = _cos_sin(freqs, head.dtype, float(kwargs.get("mscale", 1.0)))
     half = rot_dim // 2
-    out = head * cos + torch.cat((head[..., half:], head[..., :half]), dim=-1) * signed
+    out = head * cos + torch.cat((head[..., half:], head[..., :half]), dim=-1) * signed_sin
     return out if rest is None else torch.cat((out, rest), dim=-1)
 
 
