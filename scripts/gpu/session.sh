@@ -367,11 +367,14 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
         [f37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=flex"
         [g37]="$BEST37 generation.compile_decode=true generation.block_sampling=true"
         [t37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton"
-        [u37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true"
-        [u37c]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true policy.megatron.compile_layers=true"
-        [u37m]="${BEST37/65536/131072} cluster.gpu_memory_gb=140 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true"
-        [u37h]="${BEST37/65536/98304} generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true"
-        [u37cm]="${BEST37/65536/131072} cluster.gpu_memory_gb=140 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true policy.megatron.compile_layers=true")
+        [u37]="$BEST37 generation.compile_decode=true generation.block_sampling=true generation.decode_attention=triton generation.shared_prompt_kv=true")
+    # u37 with other micro-batches (u37m: 128k tokens, over the recipe's 80 GB plan) or
+    # compiled layers
+    local compiled=policy.megatron.compile_layers=true
+    variant_args[u37c]="${variant_args[u37]} $compiled"
+    variant_args[u37m]="${variant_args[u37]/65536/131072} cluster.gpu_memory_gb=140"
+    variant_args[u37cm]="${variant_args[u37m]} $compiled"
+    variant_args[u37h]=${variant_args[u37]/65536/98304}
     # Inductor settings of a variant (scripts/gpu/run_hooks/): u37hk = u37h with
     # Inductor's combo kernels (independent kernels of a graph launched as one: the decode
     # layer's query RoPE beside the key's RoPE and cache write)
