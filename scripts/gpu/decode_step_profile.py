@@ -20,7 +20,8 @@ half compiles once per row bucket), ``compile+flex+blocks``, ``compile+triton`` 
 ``compile+triton+blocks`` (``generation.decode_attention=triton``: one Triton flash-decoding
 kernel a layer), ``compile+shared+blocks``, ``compile+shared+triton+blocks``,
 ``compile+shared+rope+blocks`` (``decode_attention=triton_rope``: RoPE and the KV-cache write in
-the attention's kernel, 8 kernels a layer instead of 10). Per variant: a warm-up call
+the attention's kernel, 8 kernels a layer instead of 10), ``compile+shared+rope+nm+blocks``
+(``generation.fused_norm_matmul`` too: 5 kernels a layer). Per variant: a warm-up call
 (compiles, captures every graph), then ``--repeats`` timed calls (median wall seconds; ms per
 decode step = wall / 255, prefill included), then one call under the torch profiler: kernels and
 device milliseconds per decode step (the call's kernels / 255, prefill's few included) and the
@@ -87,7 +88,11 @@ VARIANTS = {"base": {}, "compile": {"compile_decode": True},
                                              "block_sampling": True},
             "compile+shared+rope+blocks": {"compile_decode": True, "shared_prompt_kv": True,
                                            "decode_attention": "triton_rope",
-                                           "block_sampling": True}}
+                                           "block_sampling": True},
+            "compile+shared+rope+nm+blocks": {"compile_decode": True, "shared_prompt_kv": True,
+                                              "decode_attention": "triton_rope",
+                                              "fused_norm_matmul": True,
+                                              "block_sampling": True}}
 
 
 def _worker(model_dir):
