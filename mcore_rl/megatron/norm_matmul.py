@@ -8,17 +8,18 @@ SmolLM2-135M's 351 kernels a step, bench/RESULTS.md, sixth session). The compile
 (:mod:`mcore_rl.megatron.decode_layer`) runs the residual add and RMSNorm as one Inductor kernel
 and the QKV projection as a cuBLAS GEMM after it, and the pre-MLP add and RMSNorm, ``linear_fc1``
 and SwiGLU as three kernels. Here each is one Triton kernel: the rows' RMSNorm is computed in
-the matrix product's prologue (a program walks its rows' inputs once for their sums of squares,
-then again for the product: ``K`` is the hidden size, a few kB a row, read from L2), and SwiGLU
+the matrix product's loop (a program sums its rows' squares while it multiplies them by the
+weight, and scales the fp32 product by each row's ``1 / rms`` after the loop), and SwiGLU
 in its epilogue (a program accumulates the gate's and the up projection's columns ``n`` and
 ``N + n`` side by side). A decode layer is then five kernels: this one for QKV, the attention
 (:func:`~mcore_rl.megatron.flash_decode.flash_decode_rope`), the output projection (cuBLAS), this
 one for ``linear_fc1`` with SwiGLU, ``linear_fc2`` (cuBLAS).
 
-Numbers: the add is rounded as Megatron's (``round(x + delta)``); the RMSNorm in fp32, rounded
-once (as ``torch.nn.functional.rms_norm``); the product accumulated in fp32 in the kernel's
-block order (not cuBLAS's), rounded once; SwiGLU from the rounded products in fp32, rounded once
-(as the compiled layer's fused kernel). On other devices :func:`reference_norm_matmul` computes
+Numbers: the add is rounded as Megatron's (``round(x + delta)``); the product's input is
+``round(h * g)`` (``g`` the norm's weight) and each row's ``1 / rms`` scales the fp32 product,
+where ``torch.nn.functional.rms_norm`` rounds ``h / rms * g`` (the same in exact arithmetic);
+the product accumulated in fp32 in the kernel's block order (not cuBLAS's), rounded once;
+SwiGLU from the rounded products in fp32, rounded once (as the compiled layer's fused kernel). On other devices :func:`reference_norm_matmul` computes
 the same with torch's ops. fp32: within 1e-5 of it (tests, Triton's interpreter).
 
 The tile shape is chosen per shape on first use on CUDA among :data:`CONFIGS` by timing each in
@@ -37,8 +38,8 @@ import torch.nn.functional as F
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried per shape on CUDA; the first is the
 # interpreter's and a capture's fallback
 CONFIGS: Tuple[Tuple[int, int, int, int, int], ...] = (
-    (32, 64, 64, 4, 3), (16, 64, 64, 4, 3), (64, 64, 64, 4, 3), (32, 32, 64, 4, 3),
-    (32, 128, 64, 4, 3), (64, 32, 64, 4, 3), (16, 32, 64, 2, 3), (64, 128, 64, 8, 3))
+    (16, 64, 64, 4, 3), (16, 64, 128, 4, 2), (32, 64, 64, 4, 3), (16, 32, 128, 4, 2),
+    (32, 32, 128, 4, 2), (16, 128, 64, 4, 3), (32, 64, 128, 4, 2), (16, 64, 32, 2, 4))
 _best: Dict[tuple, Tuple[int, int, int, int, int]] = {}
 
 
@@ -125,9 +126,9 @@ def launch(residual: torch.Tensor, delta: Optional[torch.Tensor], norm_weight: t
         grid = (-(-m // block_m), -(-n // block_n))
         _kernel()[grid](residual, residual if delta is None else delta, hidden, norm_weight,
                         weight, out, m, n, k, residual.stride(0), hidden.stride(0),
-                        weight.stride(0), out.stride(0), eps, HAS_DELTA=delta is not None, SWIGLU=swiglu, BLOCK_M=block_m,
-                        BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, UPCAST=upcast,
-                        num_warps=warps, num_stages=stages)
+                        weight.stride(0), out.stride(0), eps, HAS_DELTA=delta is not None,
+                        SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                        PRECISION=precision, UPCAST=upcast, num_warps=warps, num_stages=stages)
 
     if config is None:
         config = _launch_config((residual.device.type, m, n, k, delta is not None, swiglu,

@@ -25,7 +25,8 @@ the attention's kernel, 8 kernels a layer instead of 10), ``compile+shared+rope+
 (compiles, captures every graph), then ``--repeats`` timed calls (median wall seconds; ms per
 decode step = wall / 255, prefill included), then one call under the torch profiler: kernels and
 device milliseconds per decode step (the call's kernels / 255, prefill's few included) and the
-top 10 kernels by device time.
+top 10 kernels by device time; ``replay_ms``: the device time of one decode step of the largest
+row bucket and span, its graph replayed back to back (no host in the way).
 Each variant's rollout is checked against ``base``'s (same seed): rows whose tokens are all
 equal, and the largest |logprob difference| over each row's tokens up to its first differing
 token (the bound of a variant that is not bit for bit).
@@ -127,6 +128,26 @@ def _profile(generate) -> dict:
             "top": [(name[:90], count, round(us)) for name, (count, us) in top]}
 
 
+def _replay_ms(decoder, n: int = 50) -> float:
+    """Device ms of one decode step with no host in the way: the graph of the largest row
+    bucket and span replayed ``n`` times back to back, timed by CUDA events (on the buffers'
+    last state: the next call prefills them again). Against ``ms_per_step`` (wall, the host's
+    loop included) it says whether the loop waits for the host; against
+    ``device_ms_per_step`` (the kernels' own time) what the gaps between them cost."""
+    if not decoder._graphs:
+        return float("nan")
+    key = max(decoder._graphs, key=lambda k: (k[0], k[1] if isinstance(k[1], int) else k[1][:2]))
+    graph = decoder._graphs[key]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) / n, 3)
+
+
 def _against(base, out) -> dict:
     """Rows equal to ``base``'s, and the largest |logprob diff| up to each row's first
     differing token."""
@@ -165,6 +186,7 @@ def _measure(worker, prompts, cfg, args, steps: int, sync):
          "ms_per_step": round(wall / steps * 1e3, 3),
          "tokens_per_s": round(len(prompts) * args.max_new_tokens / wall)}
     if not SMOKE:
+        r["replay_ms"] = _replay_ms(worker._decoder)
         prof = _profile(generate)
         r.update(kernels_per_step=round(prof["kernels"] / steps, 1),
                  device_ms_per_step=round(prof["device_ms"] / steps, 3), top=prof["top"])
@@ -219,8 +241,8 @@ def main() -> int:
 
     print(f"\n== decode step, {rows} rows x {args.max_new_tokens} tokens ({steps} decode steps), "
           f"{SMOLLM2.num_layers} layers")
-    cols = ("ms_per_step", "kernels_per_step", "device_ms_per_step", "tokens_per_s", "warmup_s",
-            "rows_equal", "max_logprob_diff")
+    cols = ("ms_per_step", "replay_ms", "kernels_per_step", "device_ms_per_step", "tokens_per_s",
+            "warmup_s", "rows_equal", "max_logprob_diff")
     print(f"{'variant':24s}" + "".join(f"{c:>20s}" for c in cols))
     for name, r in results.items():
         print(f"{name:24s}" + "".join(f"{str(r.get(c, '-')):>20s}" for c in cols))
