@@ -142,6 +142,13 @@ class Bare:
     def exit(self):
         os._exit(3)
 
+    def echo(self, value):
+        """``value`` back, and what arrived: each tensor's dtype, shape, strides, whether it
+        requires grad and whether its storage is shared memory (torch's reduction)."""
+        tensors = value if isinstance(value, (list, tuple)) else [value]
+        return value, [(t.dtype, tuple(t.shape), t.stride(), t.requires_grad, t.is_shared())
+                       for t in tensors]
+
     def count(self, tag, n):
         """Send 0 .. n-1 under ``tag`` before answering (partial results)."""
         from mcore_rl.distributed.worker_group import send_partial
@@ -253,6 +260,32 @@ def test_start_up_takes_a_new_port_when_the_rendezvous_port_was_taken(monkeypatc
             group.shutdown()
     finally:
         taken.close()
+
+
+def test_tensors_cross_the_pipe_unchanged_small_ones_by_value():
+    """A call's arguments and answer through the pipes: every tensor arrives equal (dtype,
+    shape, values; bf16 and float8 reinterpreted on the way and back), small CPU tensors by
+    value (not in shared memory: torch's reduction costs a segment per tensor), tensors over
+    BY_VALUE_BYTES and tensors that require grad by torch's reduction as before."""
+    from mcore_rl.distributed.worker_group import BY_VALUE_BYTES
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.zeros(BY_VALUE_BYTES // 4 + 1)
+    sent = [torch.randint(0, 9, (183,), generator=g), torch.randn(5, 7, generator=g).t(),
+            torch.randn(6, generator=g).bfloat16(), torch.randn(4, generator=g).half(),
+            torch.randn(3, generator=g).to(torch.float8_e4m3fn), torch.tensor([True, False]),
+            torch.zeros(0, 3), big, torch.ones(2, requires_grad=True)]
+    group = ProcessWorkerGroup(Bare, 1, {})
+    try:
+        (answer,) = group.call("echo", sent)
+    finally:
+        group.shutdown()
+    back, arrived = answer
+    for t, u, (dtype, shape, stride, grad, shared) in zip(sent, back, arrived):
+        assert u.dtype == t.dtype == dtype and tuple(u.shape) == tuple(t.shape) == shape
+        assert torch.equal(u.detach().float(), t.detach().float())
+        assert grad == t.requires_grad
+        assert shared == (t is big or t.requires_grad), (t.dtype, t.shape, shared)
 
 
 def test_partial_results_come_before_the_answer_to_their_listener():

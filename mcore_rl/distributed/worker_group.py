@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import io
 import logging
 import os
 import queue
@@ -59,6 +60,7 @@ import time
 import traceback
 import weakref
 from concurrent.futures import Future
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
@@ -80,6 +82,53 @@ _LIVE_GROUPS: "weakref.WeakSet[_Group]" = weakref.WeakSet()
 # In a ProcessWorkerGroup's worker process, while a call runs: sends one partial message on
 # the rank's pipe (set by _process_main; None elsewhere).
 _partial_sender: Optional[Callable[[Any], None]] = None
+
+# CPU tensors up to this size cross a ProcessWorkerGroup's pipe by value (_PipePickler).
+BY_VALUE_BYTES = 1 << 20
+
+
+def _tensor_from_array(array, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``dtype`` over ``array`` (no copy): :func:`_reduce_tensor`'s rebuild."""
+    return torch.from_numpy(array).view(dtype)
+
+
+def _reduce_tensor(t: torch.Tensor):
+    """Pickle a small CPU tensor by value (its elements as a NumPy array, reinterpreted as an
+    integer dtype of the same size where NumPy lacks the dtype: bfloat16, float8) instead of
+    torch.multiprocessing's reduction, which moves every tensor's storage into its own shared
+    memory segment: ~0.3-0.6 ms a tensor each way on a CPU machine, 165 ms for a GSM8K step's
+    256 responses (tokens and logprobs) against 3.4 ms by value (bench/RESULTS.md). Larger
+    tensors, tensors that require grad and non-CPU ones keep torch's reduction."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if (t.device.type != "cpu" or t.layout != torch.strided or t.requires_grad
+            or t.is_conj() or t.is_neg() or t.numel() * t.element_size() > BY_VALUE_BYTES
+            or type(t) is not torch.Tensor):
+        return reduce_tensor(t)
+    if t.dtype.is_floating_point and t.element_size() < 4 and t.dtype != torch.float16:
+        as_int = {1: torch.uint8, 2: torch.int16}[t.element_size()]
+        return _tensor_from_array, (t.view(as_int).numpy(), t.dtype)
+    try:
+        return _tensor_from_array, (t.numpy(), t.dtype)
+    except TypeError:  # a dtype NumPy has no counterpart for
+        return reduce_tensor(t)
+
+
+class _PipePickler(ForkingPickler):
+    """``multiprocessing``'s pickler (what ``Connection.send`` uses: torch's reductions for
+    CUDA tensors, shared storages, file descriptors) with small CPU tensors by value
+    (:func:`_reduce_tensor`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dispatch_table[torch.Tensor] = _reduce_tensor
+
+
+def _send(conn, obj: Any) -> None:
+    """``conn.send(obj)`` through :class:`_PipePickler` (``conn.recv()`` reads it as usual)."""
+    buf = io.BytesIO()
+    _PipePickler(buf, 5).dump(obj)
+    conn.send_bytes(buf.getbuffer())
 
 
 def send_partial(tag: Any, value: Any) -> bool:
@@ -468,9 +517,9 @@ def _process_main(conn, env, dump_file=None):
     try:
         worker_cls, kwargs = conn.recv()
         host = _Host(worker_cls, kwargs, dump_file)
-        conn.send(("ok", None))
+        _send(conn, ("ok", None))
     except BaseException:  # report construction errors to the controller
-        conn.send(("error", traceback.format_exc()))
+        _send(conn, ("error", traceback.format_exc()))
         return
     # A thread takes calls off the pipe while the main thread runs one, so the controller's
     # sends never wait for a busy worker (calls are queued here, run in order).
@@ -488,16 +537,16 @@ def _process_main(conn, env, dump_file=None):
 
     threading.Thread(target=receive, daemon=True).start()
     global _partial_sender
-    _partial_sender = lambda value: conn.send(("partial", value))  # noqa: E731 (send_partial)
+    _partial_sender = lambda value: _send(conn, ("partial", value))  # noqa: E731 (send_partial)
     while True:
         msg = inbox.get()
         if msg is None:
             break
         method, args, kw = msg
         try:
-            conn.send(("ok", host.call(method, args, kw)))
+            _send(conn, ("ok", host.call(method, args, kw)))
         except BaseException:
-            conn.send(("error", traceback.format_exc()))
+            _send(conn, ("error", traceback.format_exc()))
 
 
 class ProcessWorkerGroup(_Group):
@@ -573,7 +622,7 @@ class ProcessWorkerGroup(_Group):
             kw = dict(kwargs, rank=rank, world_size=world_size, master_addr="127.0.0.1",
                       master_port=port)
             try:
-                conn.send((worker_cls, kw))
+                _send(conn, (worker_cls, kw))
             except (BrokenPipeError, OSError):
                 pass
             except BaseException:
@@ -635,7 +684,7 @@ class ProcessWorkerGroup(_Group):
         with self._send_lock:  # the order of sends is the order of answers, per rank
             for slot, r in enumerate(ranks):
                 try:
-                    self._conns[r].send((method, tuple(args_per_rank[slot]), kwargs))
+                    _send(self._conns[r], (method, tuple(args_per_rank[slot]), kwargs))
                 except (BrokenPipeError, OSError) as e:
                     gather.put(slot, False, f"the worker process is gone: {e!r}", gone=True)
                     continue
@@ -661,7 +710,7 @@ class ProcessWorkerGroup(_Group):
         if not kill:
             for conn in self._conns:
                 try:
-                    conn.send(None)
+                    _send(conn, None)
                 except (BrokenPipeError, OSError):
                     pass
         for p in self._procs:

@@ -167,7 +167,7 @@ def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
            scale: float, prompt_keys: Optional[torch.Tensor] = None,
            prompt_values: Optional[torch.Tensor] = None, block_n: int = _BLOCK_N,
            num_warps: int = _NUM_WARPS, tail_skip: bool = True,
-           split: bool = True) -> torch.Tensor:
+           split: bool = False) -> torch.Tensor:
     """Run the Triton kernel (on CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``).
     Arguments and result as :func:`flash_decode`; ``block_n`` keys a block (a power of two
     >= 16) and ``num_warps`` a program are the kernel's tuning
@@ -224,7 +224,7 @@ def launch_rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 scale: float, prompt_keys: Optional[torch.Tensor] = None,
                 prompt_values: Optional[torch.Tensor] = None, block_n: int = _BLOCK_N,
                 num_warps: int = _NUM_WARPS, tail_skip: bool = True,
-                split: bool = True) -> torch.Tensor:
+                split: bool = False) -> torch.Tensor:
     """Run the fused kernel (``flash_decode_rope_kernel``: RoPE, the KV-cache write and the
     attention in one launch) on CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
     Arguments and result as :func:`flash_decode_rope`; tuning as :func:`launch`."""
