@@ -102,7 +102,6 @@ def _kernel_checks() -> dict:
         int(launch(q32, k32, poisoned, mask32, scale32, tail_skip=t).isnan().any(-1).any(-1).sum())
         for t in (True, False)]
     out["rope"] = _rope_kernel_checks()
-    out["split"] = _split_checks()
     errors = []
     for bad in (lambda: launch(q, args[1], args[2], args[3][:, :10], args[4]),  # mask width
                 lambda: launch(q[:, :8], args[1], args[2], args[3], args[4])):  # 8 heads, 3 groups
@@ -154,39 +153,6 @@ def _rope_kernel_checks() -> dict:
     return out
 
 
-def _split_checks() -> dict:
-    """Shared prompts walked by two programs a row and group (the prompt keys, the row's own)
-    and merged by a second kernel, against one program walking both (``split=False``) and the
-    fp32 reference; a row whose prompt keys are all masked (its part has no key)."""
-    from mcore_rl.megatron.flash_decode import launch, launch_rope
-
-    out = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        args = _inputs(dtype, span=70, prompt_span=90)
-        mask = args[3].clone()
-        mask[0, :90] = True  # row 0: no prompt key kept (its response keys only)
-        args = args[:3] + (mask,) + args[4:]
-        split, whole = launch(*args), launch(*args, split=False)
-        exact = reference_decode(*(t.float() for t in args[:3]), mask, args[4],
-                                 args[5].float(), args[6].float())
-        q, keys, values, _, scale, pk, pv = args
-        b, ng, span, d = keys.shape
-        at = torch.arange(span)[None].expand(b, span).masked_fill(mask[:, -span:], -1).amax(1)
-        qkv = torch.randn(b, ng, (q.shape[1] // ng + 2) * d,
-                          generator=torch.Generator().manual_seed(3)).to(dtype)
-        cos, signed = torch.ones(b, d, dtype=dtype), torch.zeros(b, d, dtype=dtype)
-        rope = [launch_rope(qkv, cos, signed, at, k, v, mask, scale, pk, pv, split=s)
-                for s, k, v in ((True, keys.clone(), values.clone()),
-                                (False, keys.clone(), values.clone()))]
-        out[name] = {"split_whole": float((split.float() - whole.float()).abs().max()),
-                     "split_exact": float((split.float() - exact).abs().max()),
-                     "whole_exact": float((whole.float() - exact).abs().max()),
-                     "scale": float(exact.abs().max()),
-                     "rope_split_whole": float((rope[0].float() - rope[1].float()).abs().max()),
-                     "finite": bool(split.isfinite().all() and rope[0].isfinite().all())}
-    return out
-
-
 @pytest.fixture(scope="module")
 def kernel_checks() -> dict:
     code = (f"import json, sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); "
@@ -235,24 +201,6 @@ def test_fused_rope_kernel_equals_its_parts(kernel_checks):
         else:
             assert got["keys"] <= 2.0 ** -7, (name, got)
             assert got["output"] <= 2.0 ** -6 * got["output_scale"], (name, got)
-
-
-def test_split_prompt_and_own_keys_merge_as_one_walk(kernel_checks):
-    """The prompt keys and the row's own keys in two programs, merged by a second kernel
-    (the default with shared prompts): fp32 within 1e-6 of one program walking both and of the
-    reference (the merge rescales two running sums: rounding only); bf16 within one rounding of
-    the output; a row without a kept prompt key stays finite (its prompt part contributes
-    exp(-inf) = 0)."""
-    for name in ("fp32", "bf16"):
-        got = kernel_checks["split"][name]
-        assert got["finite"], (name, got)
-        if name == "fp32":
-            assert got["split_whole"] < 1e-6 and got["split_exact"] < 1e-5, got
-            assert got["rope_split_whole"] < 1e-6, got
-        else:
-            bound = 2 ** -7 * got["scale"]  # one bf16 rounding of the largest output
-            assert got["split_whole"] <= bound and got["rope_split_whole"] <= bound, got
-            assert got["split_exact"] <= 2 ** -6 * got["scale"], got
 
 
 def test_kernel_names_bad_input(kernel_checks):

@@ -489,16 +489,6 @@ class GenerationConfig:
     # for layers without qk_layernorm and with RoPE over the whole head; its query and key are
     # rounded once after an fp32 RoPE, as the compiled layer's. Not measured on a GPU yet.
     decode_attention: str = one_of("bmm", DECODE_ATTENTIONS)
-    # backend=megatron, with decode_attention=triton_rope: each residual add and RMSNorm runs in
-    # the Triton matrix product after it (mcore_rl/megatron/norm_matmul.py: the norm in the
-    # product's prologue), and SwiGLU in linear_fc1's epilogue, instead of the compiled layer's
-    # Inductor kernels and cuBLAS GEMMs: 5 kernels a layer instead of 8 (QKV, the attention,
-    # the output projection, linear_fc1 with SwiGLU, linear_fc2), nothing compiled in the
-    # layers. Layers without QKV or linear_fc1 biases and with glu_linear_offset 0 (refused at
-    # the first decode otherwise). Not bit for bit (the products accumulate in the kernel's
-    # block order): fp32 on CPU the same tokens as Megatron's layers, logprobs within 5e-5
-    # (tests). The tile shape is timed per shape at the first decode step on CUDA.
-    fused_norm_matmul: bool = False
     # Sampling (backends hf and megatron, mcore_rl/generation/sampling.py): draw each token by
     # the same inverse transform in two levels, the vocabulary in blocks of 256 (block sums,
     # then a scan of the chosen block) with the probabilities taken from the logprobs, instead

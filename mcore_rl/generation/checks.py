@@ -58,8 +58,7 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
     ``generation.compile_decode`` only for dense local/torch-spec layers at TP=1;
     ``generation.compile_decode_mode`` other than ``default`` only with ``compile_decode``;
     ``generation.decode_attention`` other than ``bmm`` only with ``compile_decode``, ``flex``
-    not with ``generation.shared_prompt_kv``; ``generation.fused_norm_matmul`` only with
-    ``decode_attention=triton_rope``;
+    not with ``generation.shared_prompt_kv``;
     ``generation.cuda_graphs_tp`` only with ``generation.cuda_graphs``."""
     errors = megatron_layout_errors(cfg.policy.megatron)
     if cfg.generation.num_workers:
@@ -93,11 +92,6 @@ def megatron_config_errors(cfg: TrainConfig) -> List[str]:
         errors.append("generation.decode_attention=flex does not support "
                       "generation.shared_prompt_kv=true (the shared prompt's two-part attention "
                       "is bmm's only); set decode_attention=bmm, or shared_prompt_kv=false")
-    if cfg.generation.fused_norm_matmul and attention != "triton_rope":
-        errors.append(f"generation.fused_norm_matmul=true fuses the layers around "
-                      f"decode_attention=triton_rope's kernel (got decode_attention={attention}); "
-                      "set generation.decode_attention=triton_rope (and compile_decode=true), or "
-                      "fused_norm_matmul=false")
     if cfg.generation.cuda_graphs_tp and not cfg.generation.cuda_graphs:
         errors.append("generation.cuda_graphs_tp=true captures the decode steps' tensor-parallel "
                       "collectives in the CUDA graphs of generation.cuda_graphs, which is false; "

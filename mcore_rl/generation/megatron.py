@@ -450,7 +450,7 @@ class MegatronDecoder:
     """
 
     _layers = None  # DecodeLayers with generation.compile_decode
-    _layers_mode = None  # (compile_decode_mode, decode_attention, fused_norm_matmul) of _layers
+    _layers_mode = None  # the (compile_decode_mode, decode_attention) of _layers
     _sampler: Optional[Sampler] = None  # with generation.compile_decode: compiled with _layers
     _sampling = None  # the (temperature, top_p, block_sampling) of _sampler
     _sampler_on_cpu = False  # compile _sampler on the CPU too (tests: with a tracing backend)
@@ -526,7 +526,7 @@ class MegatronDecoder:
             moved = _tp_any(moved, self._tp_group(), self.device)
         if moved:
             self._graphs, self._weights = {}, weights
-        layers_mode = (cfg.compile_decode_mode, cfg.decode_attention, cfg.fused_norm_matmul)
+        layers_mode = (cfg.compile_decode_mode, cfg.decode_attention)
         compiler = self._compiler
         if cfg.compile_decode_mode != "default":  # torch.compile's own default otherwise
             compiler = functools.partial(compiler, mode=cfg.compile_decode_mode)
@@ -534,8 +534,7 @@ class MegatronDecoder:
             from mcore_rl.megatron.decode_layer import DecodeLayers
 
             self._layers = DecodeLayers(self.gpt.decoder.layers, compile=compiler,
-                                        attention=cfg.decode_attention,
-                                        fused_norm_matmul=cfg.fused_norm_matmul)
+                                        attention=cfg.decode_attention)
             self._layers_mode = layers_mode
             self._sampler = None  # compiled anew with the layers' compiler and mode
         sampling = (cfg.temperature, cfg.top_p, cfg.block_sampling)

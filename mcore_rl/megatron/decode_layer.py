@@ -31,10 +31,7 @@ with ``generation.decode_attention=triton`` the attention is one fused Triton ke
 with ``triton_rope`` that kernel also takes over the query and key RoPE and the KV-cache write
 (:func:`~mcore_rl.megatron.flash_decode.flash_decode_rope`, called between the compiled
 :func:`attention_in`, which then stops at the QKV projection, and :func:`projection_mlp`, the
-rest of :func:`attention_out`: two kernels a layer fewer); with ``generation.fused_norm_matmul``
-as well, nothing of the layer is compiled: each residual add and RMSNorm runs in the Triton matrix
-product after it and SwiGLU in ``linear_fc1``'s (:func:`~mcore_rl.megatron.norm_matmul.
-norm_matmul`), five kernels a layer (:meth:`DecodeLayers.fused_layer`);
+rest of :func:`attention_out`: two kernels a layer fewer);
 with ``generation.decode_attention=flex`` (FlexAttention,
 :func:`~mcore_rl.megatron.attention.flex_decode_attention`) :func:`attention_out` keeps its
 rows static, one compile per row bucket (:class:`DecodeLayers`).
@@ -68,7 +65,6 @@ import torch.nn.functional as F
 from mcore_rl.config.schema import DECODE_ATTENTIONS
 from mcore_rl.megatron.attention import cache_attention, write_kv
 from mcore_rl.megatron.flash_decode import flash_decode, flash_decode_rope
-from mcore_rl.megatron.norm_matmul import norm_matmul
 from mcore_rl.megatron.rope import rotate_with
 
 
@@ -348,17 +344,11 @@ class DecodeLayers:
     Raises:
         NotImplementedError: from :func:`layer_weights`; ``triton_rope`` with query and key
             norms (``qk_layernorm``).
-        ValueError: ``attention`` not one of ``DECODE_ATTENTIONS``; ``fused_norm_matmul``
-            without ``triton_rope``.
-        NotImplementedError: ``fused_norm_matmul`` with a QKV or ``linear_fc1`` bias or a
-            ``glu_linear_offset``.
-
-    ``fused_norm_matmul`` (``generation.fused_norm_matmul``, with ``triton_rope``): each layer
-    is :meth:`fused_layer`, five kernels, none compiled.
+        ValueError: ``attention`` not one of ``DECODE_ATTENTIONS``.
     """
 
     def __init__(self, layers, compile: Optional[Callable] = torch.compile,
-                 attention: str = "bmm", fused_norm_matmul: bool = False):
+                 attention: str = "bmm"):
         if attention not in DECODE_ATTENTIONS:
             raise ValueError(f"decode attention must be one of {DECODE_ATTENTIONS}, got "
                              f"{attention!r}")
@@ -372,17 +362,8 @@ class DecodeLayers:
         if attention == "triton_rope" and self.weights[0].q_ln is not None:
             raise NotImplementedError("generation.decode_attention=triton_rope does not support "
                                       "query and key norms (qk_layernorm); use triton")
-        self.fused = fused_norm_matmul
-        if self.fused:
-            if attention != "triton_rope":
-                raise ValueError("generation.fused_norm_matmul needs decode_attention="
-                                 f"triton_rope, got {attention!r}")
-            w = self.weights[0]
-            if w.qkv_bias is not None or w.fc1_bias is not None or self.shape.glu_offset:
-                raise NotImplementedError("generation.fused_norm_matmul does not support QKV or "
-                                          "linear_fc1 biases or glu_linear_offset; set it false")
         self._in, self._out, self._mlp = attention_in, attention_out, projection_mlp
-        if compile is not None and not self.fused:
+        if compile is not None:
             self._in = compile(attention_in)
             if attention == "triton_rope":
                 self._mlp = compile(projection_mlp)
@@ -401,11 +382,6 @@ class DecodeLayers:
         for t in (cos, signed_sin, rows, at):
             _dynamic(t, 0)
         delta = None  # the previous layer's MLP output, added in the next attention_in
-        if self.fused:
-            for number, w in zip(self.numbers, self.weights):
-                hidden, delta = self.fused_layer(hidden, delta, w, cos, signed_sin, at, cache,
-                                                 number)
-            return (hidden + delta)[None]
         for number, w in zip(self.numbers, self.weights):
             _dynamic(hidden, 0)
             _dynamic(delta, 0)
@@ -428,49 +404,25 @@ class DecodeLayers:
             hidden, delta = self._out(hidden, query, kv, w, shape=self.shape)
         return (hidden + delta)[None]  # the last layer's MLP residual add (eager)
 
-    def fused_layer(self, residual: torch.Tensor, delta: Optional[torch.Tensor], w: LayerWeights,
-                    cos: torch.Tensor, signed_sin: torch.Tensor, at: torch.Tensor, cache,
-                    number: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One layer's decode step in five kernels (``fused_norm_matmul``): the residual add,
-        input RMSNorm and QKV projection (:func:`~mcore_rl.megatron.norm_matmul.norm_matmul`),
-        :func:`~mcore_rl.megatron.flash_decode.flash_decode_rope`, the output projection (+
-        bias), the residual add, pre-MLP RMSNorm, ``linear_fc1`` and SwiGLU (``norm_matmul``),
-        ``linear_fc2`` (+ bias). Arguments as :func:`attention_in` (``residual``, ``delta``
-        ``[B, h]``); returns ``(hidden, mlp_out)`` as :func:`attention_out`."""
-        eps, b = self.shape.eps, residual.shape[0]
-        hidden, qkv = norm_matmul(residual, delta, w.ln1, w.qkv, eps)
-        core = self._rope_core(qkv.view(b, self.shape.groups, -1), cos, signed_sin, at, cache,
-                               number)
-        hidden, act = norm_matmul(hidden, _linear(core, w.proj, w.proj_bias), w.ln2, w.fc1, eps,
-                                  swiglu=True)
-        return hidden, _linear(act, w.fc2, w.fc2_bias)
-
-    def _rope_core(self, qkv, cos, signed_sin, at, cache, number) -> torch.Tensor:
-        """:func:`~mcore_rl.megatron.flash_decode.flash_decode_rope` of the QKV projection's
-        output ``qkv`` ``[B, ng, (np / ng + 2) d]`` over layer ``number``'s cache: the
-        attention's output ``[B, np d]``.
-
-        Raises:
-            NotImplementedError: RoPE over part of the head (``rotary_percent < 1``)."""
-        b = qkv.shape[0]
-        if cos.shape[-1] != self.shape.head_dim:
-            raise NotImplementedError("generation.decode_attention=triton_rope needs RoPE over "
-                                      f"the whole head ({cos.shape[-1]} of "
-                                      f"{self.shape.head_dim} channels); use triton")
-        keys, values, mask, prompt_keys, prompt_values = cache.read(number, b)
-        return flash_decode_rope(qkv, cos.view(b, -1), signed_sin.view(b, -1), at, keys, values,
-                                 mask, self.shape.scale, prompt_keys, prompt_values).flatten(1)
-
     def _rope_attention(self, hidden, qkv, w, cos, signed_sin, at, cache, number):
         """``decode_attention=triton_rope``: :func:`~mcore_rl.megatron.flash_decode.
         flash_decode_rope` on :func:`attention_in`'s projection output ``qkv`` (called as it
         is, between the compiled :func:`attention_in` and :func:`projection_mlp`: the op writes
         the cache in place, which a compiled graph would have to functionalize), then the rest
-        of the layer. Returns ``(hidden, mlp_out)`` as :func:`attention_out`; raises as
-        :meth:`_rope_core`."""
-        core = self._rope_core(qkv, cos, signed_sin, at, cache, number)
+        of the layer. Returns ``(hidden, mlp_out)`` as :func:`attention_out`.
+
+        Raises:
+            NotImplementedError: RoPE over part of the head (``rotary_percent < 1``)."""
+        b = hidden.shape[0]
+        if cos.shape[-1] != self.shape.head_dim:
+            raise NotImplementedError("generation.decode_attention=triton_rope needs RoPE over "
+                                      f"the whole head ({cos.shape[-1]} of "
+                                      f"{self.shape.head_dim} channels); use triton")
+        keys, values, mask, prompt_keys, prompt_values = cache.read(number, b)
+        core = flash_decode_rope(qkv, cos.view(b, -1), signed_sin.view(b, -1), at, keys, values,
+                                 mask, self.shape.scale, prompt_keys, prompt_values)
         _dynamic(hidden, 0)
-        core = core[None]
+        core = core.flatten(1)[None]
         _dynamic(core, 1)
         return self._mlp(hidden, core, w, shape=self.shape)
 

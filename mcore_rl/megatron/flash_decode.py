@@ -14,13 +14,9 @@ keeps: the decoder's spans are powers of two (a CUDA graph a bucket), so up to h
 padding that is masked whole; skipping it changes no bit of the result.
 
 With shared prompts (``generation.shared_prompt_kv``, :func:`~mcore_rl.megatron.attention.
-shared_decode_attention`'s layout) two programs take a row and KV group (``split``, the
-default): one walks the group's prompt keys, the other the row's own response keys, each an
-online softmax; a second kernel merges the two (their sums and outputs rescaled to the larger
-running max, FlashAttention's merge of two blocks). A program's loop is a chain of dependent
-loads and products, so at a few hundred rows a decode step's attention is set by the chain's
-length, which the split halves. The ``G`` rows of a group are adjacent programs, so the prompt's
-keys come from L2 after the first of them. ``split=False`` walks both parts in one program.
+shared_decode_attention`'s layout) a program first walks its group's prompt keys, then its own
+response keys, one online softmax over both; the ``G`` rows of a group are adjacent programs,
+so the prompt's keys come from L2 after the first of them.
 
 :func:`flash_decode_rope` (``generation.decode_attention=triton_rope``) starts from the QKV
 projection's output instead: each program also rotates its group's queries and key (RoPE in
@@ -110,11 +106,10 @@ def reference_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 
 def _attention_args(query, keys, values, mask, prompt_keys, prompt_values, block_n, num_warps,
-                    tail_skip, split):
+                    tail_skip):
     """Check the layout (:func:`_check`, and what the kernel needs beyond it) and return the
     attention's arguments after the output strides, as both kernels take them: the mask bytes,
-    prompt keys and values, their strides, the spans and sizes, and the constexpr keywords
-    (``SPLIT``: ``split`` with shared prompts)."""
+    prompt keys and values, their strides, the spans and sizes, and the constexpr keywords."""
     _check(query, keys, values, mask, prompt_keys, prompt_values)
     b, ng, s, d = keys.shape
     if d & (d - 1) or d < 16:
@@ -144,50 +139,31 @@ def _attention_args(query, keys, values, mask, prompt_keys, prompt_values, block
     meta = dict(D=d, BLOCK_Q=_BLOCK_Q, BLOCK_N=block_n, num_warps=num_warps,
                 PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
                 UPCAST=query.device.type != "cuda" and query.dtype != torch.float32,
-                TAIL_SKIP=tail_skip, SPAN_P2=1 << (max(s, sp, 1) - 1).bit_length(),
-                SPLIT=bool(split and sp))
+                TAIL_SKIP=tail_skip, SPAN_P2=1 << (max(s, sp, 1) - 1).bit_length())
     return mask_bytes, pk, pv, args, meta
-
-
-def _run(kernel, b: int, ng: int, nq: int, out: torch.Tensor, meta: dict, *args) -> None:
-    """Launch ``kernel`` (grid ``(b ng,)``, or ``(b ng, 2)`` with ``meta["SPLIT"]``: a program
-    for each part of the keys) with ``args``, its fp32 workspace and ``meta``; with ``SPLIT``
-    then the kernel that merges the two parts into ``out`` (``[b, ng nq, d]``)."""
-    d, split = meta["D"], meta["SPLIT"]
-    ws = torch.empty((2 * b * ng if split else 1, _BLOCK_Q, d + 2), dtype=torch.float32,
-                     device=out.device)
-    kernel[(b * ng, 2) if split else (b * ng,)](*args, ws, **meta)
-    if split:
-        _kernel("flash_decode_combine_kernel")[(b * ng,)](
-            ws, out, out.stride(0), out.stride(1), ng, nq, D=d, BLOCK_Q=_BLOCK_Q,
-            num_warps=meta["num_warps"])
 
 
 def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
            scale: float, prompt_keys: Optional[torch.Tensor] = None,
            prompt_values: Optional[torch.Tensor] = None, block_n: int = _BLOCK_N,
-           num_warps: int = _NUM_WARPS, tail_skip: bool = True,
-           split: bool = False) -> torch.Tensor:
+           num_warps: int = _NUM_WARPS, tail_skip: bool = True) -> torch.Tensor:
     """Run the Triton kernel (on CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``).
     Arguments and result as :func:`flash_decode`; ``block_n`` keys a block (a power of two
     >= 16) and ``num_warps`` a program are the kernel's tuning
     (``scripts/gpu/flash_decode_bench.py``); ``tail_skip``: each row's loops stop after the
     last key its mask keeps (the same result bit for bit, :mod:`.flash_decode_kernel`; False
-    walks the whole span, as before); ``split``: with shared prompts, the prompt keys and
-    the row's own in two programs, merged by a second kernel (half the dependent loop
-    iterations a program; not bit for bit the one-program walk: the two parts' running sums
-    merge at the end, within fp32 rounding)."""
+    walks the whole span, as before)."""
     if query.stride(-1) != 1:
         raise ValueError("flash_decode: query' last dim is not contiguous")
     mask_bytes, pk, pv, args, meta = _attention_args(query, keys, values, mask, prompt_keys,
                                                      prompt_values, block_n, num_warps,
-                                                     tail_skip, split)
+                                                     tail_skip)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if query.stride() != out.stride():
         query = query.contiguous()
     b, ng = keys.shape[:2]
-    _run(_kernel(), b, ng, query.shape[1] // ng, out, meta, query, keys, values, mask_bytes, pk,
-         pv, out, query.stride(0), query.stride(1), *args, scale)
+    _kernel()[(b * ng,)](query, keys, values, mask_bytes, pk, pv, out, query.stride(0),
+                         query.stride(1), *args, scale, **meta)
     return out
 
 
@@ -223,8 +199,7 @@ def launch_rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                 scale: float, prompt_keys: Optional[torch.Tensor] = None,
                 prompt_values: Optional[torch.Tensor] = None, block_n: int = _BLOCK_N,
-                num_warps: int = _NUM_WARPS, tail_skip: bool = True,
-                split: bool = False) -> torch.Tensor:
+                num_warps: int = _NUM_WARPS, tail_skip: bool = True) -> torch.Tensor:
     """Run the fused kernel (``flash_decode_rope_kernel``: RoPE, the KV-cache write and the
     attention in one launch) on CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
     Arguments and result as :func:`flash_decode_rope`; tuning as :func:`launch`."""
@@ -241,11 +216,11 @@ def launch_rope(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                          f"{tuple(signed_sin.shape)}, {tuple(at.shape)}")
     mask_bytes, pk, pv, args, meta = _attention_args(query, keys, values, mask, prompt_keys,
                                                      prompt_values, block_n, num_warps,
-                                                     tail_skip, split)
+                                                     tail_skip)
     out = torch.empty(query.shape, dtype=qkv.dtype, device=qkv.device)
-    _run(_kernel("flash_decode_rope_kernel"), b, ng, query.shape[1] // ng, out, meta, qkv, cos,
-         signed_sin, at, keys, values, mask_bytes, pk, pv, out, qkv.stride(0), qkv.stride(1),
-         cos.stride(0), out.stride(0), out.stride(1), *args, scale)
+    _kernel("flash_decode_rope_kernel")[(b * ng,)](
+        qkv, cos, signed_sin, at, keys, values, mask_bytes, pk, pv, out, qkv.stride(0),
+        qkv.stride(1), cos.stride(0), out.stride(0), out.stride(1), *args, scale, **meta)
     return out
 
 

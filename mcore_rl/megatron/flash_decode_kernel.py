@@ -63,94 +63,42 @@ def _part(acc, m_i, l_i, q, k_ptr, v_ptr, sk_s, mask_ptr, span, scale,
 
 @triton.jit
 def _attend(q, b, g, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr, so_b, so_h, sk_b, sk_g,
-            sk_s, sm_b, spk_b, spk_g, spk_s, span, prompt_span, group_rows, nq, scale, ws_ptr,
-            pid, part, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+            sk_s, sm_b, spk_b, spk_g, spk_s, span, prompt_span, group_rows, nq, scale,
+            D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
             PRECISION: tl.constexpr, UPCAST: tl.constexpr, TAIL_SKIP: tl.constexpr,
-            SPAN_P2: tl.constexpr, SPLIT: tl.constexpr):
+            SPAN_P2: tl.constexpr):
     """Row ``b``'s KV group ``g``: the queries ``q`` ``[BLOCK_Q, D]`` (heads past ``nq`` zero)
     over the group's shared prompt keys (``prompt_span > 0``), then the row's own, one online
     softmax; the output heads stored at ``out_ptr`` (row stride ``so_b``, head stride
-    ``so_h``). With ``SPLIT`` only ``part`` (0: the prompt keys, 1: the row's own), its
-    unnormalized output and running max and sum stored in fp32 at ``ws_ptr`` (program ``pid``
-    = ``b * groups + g``; :func:`_store_part`) for :func:`flash_decode_combine_kernel`."""
+    ``so_h``)."""
     h = tl.arange(0, BLOCK_Q)
     d = tl.arange(0, D)
     heads = h < nq
     m_i = tl.full([BLOCK_Q], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, D], tl.float32)
-    prompt = prompt_span > 0
-    own = True
-    if SPLIT:
-        prompt = prompt & (part == 0)
-        own = part == 1
-    if prompt:
+    if prompt_span > 0:
         p = b // group_rows
         acc, m_i, l_i = _part(acc, m_i, l_i, q, pk_ptr + p * spk_b + g * spk_g,
                               pv_ptr + p * spk_b + g * spk_g, spk_s, mask_ptr + b * sm_b,
                               prompt_span, scale, D, BLOCK_N, PRECISION, UPCAST, TAIL_SKIP,
                               SPAN_P2)
-    if own:
-        acc, m_i, l_i = _part(acc, m_i, l_i, q, k_ptr + b * sk_b + g * sk_g,
-                              v_ptr + b * sk_b + g * sk_g, sk_s,
-                              mask_ptr + b * sm_b + prompt_span, span, scale, D, BLOCK_N,
-                              PRECISION, UPCAST, TAIL_SKIP, SPAN_P2)
-    if SPLIT:
-        _store_part(ws_ptr, pid * 2 + part, acc, m_i, l_i, D, BLOCK_Q)
-    else:
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + b * so_b + (g * nq + h[:, None]) * so_h + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=heads[:, None])
-
-
-@triton.jit
-def _store_part(ws_ptr, slot, acc, m_i, l_i, D: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """One part's ``acc`` ``[BLOCK_Q, D]``, running max and sum ``[BLOCK_Q]`` (fp32) at slot
-    ``slot`` of the workspace ``[2 B groups, BLOCK_Q, D + 2]`` (columns ``D``, ``D + 1``: max,
-    sum)."""
-    h = tl.arange(0, BLOCK_Q)
-    d = tl.arange(0, D)
-    base = ws_ptr + slot * BLOCK_Q * (D + 2) + h * (D + 2)
-    tl.store(base[:, None] + d[None, :], acc)
-    tl.store(base + D, m_i)
-    tl.store(base + D + 1, l_i)
-
-
-@triton.jit
-def flash_decode_combine_kernel(ws_ptr, out_ptr, so_b, so_h, groups, nq, D: tl.constexpr,
-                                BLOCK_Q: tl.constexpr):
-    """The two parts of program ``b * groups + g`` (prompt keys, the row's own) in one output:
-    each part's sum and output rescaled by ``exp(max_part - max)`` (FlashAttention's merge of
-    two blocks, Dao et al. 2022, Algorithm 1 lines 11-12), then normalized, rounded once."""
-    pid = tl.program_id(0)
-    b = pid // groups
-    g = pid % groups
-    h = tl.arange(0, BLOCK_Q)
-    d = tl.arange(0, D)
-    first = ws_ptr + pid * 2 * BLOCK_Q * (D + 2) + h * (D + 2)
-    second = first + BLOCK_Q * (D + 2)
-    m0 = tl.load(first + D)
-    m1 = tl.load(second + D)
-    m = tl.maximum(m0, m1)
-    a0 = tl.exp(m0 - m)
-    a1 = tl.exp(m1 - m)
-    l_i = tl.load(first + D + 1) * a0 + tl.load(second + D + 1) * a1
-    acc = tl.load(first[:, None] + d[None, :]) * a0[:, None] \
-        + tl.load(second[:, None] + d[None, :]) * a1[:, None]
+    acc, m_i, l_i = _part(acc, m_i, l_i, q, k_ptr + b * sk_b + g * sk_g,
+                          v_ptr + b * sk_b + g * sk_g, sk_s,
+                          mask_ptr + b * sm_b + prompt_span, span, scale, D, BLOCK_N,
+                          PRECISION, UPCAST, TAIL_SKIP, SPAN_P2)
     out = acc / l_i[:, None]
     tl.store(out_ptr + b * so_b + (g * nq + h[:, None]) * so_h + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(h < nq)[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=heads[:, None])
 
 
 @triton.jit
 def flash_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr,
                         sq_b, sq_h, sk_b, sk_g, sk_s, sm_b, spk_b, spk_g, spk_s,
-                        groups, span, prompt_span, group_rows, nq, scale, ws_ptr,
+                        groups, span, prompt_span, group_rows, nq, scale,
                         D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, TAIL_SKIP: tl.constexpr,
-                        SPAN_P2: tl.constexpr, SPLIT: tl.constexpr):
-    """Grid ``(B groups,)``, or ``(B groups, 2)`` with ``SPLIT`` (a program a part:
-    :func:`_attend`)."""
+                        SPAN_P2: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // groups
     g = pid % groups
@@ -159,28 +107,25 @@ def flash_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr,
     q_rows = q_ptr + b * sq_b + (g * nq + h[:, None]) * sq_h + d[None, :]
     q = tl.load(q_rows, mask=(h < nq)[:, None], other=0.0)
     _attend(q, b, g, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr, out_ptr, sq_b, sq_h, sk_b, sk_g,
-            sk_s, sm_b, spk_b, spk_g, spk_s, span, prompt_span, group_rows, nq, scale, ws_ptr,
-            pid, tl.program_id(1), D, BLOCK_Q, BLOCK_N, PRECISION, UPCAST, TAIL_SKIP, SPAN_P2,
-            SPLIT)
+            sk_s, sm_b, spk_b, spk_g, spk_s, span, prompt_span, group_rows, nq, scale, D,
+            BLOCK_Q, BLOCK_N, PRECISION, UPCAST, TAIL_SKIP, SPAN_P2)
 
 
 @triton.jit
 def flash_decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, at_ptr, k_ptr, v_ptr, mask_ptr, pk_ptr,
                              pv_ptr, out_ptr, sx_b, sx_g, sc_b, so_b, so_h, sk_b, sk_g, sk_s,
                              sm_b, spk_b, spk_g, spk_s, groups, span, prompt_span, group_rows,
-                             nq, scale, ws_ptr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                             nq, scale, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                              UPCAST: tl.constexpr, TAIL_SKIP: tl.constexpr,
-                             SPAN_P2: tl.constexpr, SPLIT: tl.constexpr):
+                             SPAN_P2: tl.constexpr):
     """:func:`flash_decode_kernel` from the QKV projection's output: the program of row ``b``,
     group ``g`` rotates its group's key (RoPE, Su et al. 2021, eq. 34, non-interleaved halves:
     ``t * cos + cat(t2, t1) * signed_sin`` in fp32, rounded once to the cache's dtype) and writes
     it with the value at the row's slot ``at[b]`` of the cache, then (after a barrier: its own
     threads read that slot back) rotates its ``nq`` queries and attends as
-    :func:`flash_decode_kernel` does. With ``SPLIT`` the prompt part's program (axis 1 = 0)
-    only rotates its queries: the response part's writes the key and value it reads back."""
+    :func:`flash_decode_kernel` does."""
     pid = tl.program_id(0)
-    part = tl.program_id(1)
     b = pid // groups
     g = pid % groups
     h = tl.arange(0, BLOCK_Q)
@@ -191,14 +136,10 @@ def flash_decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, at_ptr, k_ptr, v_ptr, ma
     base = qkv_ptr + b * sx_b + g * sx_g
     key = tl.load(base + nq * D + d).to(tl.float32) * cos \
         + tl.load(base + nq * D + rot).to(tl.float32) * sin
-    write = True
-    if SPLIT:
-        write = part == 1
-    if write:
-        slot = tl.load(at_ptr + b)
-        cache = b * sk_b + g * sk_g + slot * sk_s + d
-        tl.store(k_ptr + cache, key.to(k_ptr.dtype.element_ty))
-        tl.store(v_ptr + cache, tl.load(base + (nq + 1) * D + d))
+    slot = tl.load(at_ptr + b)
+    cache = b * sk_b + g * sk_g + slot * sk_s + d
+    tl.store(k_ptr + cache, key.to(k_ptr.dtype.element_ty))
+    tl.store(v_ptr + cache, tl.load(base + (nq + 1) * D + d))
     tl.debug_barrier()  # the slot is read back below, by other threads of this program
     heads = (h < nq)[:, None]
     q = tl.load(base + h[:, None] * D + d[None, :], mask=heads, other=0.0).to(tl.float32) \
@@ -207,5 +148,4 @@ def flash_decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, at_ptr, k_ptr, v_ptr, ma
         * sin[None, :]
     _attend(q.to(k_ptr.dtype.element_ty), b, g, k_ptr, v_ptr, mask_ptr, pk_ptr, pv_ptr,
             out_ptr, so_b, so_h, sk_b, sk_g, sk_s, sm_b, spk_b, spk_g, spk_s, span, prompt_span,
-            group_rows, nq, scale, ws_ptr, pid, part, D, BLOCK_Q, BLOCK_N, PRECISION, UPCAST,
-            TAIL_SKIP, SPAN_P2, SPLIT)
+            group_rows, nq, scale, D, BLOCK_Q, BLOCK_N, PRECISION, UPCAST, TAIL_SKIP, SPAN_P2)

@@ -20,8 +20,7 @@ half compiles once per row bucket), ``compile+flex+blocks``, ``compile+triton`` 
 ``compile+triton+blocks`` (``generation.decode_attention=triton``: one Triton flash-decoding
 kernel a layer), ``compile+shared+blocks``, ``compile+shared+triton+blocks``,
 ``compile+shared+rope+blocks`` (``decode_attention=triton_rope``: RoPE and the KV-cache write in
-the attention's kernel, 8 kernels a layer instead of 10), ``compile+shared+rope+nm+blocks``
-(``generation.fused_norm_matmul`` too: 5 kernels a layer). Per variant: a warm-up call
+the attention's kernel, 8 kernels a layer instead of 10). Per variant: a warm-up call
 (compiles, captures every graph), then ``--repeats`` timed calls (median wall seconds; ms per
 decode step = wall / 255, prefill included), then one call under the torch profiler: kernels and
 device milliseconds per decode step (the call's kernels / 255, prefill's few included) and the
@@ -89,11 +88,7 @@ VARIANTS = {"base": {}, "compile": {"compile_decode": True},
                                              "block_sampling": True},
             "compile+shared+rope+blocks": {"compile_decode": True, "shared_prompt_kv": True,
                                            "decode_attention": "triton_rope",
-                                           "block_sampling": True},
-            "compile+shared+rope+nm+blocks": {"compile_decode": True, "shared_prompt_kv": True,
-                                              "decode_attention": "triton_rope",
-                                              "fused_norm_matmul": True,
-                                              "block_sampling": True}}
+                                           "block_sampling": True}}
 
 
 def _worker(model_dir):
@@ -136,7 +131,8 @@ def _replay_ms(decoder, n: int = 50) -> float:
     ``device_ms_per_step`` (the kernels' own time) what the gaps between them cost."""
     if not decoder._graphs:
         return float("nan")
-    key = max(decoder._graphs, key=lambda k: (k[0], k[1] if isinstance(k[1], int) else k[1][:2]))
+    key = max(decoder._graphs,
+              key=lambda k: (k[0], k[1] if isinstance(k[1], int) else k[1][:2]))
     graph = decoder._graphs[key]
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

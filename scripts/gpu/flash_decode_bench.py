@@ -4,9 +4,8 @@ program) against bmm (``decode_attention``, compiled: scores product, softmax, v
 at SmolLM2-135M's attention (9 query heads, 3 KV groups, head size 64), bf16, 256 rows, for the
 rows' own keys (span 300) and the shared-prompt layout (32 prompts of 150 keys, groups of 8,
 response span 150; and the GSM8K step's power-of-two buckets), each tuning with and without
-``tail_skip`` (the loops stopped after a row's last kept key), and with shared prompts also
-``split`` (the prompt keys and a row's own in two programs, merged by a second kernel). Prints a
-table; each kernel checked against the fp32 reference.
+``tail_skip`` (the loops stopped after a row's last kept key). Prints a table; each kernel
+checked against the fp32 reference.
 
     python3 scripts/gpu/flash_decode_bench.py
 """
@@ -80,14 +79,11 @@ def main() -> None:
             err = (bmm(q[None], k, v, m, scale)[0].view_as(q).float() - ref).abs().max()
             print(f"{name:8s} {'bmm (compiled)':24s} {us:9.1f} {float(err):9.4f}")
         for block_n, warps in ((16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4)):
-            modes = [("", False, False), (" skip", True, False)]
-            if pk is not None:
-                modes.append((" skip split", True, True))
-            for tag, tail, split in modes:
+            for tail in (False, True):
                 def call():
                     return launch(q, k, v, m, scale, pk, pv, block_n=block_n, num_warps=warps,
-                                  tail_skip=tail, split=split)
-                label = f"triton n={block_n} w={warps}{tag}"
+                                  tail_skip=tail)
+                label = f"triton n={block_n} w={warps}{' skip' if tail else ''}"
                 try:
                     err = (call().float() - ref).abs().max()
                     us = _time(call)

@@ -25,8 +25,8 @@
 #               micro-batch), u37cm (both), u37h (u37 with 96k-token micro-batches: the recipe),
 #               u37hk (u37h with Inductor's combo kernels), u37ha (u37h with
 #               compile_decode_mode=max-autotune-no-cudagraphs), u37hr (u37h with
-#               decode_attention=triton_rope), u37hn (u37hr with generation.fused_norm_matmul), u37hs
-#               (u37hr with reward.score_while_decoding=false), hf
+#               decode_attention=triton_rope), u37hs (u37hr with
+#               reward.score_while_decoding=false), hf
 #               and vllm (mbs64 with those rollout backends; vllm after the vllm stage);
 #               GSM8K_TIMEOUT seconds a variant (240); base<variant> runs a variant on the code
 #               in .base/ (`git archive <commit> mcore_rl bench configs | tar -x -C .base`, carried);
@@ -383,7 +383,6 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
     variant_args[u37hk]=${variant_args[u37h]}
     variant_args[u37ha]="${variant_args[u37h]} generation.compile_decode_mode=max-autotune-no-cudagraphs"
     variant_args[u37hr]="${variant_args[u37h]/decode_attention=triton/decode_attention=triton_rope}"
-    variant_args[u37hn]="${variant_args[u37hr]} generation.fused_norm_matmul=true"
     variant_args[u37hs]="${variant_args[u37hr]} reward.score_while_decoding=false"
     [ -n "${PROFILE_ONLY:-}" ] && { echo "${variant_args[$PROFILE_ONLY]}"; return; }
     # base<variant>: the variant on the code in .base/ (a carried `git archive` of an earlier
