@@ -129,10 +129,12 @@ def _replay_ms(decoder, n: int = 50) -> float:
     last state: the next call prefills them again). Against ``ms_per_step`` (wall, the host's
     loop included) it says whether the loop waits for the host; against
     ``device_ms_per_step`` (the kernels' own time) what the gaps between them cost."""
-    if not decoder._graphs:
+    mode = None if decoder._layers is None else decoder._layers_mode
+    # this variant's graphs (the decoder keeps the earlier variants' when the buffers stay)
+    mine = [k for k in decoder._graphs if k[-1] == mode]
+    if not mine:
         return float("nan")
-    key = max(decoder._graphs,
-              key=lambda k: (k[0], k[1] if isinstance(k[1], int) else k[1][:2]))
+    key = max(mine, key=lambda k: (k[0], k[1] if isinstance(k[1], int) else k[1][:2]))
     graph = decoder._graphs[key]
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
