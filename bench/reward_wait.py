@@ -19,7 +19,9 @@ list of ``{"answer": GSM8K answer column, "response": text, "truncated": bool}``
    step's wait when the row is among the last.
 2. **The pool's round trip** (:class:`~mcore_rl.rewards.pool.RewardScorer`, ``--workers``
    processes): wall milliseconds per row of a trivial reward (``exact``: the pool's own cost per
-   row) and of the math verifier over the rows, against its busy time.
+   row) and of the math verifier over the rows, against its busy time, and the controller's own
+   CPU milliseconds for them (its threads: feeding the pool, the executor's; not the pool's
+   processes), which the controller's other work of the step waits for.
 3. **The wait** (``timing/reward_s``'s part): per step of ``--steps``, fresh rows each, the
    rollout scored while decoding as :class:`~mcore_rl.rewards.pool.StreamingRewards` gets it
    (the rows that end handed over through a decode of ``--decode-s`` seconds in the order of
@@ -244,8 +246,8 @@ def table_round_trip(args) -> None:
 
     rows = rows_of(args, seed=3)
     print(f"\n2. The pool's round trip ({args.workers} processes, {len(rows)} rows, best of 3)")
-    print("| reward | wall ms per row | wall ms | busy ms | one row alone ms |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| reward | wall ms per row | wall ms | busy ms | controller CPU ms | one row alone ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     cases = [("exact (trivial)", exact_reward, ["5"] * len(rows),
               [Example(prompt="", answer="5", solution="5", source="b")] * len(rows)),
              ("math", math_reward, [r[1] for r in rows], [r[2] for r in rows])]
@@ -254,20 +256,28 @@ def table_round_trip(args) -> None:
         try:
             scorer.warm_up()
             scorer.score(texts, examples)
-            best = (float("inf"), 0.0)
+            best = (float("inf"), 0.0, 0.0)
             one = float("inf")
             for _ in range(3):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), _cpu_seconds()
                 _, _, busy = scorer.score(texts, examples)
-                best = min(best, (time.perf_counter() - start, busy))
+                best = min(best, (time.perf_counter() - start, busy, _cpu_seconds() - cpu))
                 start = time.perf_counter()
                 scorer.score(texts[:1], examples[:1])
                 one = min(one, time.perf_counter() - start)
         finally:
             scorer.close()
-        wall, busy = best
+        wall, busy, cpu = best
         print(f"| {label} | {1e3 * wall / len(texts):.3f} | {1e3 * wall:.0f} | {1e3 * busy:.0f} | "
-              f"{1e3 * one:.2f} |")
+              f"{1e3 * cpu:.0f} | {1e3 * one:.2f} |")
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process so far, every thread (user + system; not its children)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 # ---------------------------------------------------------------------- 3. the wait

@@ -19,9 +19,12 @@ from mcore_rl.rewards.pool import RewardScorer, default_num_workers
 
 def hangs_or_dies(response: str, example: Example) -> float:
     """A verifier (module level: the pool's processes import it) that sleeps an hour on
-    "hang", kills its process on "die", raises on "raise", else scores exactly."""
+    "hang", 3 s on "slow", kills its process on "die", raises on "raise", else scores
+    exactly."""
     if response == "hang":
         time.sleep(3600)
+    if response == "slow":
+        time.sleep(3)
     if response == "die":
         os._exit(3)
     if response == "raise":
@@ -134,8 +137,31 @@ def test_hung_verification_scores_zero_and_counts_an_error():
         scorer.close()
     assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
     assert errors == 2  # the hang and the raise; "9" is just wrong
-    assert scorer.pools_made == 2  # the hung worker's pool was replaced
+    # the hung worker's pool was replaced twice: its task of 3 samples passed its deadline
+    # (which of them hung is not known), then the hung sample alone
+    assert scorer.pools_made == 3
     assert after.tolist() == [1.0] and after_errors == 0
+
+
+def test_samples_go_in_tasks_each_with_its_own_deadline():
+    """The waiting samples go to the free workers in tasks of up to MAX_CHUNK: a sample past
+    its own limit inside a task that finished scores 0 and counts an error, as alone (its
+    pool is not replaced: nothing hung); the task's others score."""
+    from mcore_rl.rewards.pool import MAX_CHUNK, _take
+
+    todo = list(range(20, 0, -1))  # a stack: 1 is next
+    assert _take(todo, set(), 4) == [1, 2, 3, 4, 5]  # 20 spread over 4 free workers
+    assert len(_take(list(range(100)), set(), 1)) == MAX_CHUNK
+    assert _take([7, 8, 9], {8}, 2) == [9]  # stops before a suspect
+    assert _take([7, 8, 9], {9}, 2) == [9]  # which runs alone
+    examples = [_ex(str(i)) for i in range(3)]
+    scorer = RewardScorer(hangs_or_dies, num_workers=1, timeout_seconds=2)
+    try:
+        rewards, errors, busy = scorer.score(["0", "slow", "2"], examples)
+    finally:
+        scorer.close()
+    assert rewards.tolist() == [1.0, 0.0, 1.0]
+    assert errors == 1 and scorer.pools_made == 1
 
 
 def test_dead_worker_does_not_stop_the_scoring():

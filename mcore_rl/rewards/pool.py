@@ -23,10 +23,16 @@ after generation (bench/reward_wait.py); a full collection over the imported mod
 would be another such pause, frozen it scans none of them.
 
 Each sample runs in a worker's main thread, so math-verify's own ``signal.alarm`` timeouts
-work there. On top of that every sample has a hard deadline (``timeout_seconds`` after it was
-handed to an idle worker; at most ``num_workers`` samples are in flight at once, so handing over
-is starting): a sample past it scores 0 and counts an error, the pool's processes are killed
-and a new pool takes the other samples. A worker that dies (``os._exit``, a segfault, the OOM
+work there. The samples waiting when a worker is free go to it in one task of up to
+:data:`MAX_CHUNK` (the waiting samples spread over the free workers): a task a sample costs the
+controller ~0.15 ms of CPU in the executor's threads (bench/RESULTS.md), beside the decoding and
+the training's batches. On top of that every sample has a hard deadline of ``timeout_seconds``:
+a task's is the sum of its samples' (handed to an idle worker: at most ``num_workers`` tasks are
+in flight at once, so handing over is starting), and a sample whose own seconds passed its
+limit scores 0 and counts an error; a task past its deadline has its pool's processes killed, a
+new pool takes the other tasks, and a one-sample task's sample scores 0 and counts an error,
+while the samples of a longer one are tried again each alone (which of them hung is not
+known). A worker that dies (``os._exit``, a segfault, the OOM
 killer) breaks the pool; a new pool is made and the samples that were in flight (suspects) are
 tried once more, each alone in the pool, so a sample that breaks it again is the one that kills
 its worker: it scores 0 and counts an error, and the samples that were beside it are not charged
@@ -55,6 +61,8 @@ from mcore_rl.utils.pools import kill_process_pool
 
 # Tries a sample gets when the pool breaks while it is in flight (a worker died).
 MAX_TRIES = 2
+# The most samples one pool task scores (module docstring).
+MAX_CHUNK = 8
 
 
 def default_num_workers(rewards: Union[str, Sequence[RewardComponent]]) -> int:
@@ -115,6 +123,25 @@ def _score_one(fns: Tuple[Callable, ...], response: str, example: Example
         rewards.append(reward)
         errors.append(error)
     return rewards, errors, time.perf_counter() - start
+
+
+def _score_chunk(fns: Tuple[Callable, ...], responses: List[str], examples: List[Example]
+                 ) -> List[Tuple[List[float], List[Optional[str]], float]]:
+    """Pool task: :func:`_score_one` of each sample, in order."""
+    return [_score_one(fns, r, e) for r, e in zip(responses, examples)]
+
+
+def _take(todo: List[int], suspects: set, free: int) -> List[int]:
+    """The next task's samples, popped from the end of the stack ``todo``: a suspect alone,
+    else up to :data:`MAX_CHUNK` samples that are not suspects, ``len(todo) / free`` of them
+    (the waiting samples spread over the ``free`` workers)."""
+    if todo[-1] in suspects:
+        return [todo.pop()]
+    size = max(1, min(MAX_CHUNK, len(todo) // max(1, free)))
+    chunk: List[int] = []
+    while todo and len(chunk) < size and todo[-1] not in suspects:
+        chunk.append(todo.pop())
+    return chunk
 
 
 class PendingRewards:
@@ -314,8 +341,9 @@ class RewardScorer:
     def _run(self, responses: List[str], examples: List[Example], scores: Scores,
              feed: Optional["_Feed"] = None,
              on_scored: Optional[Callable[[], None]] = None) -> float:
-        """Score the plain rewards in the pool into ``scores`` (at most ``num_workers`` samples
-        in flight), enforce the deadlines, recover from hung and dead workers. Returns the
+        """Score the plain rewards in the pool into ``scores`` (at most ``num_workers`` tasks in
+        flight, each of up to :data:`MAX_CHUNK` samples), enforce the deadlines, recover from
+        hung and dead workers (module docstring). Returns the
         seconds the rewards ran, summed over samples. With ``feed``, the samples to score are
         those its :meth:`_Feed.put` hands over (``responses[i]`` set before), in that order,
         until it is closed; without, all of them. ``on_scored`` is called for each sample whose
@@ -328,7 +356,7 @@ class RewardScorer:
         # a stack, popped from the end: index order
         todo = list(range(n - 1, -1, -1)) if feed is None else []
         closed = feed is None
-        in_flight: Dict[cf.Future, Tuple[int, float]] = {}  # future -> (sample, deadline)
+        in_flight: Dict[cf.Future, Tuple[List[int], float]] = {}  # future -> (samples, deadline)
         suspects: set = set()  # in flight when a worker died: tried again alone
         pool = self._pool or self._new_pool()
         while todo or in_flight or not closed:
@@ -339,19 +367,21 @@ class RewardScorer:
                     feed.wait()
                     continue
             while todo and len(in_flight) < self.num_workers:
-                if in_flight and (todo[-1] in suspects
-                                  or any(j in suspects for j, _ in in_flight.values())):
+                if in_flight and (todo[-1] in suspects or any(
+                        j in suspects for chunk, _ in in_flight.values() for j in chunk)):
                     break  # a suspect runs alone
-                i = todo.pop()
+                chunk = _take(todo, suspects, self.num_workers - len(in_flight))
                 try:
-                    fut = pool.submit(_score_one, fns, responses[i], examples[i])
+                    fut = pool.submit(_score_chunk, fns, [responses[i] for i in chunk],
+                                      [examples[i] for i in chunk])
                 except BrokenProcessPool:  # a worker died while idle (between calls, say)
-                    todo.append(i)
+                    todo.extend(reversed(chunk))
                     pool = self._new_pool()
                     continue
-                tries[i] += 1
-                in_flight[fut] = (i, time.monotonic() + self.timeout_seconds)
-                if i in suspects:
+                for i in chunk:
+                    tries[i] += 1
+                in_flight[fut] = (chunk, time.monotonic() + self.timeout_seconds * len(chunk))
+                if chunk[0] in suspects:
                     break
             wait_for = max(0.0, min(d for _, d in in_flight.values()) - time.monotonic())
             arrivals = [] if closed else [feed.signal]  # new samples wake the wait too
@@ -361,9 +391,20 @@ class RewardScorer:
             for fut in done:
                 if fut not in in_flight:  # the feed's signal
                     continue
-                i, _ = in_flight.pop(fut)
+                chunk, _ = in_flight.pop(fut)
                 try:
-                    values, row_errors, seconds = fut.result()
+                    results = fut.result()
+                except BrokenProcessPool:
+                    broken = True
+                    for i in chunk:
+                        suspects.add(i)
+                        self._retry_or_fail(i, tries, todo, errors, "its worker process died")
+                    continue
+                for i, (values, row_errors, seconds) in zip(chunk, results):
+                    if seconds > self.timeout_seconds:  # past its own limit: as if alone
+                        errors[i] = self._late
+                        busy += self.timeout_seconds
+                        continue
                     busy += seconds
                     for k, value, error in zip(self.pooled, values, row_errors):
                         scores.values[i][k] = value
@@ -371,32 +412,41 @@ class RewardScorer:
                             scores.fail(i, k, examples[i].source, error)
                     if on_scored is not None:
                         on_scored()
-                except BrokenProcessPool:
-                    broken = True
-                    suspects.add(i)
-                    self._retry_or_fail(i, tries, todo, errors, "its worker process died")
             now = time.monotonic()
             hung = [f for f, (_, d) in in_flight.items() if d <= now and not f.done()]
             for fut in hung:
-                i, _ = in_flight.pop(fut)
-                errors[i] = f"no result within reward.timeout_seconds={self.timeout_seconds:g}"
-                busy += self.timeout_seconds
+                chunk, _ = in_flight.pop(fut)
+                if len(chunk) == 1:
+                    errors[chunk[0]] = self._late
+                    busy += self.timeout_seconds
+                    continue
+                for i in chunk:  # which one hung is not known: each is tried again alone
+                    tries[i] -= 1
+                    suspects.add(i)
+                    todo.append(i)
             if hung or broken:
                 # The other samples in flight go back to the queue of a new pool; after a
                 # break they are suspects and spend a try, after a hang they do not.
-                for fut, (i, _) in in_flight.items():
-                    if broken:
-                        suspects.add(i)
-                        self._retry_or_fail(i, tries, todo, errors, "its worker process died")
-                    else:
-                        tries[i] -= 1
-                        todo.append(i)
+                for fut, (chunk, _) in in_flight.items():
+                    for i in chunk:
+                        if broken:
+                            suspects.add(i)
+                            self._retry_or_fail(i, tries, todo, errors,
+                                                "its worker process died")
+                        else:
+                            tries[i] -= 1
+                            todo.append(i)
                 in_flight.clear()
                 pool = self._new_pool()
         for i in sorted(errors):  # hung, or lost with a worker: every plain reward of it
             for k in self.pooled:
                 scores.fail(i, k, examples[i].source, errors[i])
         return busy
+
+    @property
+    def _late(self) -> str:
+        """A sample's error past its deadline."""
+        return f"no result within reward.timeout_seconds={self.timeout_seconds:g}"
 
     @staticmethod
     def _retry_or_fail(i: int, tries: List[int], todo: List[int], errors: Dict[int, str],
