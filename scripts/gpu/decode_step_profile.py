@@ -135,15 +135,9 @@ def _replay_ms(decoder, n: int = 50) -> float:
     if not mine:
         return float("nan")
     key = max(mine, key=lambda k: (k[0], k[1] if isinstance(k[1], int) else k[1][:2]))
-    graph = decoder._graphs[key]
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return round(start.elapsed_time(end) / n, 3)
+    from flash_decode_bench import replay_ms  # scripts/gpu/, this script's folder
+
+    return round(replay_ms(decoder._graphs[key], n), 3)
 
 
 def _against(base, out) -> dict:

@@ -415,8 +415,9 @@ stage_gsm8k() {  # GSM8K_VARIANTS: names of variant_args (default "mbs64 packed"
 BEST37="policy.sequence_packing=true policy.max_tokens_per_microbatch=65536 loss.prev_logprobs=train_forward reward.num_workers=14"
 AFTER37="generation.compile_decode=true generation.shared_prompt_kv=true"
 
-stage_prof37() {  # PROF37_BASE=1: first the same on the code in .base/ (a copy of this script
-    # in .base/scripts/gpu/: it imports the checkout it sits in), log prof37_base.log
+stage_prof37() {  # PROF37_BASE=1: first the same on the code in .base/ (copies of the script
+    # and of flash_decode_bench.py, which it imports, in .base/scripts/gpu/: it imports the
+    # checkout it sits in), log prof37_base.log
     local dir name
     for dir in ${PROF37_BASE:+.base} .; do
         name=prof37${PROF37_BASE:+$([ "$dir" = .base ] && echo _base)}
