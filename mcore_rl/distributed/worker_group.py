@@ -96,9 +96,10 @@ def _reduce_tensor(t: torch.Tensor):
     """Pickle a small CPU tensor by value (its elements as a NumPy array, reinterpreted as an
     integer dtype of the same size where NumPy lacks the dtype: bfloat16, float8) instead of
     torch.multiprocessing's reduction, which moves every tensor's storage into its own shared
-    memory segment: ~0.3-0.6 ms a tensor each way on a CPU machine, 165 ms for a GSM8K step's
-    256 responses (tokens and logprobs) against 3.4 ms by value (bench/RESULTS.md). Larger
-    tensors, tensors that require grad and non-CPU ones keep torch's reduction."""
+    memory segment: a message of a GSM8K step's 256 responses (tokens and logprobs) to another
+    process and back took 155-161 ms on the CPU machine, 6.1-6.4 ms by value (bench/RESULTS.md,
+    issue 37's seventh session). Larger tensors, tensors that require grad and non-CPU ones keep
+    torch's reduction."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     if (t.device.type != "cpu" or t.layout != torch.strided or t.requires_grad
@@ -119,8 +120,8 @@ class _PipePickler(ForkingPickler):
     CUDA tensors, shared storages, file descriptors) with small CPU tensors by value
     (:func:`_reduce_tensor`)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args):
+        super().__init__(*args)
         self.dispatch_table[torch.Tensor] = _reduce_tensor
 
 

@@ -22,21 +22,20 @@ land on some sample of a later step, in each process, and that sample's scoring 
 after generation (bench/reward_wait.py); a full collection over the imported modules (~150 ms)
 would be another such pause, frozen it scans none of them.
 
-Each sample runs in a worker's main thread, so math-verify's own ``signal.alarm`` timeouts
-work there. The samples waiting when a worker is free go to it in one task of up to
-:data:`MAX_CHUNK` (the waiting samples spread over the free workers): a task a sample costs the
-controller ~0.15 ms of CPU in the executor's threads (bench/RESULTS.md), beside the decoding and
-the training's batches. On top of that every sample has a hard deadline of ``timeout_seconds``:
-a task's is the sum of its samples' (handed to an idle worker: at most ``num_workers`` tasks are
-in flight at once, so handing over is starting), and a sample whose own seconds passed its
-limit scores 0 and counts an error; a task past its deadline has its pool's processes killed, a
-new pool takes the other tasks, and a one-sample task's sample scores 0 and counts an error,
-while the samples of a longer one are tried again each alone (which of them hung is not
-known). A worker that dies (``os._exit``, a segfault, the OOM
-killer) breaks the pool; a new pool is made and the samples that were in flight (suspects) are
-tried once more, each alone in the pool, so a sample that breaks it again is the one that kills
-its worker: it scores 0 and counts an error, and the samples that were beside it are not charged
-a second break. Nothing of this stops the run.
+Each sample runs in a worker's main thread, so math-verify's own ``signal.alarm`` timeouts work
+there. The samples waiting when a worker is free go to it in one task of up to :data:`MAX_CHUNK`
+(the waiting samples spread over the free workers): a task a sample cost the controller's threads
+0.1-0.2 ms of CPU each (bench/RESULTS.md), beside the step's decoding and training batches. On top
+of that every sample has a hard deadline of ``timeout_seconds``: a task's is the sum of its
+samples' (handed to an idle worker: at most ``num_workers`` tasks are in flight at once, so handing
+over is starting), and a sample whose own seconds passed its limit scores 0 and counts an error; a
+task past its deadline has its pool's processes killed, a new pool takes the other tasks, and a
+one-sample task's sample scores 0 and counts an error, while the samples of a longer one are tried
+again each alone (which of them hung is not known). A worker that dies (``os._exit``, a segfault,
+the OOM killer) breaks the pool; a new pool is made and the samples that were in flight (suspects)
+are tried once more, each alone in the pool, so a sample that breaks it again is the one that kills
+its worker: it scores 0 and counts an error, and the samples that were beside it are not charged a
+second break. Nothing of this stops the run.
 """
 
 from __future__ import annotations
@@ -343,11 +342,10 @@ class RewardScorer:
              on_scored: Optional[Callable[[], None]] = None) -> float:
         """Score the plain rewards in the pool into ``scores`` (at most ``num_workers`` tasks in
         flight, each of up to :data:`MAX_CHUNK` samples), enforce the deadlines, recover from
-        hung and dead workers (module docstring). Returns the
-        seconds the rewards ran, summed over samples. With ``feed``, the samples to score are
-        those its :meth:`_Feed.put` hands over (``responses[i]`` set before), in that order,
-        until it is closed; without, all of them. ``on_scored`` is called for each sample whose
-        result came back."""
+        hung and dead workers (module docstring). Returns the seconds the rewards ran, summed
+        over samples. With ``feed``, the samples to score are those its :meth:`_Feed.put`
+        hands over (``responses[i]`` set before), in that order, until it is closed; without,
+        all of them. ``on_scored`` is called for each sample whose result came back."""
         fns = tuple(self.components[k].fn for k in self.pooled)
         n = len(responses)
         busy = 0.0
@@ -499,7 +497,7 @@ class StreamingRewards(PendingRewards):
     """The rewards of one rollout scored as its responses arrive (:meth:`RewardScorer.open`).
 
     :meth:`add` hands over responses by row; each plain reward scores them at once, in the
-    reward pool (one job thread feeds it for the whole rollout, at most ``num_workers`` samples
+    reward pool (one job thread feeds it for the whole rollout, at most ``num_workers`` tasks
     in flight, deadlines and dead workers as in :meth:`RewardScorer.submit`) or, without a
     pool, in the calling thread. The async and batched rewards score the whole rollout at
     :meth:`close` (a batched reward's numbers may depend on its batch: it gets the batch
