@@ -266,7 +266,8 @@ def test_tensors_cross_the_pipe_unchanged_small_ones_by_value():
     """A call's arguments and answer through the pipes: every tensor arrives equal (dtype,
     shape, values; bf16 and float8 reinterpreted on the way and back), small CPU tensors by
     value (not in shared memory: torch's reduction costs a segment per tensor), tensors over
-    BY_VALUE_BYTES and tensors that require grad by torch's reduction as before."""
+    BY_VALUE_BYTES, tensors that require grad and tensors already shared by torch's reduction
+    as before."""
     from mcore_rl.distributed.worker_group import BY_VALUE_BYTES
 
     g = torch.Generator().manual_seed(0)
@@ -274,7 +275,8 @@ def test_tensors_cross_the_pipe_unchanged_small_ones_by_value():
     sent = [torch.randint(0, 9, (183,), generator=g), torch.randn(5, 7, generator=g).t(),
             torch.randn(6, generator=g).bfloat16(), torch.randn(4, generator=g).half(),
             torch.randn(3, generator=g).to(torch.float8_e4m3fn), torch.tensor([True, False]),
-            torch.zeros(0, 3), big, torch.ones(2, requires_grad=True)]
+            torch.zeros(0, 3), big, torch.ones(2, requires_grad=True),
+            torch.arange(3).share_memory_()]
     group = ProcessWorkerGroup(Bare, 1, {})
     try:
         (answer,) = group.call("echo", sent)
@@ -285,7 +287,7 @@ def test_tensors_cross_the_pipe_unchanged_small_ones_by_value():
         assert u.dtype == t.dtype == dtype and tuple(u.shape) == tuple(t.shape) == shape
         assert torch.equal(u.detach().float(), t.detach().float())
         assert grad == t.requires_grad
-        assert shared == (t is big or t.requires_grad), (t.dtype, t.shape, shared)
+        assert shared == (t is big or t.requires_grad or t.is_shared()), (t.dtype, t.shape)
 
 
 def test_partial_results_come_before_the_answer_to_their_listener():

@@ -98,11 +98,12 @@ def _reduce_tensor(t: torch.Tensor):
     torch.multiprocessing's reduction, which moves every tensor's storage into its own shared
     memory segment: a message of a GSM8K step's 256 responses (tokens and logprobs) to another
     process and back took 155-161 ms on the CPU machine, 6.1-6.4 ms by value (bench/RESULTS.md,
-    issue 37's seventh session). Larger tensors, tensors that require grad and non-CPU ones keep
+    issue 37's seventh session). Larger tensors, tensors that require grad, tensors already in
+    shared memory (passed as handles: both processes see one storage) and non-CPU ones keep
     torch's reduction."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    if (t.device.type != "cpu" or t.layout != torch.strided or t.requires_grad
+    if (t.device.type != "cpu" or t.layout != torch.strided or t.requires_grad or t.is_shared()
             or t.is_conj() or t.is_neg() or t.numel() * t.element_size() > BY_VALUE_BYTES
             or type(t) is not torch.Tensor):
         return reduce_tensor(t)
