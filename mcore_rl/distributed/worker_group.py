@@ -65,6 +65,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tup
 
 import torch
 import torch.multiprocessing as mp
+from torch.multiprocessing.reductions import reduce_tensor
 
 from mcore_rl.data import batch as B
 from mcore_rl.utils.profiling import profiled_call
@@ -101,8 +102,6 @@ def _reduce_tensor(t: torch.Tensor):
     issue 37's seventh session). Larger tensors, tensors that require grad, tensors already in
     shared memory (passed as handles: both processes see one storage) and non-CPU ones keep
     torch's reduction."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     if (t.device.type != "cpu" or t.layout != torch.strided or t.requires_grad or t.is_shared()
             or t.is_conj() or t.is_neg() or t.numel() * t.element_size() > BY_VALUE_BYTES
             or type(t) is not torch.Tensor):
